@@ -1,0 +1,38 @@
+# loopbench make targets. `make bench` and `make test` do their own set-up on a fresh machine that has
+# only Python; where the packages are already importable (the GPU host: system torch plus the carried
+# wheels on PYTHONPATH) they install nothing and use that interpreter as it is.
+PY ?= python3
+VENV := .venv
+NEEDS := import torch, triton, hydra, omegaconf, submitit, pandas, pyarrow, scipy, safetensors, matplotlib, pytest
+PYTHON := $(shell if $(PY) -c "$(NEEDS)" >/dev/null 2>&1; then echo $(PY); else echo $(VENV)/bin/python; fi)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
+
+.PHONY: setup test test-gpu bench audit clean
+
+setup:
+ifeq ($(PYTHON),$(VENV)/bin/python)
+	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	@$(PYTHON) -c "$(NEEDS)" >/dev/null 2>&1 || { \
+	  $(PYTHON) -m pip install -q --upgrade pip && \
+	  $(PYTHON) -m pip install -q torch==2.13.0 && \
+	  $(PYTHON) -m pip install -q -e '.[test]'; }
+else
+	@echo "using $(PYTHON): packages already importable, installing nothing"
+endif
+
+# pytest exits 5 when it collects no tests; that is not a failure here.
+test: setup
+	@$(PYTHON) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+test-gpu: setup
+	@$(PYTHON) -m pytest -q -m gpu $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+bench: setup
+	@$(PYTHON) -m loopbench.harness.bench $(ARGS)
+
+audit: setup
+	@test -n "$(BUNDLE)" || { echo "usage: make audit BUNDLE=results/<bundle-dir>"; exit 2; }
+	@$(PYTHON) -m loopbench.audit $(BUNDLE)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache
