@@ -107,3 +107,131 @@ def tensor_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
 
 def parameter_count(cfg: OuroConfig) -> int:
     return sum(math.prod(s) for s in tensor_shapes(cfg).values())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32 (or fp64), result cast back to ``x.dtype``. x: [..., hidden]; weight: [hidden]."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(acc) * xf).to(x.dtype)
+
+
+def rope_tables(cfg: OuroConfig, max_len: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, head_dim // 2] with angle p * theta^(-2i/head_dim) (RoFormer, arXiv 2104.09864)."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) * 2.0 / cfg.head_dim))
+    angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding. x: [N, heads, head_dim]; cos, sin: [N, head_dim // 2] (fp32/fp64)."""
+    half = x.shape[-1] // 2
+    xf = x.to(cos.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+# attend(layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]; the caller owns the KV cache.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor       # [(H + 2 Hkv) * D, hidden]: q, k, v projections fused into one matmul
+    o: torch.Tensor         # [hidden, H * D]
+    gate_up: torch.Tensor   # [2 * intermediate, hidden]: SwiGLU gate and up fused
+    down: torch.Tensor      # [hidden, intermediate]
+    ln_in: torch.Tensor
+    ln_in2: torch.Tensor
+    ln_post: torch.Tensor
+    ln_post2: torch.Tensor
+
+
+class OuroModel:
+    """Ouro weights on one device in one dtype, with the math of one loop of the recurrent core.
+
+    Built from an HF-layout tensor dict (``load_checkpoint``) by :meth:`from_tensors`. The model holds no
+    KV cache and no per-request state; :meth:`run_loop` takes the attention as a callable.
+    """
+
+    def __init__(self, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
+                 dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        expected = tensor_shapes(cfg)
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+
+        def t(name: str) -> torch.Tensor:
+            w = tensors[name]
+            if tuple(w.shape) != expected[name]:
+                raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {expected[name]}")
+            return w.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = t("model.embed_tokens.weight")                   # [V, hidden]
+        self.norm = t("model.norm.weight")
+        self.gate_w = t("model.early_exit_gate.weight")                # [1, hidden]
+        self.gate_b = t("model.early_exit_gate.bias")                  # [1]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else t("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LayerWeights(
+                qkv=torch.cat([t(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                o=t(p + "self_attn.o_proj.weight"),
+                gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
+                down=t(p + "mlp.down_proj.weight"),
+                ln_in=t(p + "input_layernorm.weight"), ln_in2=t(p + "input_layernorm_2.weight"),
+                ln_post=t(p + "post_attention_layernorm.weight"),
+                ln_post2=t(p + "post_attention_layernorm_2.weight")))
+        rope_len = min(rope_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.rope_dtype = torch.promote_types(dtype, torch.float32)
+        self.cos, self.sin = rope_tables(cfg, rope_len, self.device, self.rope_dtype)
+
+    @classmethod
+    def from_tensors(cls, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
+                     dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None) -> "OuroModel":
+        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one recurrent-core loop reads (all layers, final norm and gate)."""
+        per_layer = sum(w.numel() * w.element_size() for w in vars(self.layers[0]).values())
+        return per_layer * len(self.layers) + (self.norm.numel() + self.gate_w.numel()) * self.norm.element_size()
+
+    def run_loop(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One loop of the recurrent core: every layer, the final norm and the exit gate.
+
+        x: [N, hidden] model dtype (loop input); positions: [N] int (rotary positions).
+        Returns (normed loop output [N, hidden] model dtype, hazard [N] fp32 or fp64 =
+        sigmoid(early_exit_gate(output)), BRIEF section 1).
+        """
+        cfg = self.cfg
+        n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        pos = positions.long()
+        cos, sin = self.cos[pos], self.sin[pos]
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(rms_norm(x, w.ln_in, eps), w.qkv)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = apply_rope(q.reshape(n, H, D), cos, sin)
+            k = apply_rope(k.reshape(n, Hkv, D), cos, sin)
+            a = attend(i, q, k, v.reshape(n, Hkv, D).contiguous())
+            x = x + rms_norm(F.linear(a.reshape(n, H * D), w.o), w.ln_in2, eps)
+            gate, up = F.linear(rms_norm(x, w.ln_post, eps), w.gate_up).chunk(2, dim=-1)
+            x = x + rms_norm(F.linear(F.silu(gate) * up, w.down), w.ln_post2, eps)
+        x = rms_norm(x, self.norm, eps)
+        return x, self.hazard(x)
+
+    def hazard(self, x: torch.Tensor) -> torch.Tensor:
+        """h = sigmoid(early_exit_gate(x)): [N] in fp32 (fp64 for an fp64 model). x: [N, hidden]."""
+        logit = F.linear(x, self.gate_w, self.gate_b)[:, 0]
+        return torch.sigmoid(logit.to(self.rope_dtype))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """lm_head on exited rows. x: [N, hidden] -> [N, vocab] model dtype."""
+        return F.linear(x, self.lm_head)

@@ -1,0 +1,415 @@
+"""The looped runtime: a loop-level continuously batched engine over depth-aware paged KV.
+
+Each :meth:`LoopEngine.step` runs ONE loop of the recurrent core for every resident row: rows at
+different depths share one vectorised model call (Continuous Depth Batching, arXiv 2608.09444). A row
+that exits goes through ``lm_head`` and greedy sampling; its next token restarts at depth 1. Prompts
+are prefilled one full-depth loop per step (every loop runs for a prompt, BRIEF section 1), so a request
+can be aborted mid-prefill. A finished or aborted request frees its slot and blocks and the FIFO queue
+refills the slot.
+
+The engine knows token ids only: no tokenizer, no Hydra, no timing. It runs on ``cpu`` or ``cuda``
+alike. Resident per-slot state (hidden state, last token, output tokens, exit-rule state, block
+tables, exit map) stays on the device; the host keeps only positions, depths and counts. Under the
+``replay`` policy the host knows every exit in advance and never reads device values inside a step;
+natural policies read the exit flags once per step.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import LAYOUTS, get_backend, prefill_attention_torch
+from .exit_policy import exit_step, validate_policy
+from .kv_cache import DepthKVCache
+from .model import OuroModel
+from .schedule import Schedule, ScheduledRequest, prompt_sha256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime configuration of one arm (the runtime sees plain values, never Hydra objects)."""
+
+    max_num_seqs: int = 8
+    block_size: int = 16
+    max_model_len: int = 512           # prompt + output positions per request
+    num_blocks: int | None = None      # None: enough for every slot at max_model_len in every plane
+    kv_layout: str = "native"          # native | alias
+    prefix_tiles: bool = False         # alias only: direct reader for tiles before the first alias
+    tile_size: int = 32
+    attention_backend: str = "torch"   # torch | triton
+    exit_policy: str = "ouro_delayed"  # fixed | ouro | ouro_delayed | replay
+    schedule: Schedule | None = None   # required by replay
+    cuda_graphs: bool = False
+    graph_cache_size: int = 16
+    descriptor_mode: str = "h2d"       # h2d | mapped
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+        if self.kv_layout not in LAYOUTS:
+            raise ValueError(f"unknown kv_layout {self.kv_layout!r}; expected one of {LAYOUTS}")
+        if self.prefix_tiles and self.kv_layout != "alias":
+            raise ValueError("prefix_tiles applies to kv_layout='alias' only")
+        if self.descriptor_mode not in ("h2d", "mapped"):
+            raise ValueError(f"unknown descriptor_mode {self.descriptor_mode!r}; expected 'h2d' or 'mapped'")
+        validate_policy(self.exit_policy)
+        if (self.exit_policy == "replay") != (self.schedule is not None):
+            raise ValueError("exit_policy='replay' needs a schedule, and a schedule needs exit_policy='replay'")
+        if self.schedule is not None and self.schedule.max_num_seqs != self.max_num_seqs:
+            raise ValueError(f"schedule was captured at max_num_seqs={self.schedule.max_num_seqs}, "
+                             f"engine has max_num_seqs={self.max_num_seqs}: batch composition would differ")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: prompt token ids and its loop bounds."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    min_loops: int = 1
+    max_loops: int = 4
+    exit_threshold: float = 1.0
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    token_ids: tuple[int, ...]
+    exit_depths: tuple[int, ...]      # depth (number of loops) that produced each output token
+    finish_reason: str                # length | stop | abort
+
+
+@dataclass
+class EngineStats:
+    """Work counters of one engine (equal work across arms is part of the checker's contract)."""
+
+    rows_per_depth: list[int]         # decode rows executed at depth 1..num_planes
+    prefill_tokens: int = 0           # prompt tokens admitted
+    prefill_rows: int = 0             # prompt tokens x loops run
+    decode_tokens: int = 0            # output tokens sampled after a decode loop
+    steps: int = 0
+    decode_steps: int = 0
+    graph_captures: int = 0
+    graph_replays: int = 0
+    graph_fallbacks: int = 0
+    peak_kv_blocks: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+@dataclass
+class _Running:
+    """Host-side state of a resident request."""
+
+    req: Request
+    slot: int
+    entry: ScheduledRequest | None
+    phase: str = "prefill"
+    depth: int = 1                    # the loop this request runs next
+    pos: int = 0                      # decode: position of the token being computed
+    n_out: int = 0
+    exit_depths: list[int] = field(default_factory=list)
+    host_tokens: list[int] = field(default_factory=list)   # only filled when EOS must be detected
+    first_alias: dict[int, int] = field(default_factory=dict)  # depth -> first position with e_p < depth
+    prefill_x: torch.Tensor | None = None
+
+
+class LoopEngine:
+    """Continuously batched looped decoding over ``max_num_seqs`` resident slots."""
+
+    def __init__(self, model: OuroModel, config: EngineConfig):
+        self.model, self.config = model, config
+        cfg, dev = model.cfg, model.device
+        self.num_planes = cfg.total_ut_steps
+        self.backend = get_backend(config.attention_backend)
+        S = config.max_num_seqs
+        max_blocks = -(-config.max_model_len // config.block_size)
+        num_blocks = config.num_blocks or S * self.num_planes * max_blocks + 1
+        self.kv = DepthKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                               head_dim=cfg.head_dim, num_planes=self.num_planes, max_num_seqs=S,
+                               max_model_len=config.max_model_len, block_size=config.block_size,
+                               num_blocks=num_blocks, device=dev, dtype=model.dtype)
+        acc = model.rope_dtype
+        self.hidden = torch.zeros((S, cfg.hidden_size), device=dev, dtype=model.dtype)
+        self.last_token = torch.zeros(S, dtype=torch.long, device=dev)
+        self.out_tokens = torch.zeros((S, config.max_model_len), dtype=torch.long, device=dev)
+        self.survival = torch.ones(S, dtype=acc, device=dev)
+        self.triggered = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.stats = EngineStats(rows_per_depth=[0] * self.num_planes)
+        self._queue: list[Request] = []
+        self._ids: set[str] = set()
+        self._slots: list[_Running | None] = [None] * S
+        self._finished: dict[str, tuple[Request, object, list[int], str]] = {}
+        self._admitted: list[str] = []
+        self._aborted = False
+        self._trace = hashlib.sha256()
+
+    # ----------------------------------------------------------------------------------- requests
+    def add_request(self, req: Request) -> None:
+        """Queue a request (FIFO). ValueError names the offending field."""
+        cfg = self.model.cfg
+        if req.request_id in self._ids:
+            raise ValueError(f"duplicate request_id {req.request_id!r}")
+        if not req.prompt_token_ids:
+            raise ValueError(f"request {req.request_id!r}: empty prompt")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"request {req.request_id!r}: token id {bad[0]} outside [0, {cfg.vocab_size})")
+        if req.max_tokens < 1:
+            raise ValueError(f"request {req.request_id!r}: max_tokens must be >= 1, got {req.max_tokens}")
+        if not 1 <= req.min_loops <= req.max_loops <= self.num_planes:
+            raise ValueError(f"request {req.request_id!r}: need 1 <= min_loops ({req.min_loops}) <= max_loops "
+                             f"({req.max_loops}) <= total_ut_steps ({self.num_planes})")
+        if not 0.0 < req.exit_threshold <= 1.0:
+            raise ValueError(f"request {req.request_id!r}: exit_threshold must be in (0, 1], got {req.exit_threshold}")
+        need = len(req.prompt_token_ids) + req.max_tokens - 1
+        if need > self.config.max_model_len:
+            raise ValueError(f"request {req.request_id!r}: prompt + max_tokens - 1 = {need} positions exceed "
+                             f"max_model_len={self.config.max_model_len}")
+        if not req.ignore_eos and self.config.eos_token_id is None and self.config.exit_policy != "replay":
+            raise ValueError(f"request {req.request_id!r}: ignore_eos=False needs EngineConfig.eos_token_id")
+        if self.config.schedule is not None:
+            self.config.schedule.check_fits(req)
+        self._ids.add(req.request_id)
+        self._queue.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a queued or running request; its slot and blocks are reused safely (stream order)."""
+        for i, r in enumerate(self._queue):
+            if r.request_id == request_id:
+                del self._queue[i]
+                self._finished[request_id] = (r, None, [], "abort")
+                self._aborted = True
+                return
+        for run in self._slots:
+            if run is not None and run.req.request_id == request_id:
+                self._aborted = True
+                self._finish(run, "abort")
+                return
+        raise ValueError(f"unknown or finished request {request_id!r}")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue) or any(r is not None for r in self._slots)
+
+    # --------------------------------------------------------------------------------------- steps
+    def run(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; returns all outputs (one host sync at the end)."""
+        while self.has_unfinished():
+            self.step()
+        return self.outputs()
+
+    def step(self) -> None:
+        self._admit()
+        live = [r for r in self._slots if r is not None]
+        decode_rows = [r for r in live if r.phase == "decode"]
+        for r in live:
+            if r.phase == "prefill":
+                self._prefill_loop(r)
+        if decode_rows:
+            self._decode_loop(decode_rows)
+        self.stats.steps += 1
+        self.stats.peak_kv_blocks = self.kv.allocator.peak_used
+
+    def _admit(self) -> None:
+        for slot in range(self.config.max_num_seqs):
+            if not self._queue:
+                return
+            if self._slots[slot] is None:
+                req = self._queue.pop(0)
+                entry = self.config.schedule.check_fits(req) if self.config.schedule else None
+                run = _Running(req=req, slot=slot, entry=entry)
+                T = len(req.prompt_token_ids)
+                self.kv.open_slot(slot, self.num_planes, T, prompt_exit_depth=req.max_loops)
+                ids = torch.tensor(req.prompt_token_ids, dtype=torch.long).to(self.model.device)
+                run.prefill_x = self.model.embed[ids]
+                self._slots[slot] = run
+                self._admitted.append(req.request_id)
+                self.stats.prefill_tokens += T
+                self._trace.update(f"A{slot}:{req.request_id};".encode())
+
+    def _prefill_loop(self, run: _Running) -> None:
+        """One full-depth loop over the whole prompt at depth ``run.depth``; KV into that plane."""
+        T, d, dev = len(run.req.prompt_token_ids), run.depth, self.model.device
+        positions = torch.arange(T, device=dev, dtype=torch.int32)
+        row_slot = torch.full((T,), run.slot, dtype=torch.int32, device=dev)
+        row_depth = torch.full((T,), d, dtype=torch.int32, device=dev)
+        kv, be = self.kv, self.backend
+
+        def attend(layer, q, k, v):
+            be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
+            return prefill_attention_torch(q, k, v)
+
+        run.prefill_x, _ = self.model.run_loop(run.prefill_x, positions, attend)
+        self.stats.prefill_rows += T
+        self._trace.update(f"P{run.slot}:{d};".encode())
+        if d < run.req.max_loops:
+            run.depth += 1
+            return
+        token = self.model.logits(run.prefill_x[-1:]).argmax(-1)            # [1]
+        self.last_token[run.slot] = token[0]
+        self.out_tokens[run.slot, 0] = token[0]
+        run.prefill_x = None
+        run.exit_depths.append(d)
+        run.n_out, run.phase, run.depth, run.pos = 1, "decode", 1, T
+        if self._needs_host_tokens(run):
+            run.host_tokens.append(int(token[0]))
+        self._after_token(run)
+
+    def _decode_loop(self, rows: list[_Running]) -> None:
+        dev, cfg = self.model.device, self.config
+        for r in rows:
+            if r.depth == 1:
+                self.kv.ensure_capacity(r.slot, r.pos + 1)
+        desc = torch.tensor([[r.slot for r in rows], [r.depth for r in rows], [r.pos for r in rows],
+                             [min(r.first_alias.get(r.depth, r.pos + 1), r.pos + 1) for r in rows]],
+                            dtype=torch.int32).to(dev)
+        row_slot, row_depth, row_pos, row_fa = desc
+        x_out, hazard = self._core(row_slot, row_depth, row_pos, row_fa)
+        for r in rows:
+            self.stats.rows_per_depth[r.depth - 1] += 1
+        self.stats.decode_steps += 1
+        self._trace.update(("D" + ",".join(f"{r.slot}:{r.depth}:{r.pos}" for r in rows) + ";").encode())
+
+        if cfg.exit_policy == "replay":
+            exits = [r.depth == r.entry.exit_depths[r.n_out] for r in rows]
+        else:
+            exits = self._natural_exits(rows, row_slot, row_depth, hazard)
+        ex = [i for i, e in enumerate(exits) if e]
+        if ex:
+            self._emit(rows, ex, x_out, row_slot, row_pos)
+        for i, r in enumerate(rows):
+            if exits[i]:
+                r.exit_depths.append(r.depth)
+                r.n_out += 1
+                e = r.depth
+                for d in range(e + 1, r.req.max_loops + 1):
+                    r.first_alias.setdefault(d, r.pos)
+                r.pos, r.depth = r.pos + 1, 1
+                self._after_token(r)
+            else:
+                if r.depth >= r.req.max_loops:
+                    raise RuntimeError(f"request {r.req.request_id!r} ran past max_loops={r.req.max_loops}")
+                r.depth += 1
+
+    def _core(self, row_slot, row_depth, row_pos, row_fa):
+        """One recurrent-core loop for N rows: [N] int32 descriptors -> (x_out [N, hidden], hazard [N]).
+
+        Reads and writes only device tensors (no host sync), so it can be captured as a CUDA Graph.
+        """
+        kv, be, cfg = self.kv, self.backend, self.config
+        sl = row_slot.long()
+        x = torch.where((row_depth == 1)[:, None], self.model.embed[self.last_token[sl]], self.hidden[sl])
+
+        def attend(layer, q, k, v):
+            be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, row_pos)
+            return be.decode_attention(q, kv.k[layer], kv.v[layer], kv.block_tables, row_slot, row_depth,
+                                       row_pos, kv.exit_map, row_fa, layout=cfg.kv_layout,
+                                       prefix_tiles=cfg.prefix_tiles, tile_size=cfg.tile_size)
+
+        x_out, hazard = self.model.run_loop(x, row_pos, attend)
+        self.hidden[sl] = x_out
+        return x_out, hazard
+
+    def _natural_exits(self, rows, row_slot, row_depth, hazard) -> list[bool]:
+        dev, sl = self.model.device, row_slot.long()
+        first = row_depth == 1
+        s_prev = torch.where(first, torch.ones_like(hazard), self.survival[sl])
+        t_prev = self.triggered[sl] & ~first
+        mins = torch.tensor([r.req.min_loops for r in rows], dtype=torch.int32).to(dev)
+        maxs = torch.tensor([r.req.max_loops for r in rows], dtype=torch.int32).to(dev)
+        thr = torch.tensor([r.req.exit_threshold for r in rows], dtype=hazard.dtype).to(dev)
+        exit_now, s, trig = exit_step(self.config.exit_policy, hazard, row_depth, s_prev, t_prev, mins, maxs, thr)
+        self.survival[sl] = s
+        self.triggered[sl] = trig
+        return exit_now.tolist()
+
+    def _emit(self, rows, ex: list[int], x_out, row_slot, row_pos) -> None:
+        """lm_head + greedy sampling for the exiting rows; publish exits (alias) or fill planes (native)."""
+        dev = self.model.device
+        exr = [rows[i] for i in ex]
+        meta = torch.tensor([ex, [r.n_out for r in exr], [r.depth for r in exr], [r.req.max_loops for r in exr]],
+                            dtype=torch.long).to(dev)
+        idx, n_out, e, m = meta
+        tok = self.model.logits(x_out[idx]).argmax(-1)
+        slots, pos = row_slot.long()[idx], row_pos[idx]
+        self.last_token[slots] = tok
+        self.out_tokens[slots, n_out] = tok
+        if self.config.kv_layout == "alias":
+            self.backend.publish_exits(self.kv.exit_map, slots.int(), pos, e.int())
+        else:
+            fill = [j for j, r in enumerate(exr) if r.depth < r.req.max_loops]
+            if fill:
+                f = torch.tensor(fill, dtype=torch.long).to(dev)
+                self.backend.native_fill(self.kv.k, self.kv.v, self.kv.block_tables, slots[f].int(), pos[f],
+                                         e[f].int(), m[f].int())
+        if any(self._needs_host_tokens(r) for r in exr):
+            for r, t in zip(exr, tok.tolist()):
+                r.host_tokens.append(t)
+
+    def _needs_host_tokens(self, run: _Running) -> bool:
+        return not run.req.ignore_eos and self.config.exit_policy != "replay"
+
+    def _after_token(self, run: _Running) -> None:
+        if run.n_out >= run.req.max_tokens:
+            self._finish(run, "length")
+        elif self._needs_host_tokens(run) and run.host_tokens[-1] == self.config.eos_token_id:
+            self._finish(run, "stop")
+        elif run.entry is not None and run.n_out >= len(run.entry.exit_depths):
+            self._finish(run, "stop")     # the natural run stopped here (EOS) and the replay follows it
+
+    def _finish(self, run: _Running, reason: str) -> None:
+        tokens = self.out_tokens[run.slot, :run.n_out]
+        if tokens.is_cuda:
+            host = torch.empty(run.n_out, dtype=torch.long, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+        else:
+            host = tokens.clone()
+        self._finished[run.req.request_id] = (run.req, host, list(run.exit_depths), reason)
+        self.kv.close_slot(run.slot)
+        self._slots[run.slot] = None
+
+    # -------------------------------------------------------------------------------------- results
+    def outputs(self) -> dict[str, RequestOutput]:
+        """Outputs of every finished request (synchronises the device once)."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        out = {}
+        for rid, (req, host, exits, reason) in self._finished.items():
+            toks = tuple(host.tolist()) if host is not None else ()
+            out[rid] = RequestOutput(rid, toks, tuple(exits), reason)
+        return out
+
+    @property
+    def trace_sha256(self) -> str:
+        """Hash of the admission and row trace so far (which rows ran, at which depth, in which order)."""
+        return self._trace.copy().hexdigest()
+
+    def capture_schedule(self) -> Schedule:
+        """Freeze this engine's finished natural run as a :class:`Schedule`."""
+        if self.has_unfinished():
+            raise RuntimeError("capture_schedule needs a drained engine")
+        if self._aborted:
+            raise RuntimeError("a run with aborted requests cannot be frozen as a schedule")
+        outs = self.outputs()
+        reqs = []
+        for rid in self._admitted:
+            req = self._finished[rid][0]
+            o = outs[rid]
+            reqs.append(ScheduledRequest(request_id=rid, prompt_sha256=prompt_sha256(req.prompt_token_ids),
+                            prompt_len=len(req.prompt_token_ids), max_tokens=req.max_tokens,
+                            min_loops=req.min_loops, max_loops=req.max_loops, exit_threshold=req.exit_threshold,
+                            token_ids=o.token_ids, exit_depths=o.exit_depths))
+        return Schedule(version=Schedule.FORMAT_VERSION, max_num_seqs=self.config.max_num_seqs,
+                        admission_order=tuple(self._admitted), requests=tuple(reqs),
+                        num_steps=self.stats.steps, trace_sha256=self.trace_sha256)

@@ -1,0 +1,102 @@
+"""Fixed schedules: a natural run captured once, then replayed by every arm.
+
+A :class:`Schedule` records the admission order and, per request, the prompt's sha256, its bounds, the
+output tokens and the exit depth of every output token, plus a hash of the per-step row trace (which
+rows ran at which depth in which order). Replaying it forces the same exit depths (BRIEF section 2:
+"every arm then replays those exit decisions; the model still computes its gate and tokens"); the
+replay's tokens and exits are then compared with the capture by :meth:`Schedule.verify`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+
+class ScheduleMismatchError(ValueError):
+    """A run's tokens, exit depths or row trace differ from the frozen schedule."""
+
+
+def prompt_sha256(token_ids) -> str:
+    return hashlib.sha256(json.dumps([int(t) for t in token_ids]).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    prompt_sha256: str
+    prompt_len: int
+    max_tokens: int
+    min_loops: int
+    max_loops: int
+    exit_threshold: float
+    token_ids: tuple[int, ...]
+    exit_depths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    version: int
+    max_num_seqs: int
+    admission_order: tuple[str, ...]
+    requests: tuple[ScheduledRequest, ...]
+    num_steps: int
+    trace_sha256: str
+
+    FORMAT_VERSION = 1
+
+    def by_id(self) -> dict[str, ScheduledRequest]:
+        return {r.request_id: r for r in self.requests}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, indent=1)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        raw = json.loads(text)
+        if raw.get("version") != cls.FORMAT_VERSION:
+            raise ValueError(f"schedule format version {raw.get('version')!r}, expected {cls.FORMAT_VERSION}")
+        reqs = tuple(ScheduledRequest(**{**r, "token_ids": tuple(r["token_ids"]),
+                                         "exit_depths": tuple(r["exit_depths"])}) for r in raw["requests"])
+        return cls(version=raw["version"], max_num_seqs=raw["max_num_seqs"],
+                   admission_order=tuple(raw["admission_order"]), requests=reqs,
+                   num_steps=raw["num_steps"], trace_sha256=raw["trace_sha256"])
+
+    def check_fits(self, request) -> ScheduledRequest:
+        """The schedule entry for ``request`` (an engine Request); ValueError naming what differs."""
+        entry = self.by_id().get(request.request_id)
+        if entry is None:
+            raise ValueError(f"schedule does not fit: request {request.request_id!r} is not in the schedule")
+        mine = (prompt_sha256(request.prompt_token_ids), len(request.prompt_token_ids), request.max_tokens,
+                request.min_loops, request.max_loops, request.exit_threshold)
+        theirs = (entry.prompt_sha256, entry.prompt_len, entry.max_tokens, entry.min_loops,
+                  entry.max_loops, entry.exit_threshold)
+        names = ("prompt sha256", "prompt length", "max_tokens", "min_loops", "max_loops", "exit_threshold")
+        for name, a, b in zip(names, mine, theirs):
+            if a != b:
+                raise ValueError(f"schedule does not fit: request {request.request_id!r} has {name} {a!r}, "
+                                 f"the schedule has {b!r}")
+        return entry
+
+    def verify(self, outputs: dict, trace_sha256: str | None = None) -> None:
+        """Raise ScheduleMismatchError naming the first differing request, position and field."""
+        mine = self.by_id()
+        if set(outputs) != set(mine):
+            raise ScheduleMismatchError(
+                f"requests differ: missing {sorted(set(mine) - set(outputs))}, extra {sorted(set(outputs) - set(mine))}")
+        for rid, ref in mine.items():
+            out = outputs[rid]
+            for field in ("token_ids", "exit_depths"):
+                a, b = tuple(getattr(out, field)), getattr(ref, field)
+                if a != b:
+                    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    got = a[i] if i < len(a) else "<end>"
+                    want = b[i] if i < len(b) else "<end>"
+                    raise ScheduleMismatchError(
+                        f"request {rid!r} {field}[{i}] = {got!r}, frozen schedule has {want!r}")
+        if trace_sha256 is not None and trace_sha256 != self.trace_sha256:
+            raise ScheduleMismatchError("row trace differs from the frozen schedule (batch composition changed)")
