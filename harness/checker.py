@@ -1,0 +1,155 @@
+"""The checker: every warmup and measured arm must reproduce the frozen reference exactly.
+
+BRIEF section 2: "every warmup and measured arm must reproduce the frozen tokens and exit depths
+exactly, with equal work counters", and "measured arms must show zero new captures". A finding names the
+session, point, comparison, pair, arm, phase, request and token position; any finding bars every verdict
+of the run (the runtime did not do what the protocol assumes, so no timing of it is evidence).
+
+It reads the raw arm records the sessions wrote (plain JSON data, see ``session.py``) and the frozen
+references (the reference capture's ``Schedule`` JSON and its work counters); it knows nothing about
+how the records were produced. Equal-within-a-pair Graph coverage (replays and fallbacks) is checked
+where both arms of a pair have the same Graph settings, since a different eager/graph split changes
+the kernels that ran, not just their speed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WORK_KEYS = ("rows_per_depth", "prefill_tokens", "decode_tokens", "steps")
+PHASES = ("warmup", "measured")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str            # tokens | exit_depths | requests | work | captures | graph_coverage | trace | missing
+    job: str
+    point: str
+    comparison: str
+    pair: int
+    arm: str
+    phase: str
+    request_id: str | None
+    position: int | None
+    expected: object
+    got: object
+
+    def message(self) -> str:
+        where = f"{self.job} {self.point} {self.comparison} pair {self.pair} arm {self.arm!r} {self.phase}"
+        if self.request_id is not None:
+            where += f" request {self.request_id!r}"
+        if self.position is not None:
+            where += f" position {self.position}"
+        return f"{self.kind}: {where}: expected {self.expected!r}, got {self.got!r}"
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "job": self.job, "point": self.point, "comparison": self.comparison,
+                "pair": self.pair, "arm": self.arm, "phase": self.phase, "request_id": self.request_id,
+                "position": self.position, "expected": _jsonable(self.expected), "got": _jsonable(self.got),
+                "message": self.message()}
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    findings: tuple[Finding, ...]
+    arms_checked: int
+    phases_checked: int
+    requests_checked: int
+    tokens_checked: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "arms_checked": self.arms_checked, "phases_checked": self.phases_checked,
+                "requests_checked": self.requests_checked, "tokens_checked": self.tokens_checked,
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+def _jsonable(x: object) -> object:
+    return list(x) if isinstance(x, tuple) else x
+
+
+def _first_difference(got: list, want: list) -> tuple[int, object, object] | None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i, b, a
+    if len(got) != len(want):
+        i = min(len(got), len(want))
+        return i, (want[i] if i < len(want) else "<end>"), (got[i] if i < len(got) else "<end>")
+    return None
+
+
+def check_phase(record: dict, phase: str, reference: dict) -> list[Finding]:
+    """Findings for one phase of one arm record against the frozen reference of its point.
+
+    ``reference``: {"schedule": Schedule JSON data (requests[].request_id/token_ids/exit_depths,
+    trace_sha256), "work": the natural capture's work counters}.
+    """
+    data = record[phase]
+
+    def finding(kind, request_id=None, position=None, expected=None, got=None) -> Finding:
+        return Finding(kind, record["job"], record["point"], record["comparison"], record["pair"],
+                       record["arm"], phase, request_id, position, expected, got)
+
+    out: list[Finding] = []
+    frozen = {r["request_id"]: r for r in reference["schedule"]["requests"]}
+    outputs = data["outputs"]
+    if set(outputs) != set(frozen):
+        out.append(finding("requests", expected=sorted(frozen), got=sorted(outputs)))
+    for rid in sorted(set(outputs) & set(frozen)):
+        for field in ("token_ids", "exit_depths"):
+            diff = _first_difference(list(outputs[rid][field]), list(frozen[rid][field]))
+            if diff is not None:
+                pos, want, got = diff
+                out.append(finding("tokens" if field == "token_ids" else "exit_depths", rid, pos, want, got))
+    for key in WORK_KEYS:
+        want, got = reference["work"].get(key), data["work"].get(key)
+        if want is not None and got != want:
+            out.append(finding("work", expected={key: want}, got={key: got}))
+    want_trace = reference["schedule"].get("trace_sha256")
+    if data.get("trace_sha256") is not None and want_trace is not None and data["trace_sha256"] != want_trace:
+        out.append(finding("trace", expected=want_trace, got=data["trace_sha256"]))
+    return out
+
+
+def check(records: list[dict], references: dict[str, dict], *, warmup: bool = True) -> CheckReport:
+    """Check every record; ``references`` maps a point key to its frozen reference."""
+    findings: list[Finding] = []
+    phases = requests = tokens = 0
+    pairs: dict[tuple, list[dict]] = {}
+    for rec in records:
+        ref = references.get(rec["point"])
+        if ref is None:
+            findings.append(Finding("missing", rec["job"], rec["point"], rec["comparison"], rec["pair"],
+                                    rec["arm"], "-", None, None, "a frozen reference", None))
+            continue
+        for phase in PHASES:
+            if rec.get(phase) is None:
+                if phase == "warmup" and not warmup:
+                    continue
+                findings.append(Finding("missing", rec["job"], rec["point"], rec["comparison"], rec["pair"],
+                                        rec["arm"], phase, None, None, f"a {phase} run", None))
+                continue
+            findings += check_phase(rec, phase, ref)
+            phases += 1
+            requests += len(rec[phase]["outputs"])
+            tokens += sum(len(o["token_ids"]) for o in rec[phase]["outputs"].values())
+        measured = rec.get("measured")
+        if warmup and measured is not None and measured["graphs"]["captures"] != 0:
+            findings.append(Finding("captures", rec["job"], rec["point"], rec["comparison"], rec["pair"],
+                                    rec["arm"], "measured", None, None, 0, measured["graphs"]["captures"]))
+        pairs.setdefault((rec["job"], rec["point"], rec["comparison"], rec["pair"]), []).append(rec)
+    for members in pairs.values():
+        if len(members) != 2 or any(m.get("measured") is None for m in members):
+            continue
+        a, b = members
+        same_graphs = all(a["arm_config"][k] == b["arm_config"][k] for k in ("cuda_graphs", "graph_cache_size"))
+        if same_graphs:
+            for key in ("replays", "fallbacks"):
+                if a["measured"]["graphs"][key] != b["measured"]["graphs"][key]:
+                    findings.append(Finding(
+                        "graph_coverage", b["job"], b["point"], b["comparison"], b["pair"], b["arm"], "measured",
+                        None, None, {key: a["measured"]["graphs"][key], "arm": a["arm"]},
+                        {key: b["measured"]["graphs"][key]}))
+    return CheckReport(tuple(findings), len(records), phases, requests, tokens)
