@@ -45,6 +45,7 @@ class EngineConfig:
     graph_cache_size: int = 16
     descriptor_mode: str = "h2d"       # h2d | mapped
     eos_token_id: int | None = None
+    keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
@@ -154,6 +155,7 @@ class LoopEngine:
         self._admitted: list[str] = []
         self._aborted = False
         self._trace = hashlib.sha256()
+        self.logits_log: dict[str, list[torch.Tensor]] = {}   # filled only with keep_logits
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -256,7 +258,9 @@ class LoopEngine:
         if d < run.req.max_loops:
             run.depth += 1
             return
-        token = self.model.logits(run.prefill_x[-1:]).argmax(-1)            # [1]
+        logits = self.model.logits(run.prefill_x[-1:])
+        self._keep_logits([run], logits)
+        token = logits.argmax(-1)                                           # [1]
         self.last_token[run.slot] = token[0]
         self.out_tokens[run.slot, 0] = token[0]
         run.prefill_x = None
@@ -341,7 +345,9 @@ class LoopEngine:
         meta = torch.tensor([ex, [r.n_out for r in exr], [r.depth for r in exr], [r.req.max_loops for r in exr]],
                             dtype=torch.long).to(dev)
         idx, n_out, e, m = meta
-        tok = self.model.logits(x_out[idx]).argmax(-1)
+        logits = self.model.logits(x_out[idx])
+        self._keep_logits(exr, logits)
+        tok = logits.argmax(-1)
         slots, pos = row_slot.long()[idx], row_pos[idx]
         self.last_token[slots] = tok
         self.out_tokens[slots, n_out] = tok
@@ -356,6 +362,11 @@ class LoopEngine:
         if any(self._needs_host_tokens(r) for r in exr):
             for r, t in zip(exr, tok.tolist()):
                 r.host_tokens.append(t)
+
+    def _keep_logits(self, runs: list[_Running], logits: torch.Tensor) -> None:
+        if self.config.keep_logits:
+            for r, row in zip(runs, logits):
+                self.logits_log.setdefault(r.req.request_id, []).append(row.detach().clone())
 
     def _needs_host_tokens(self, run: _Running) -> bool:
         return not run.req.ignore_eos and self.config.exit_policy != "replay"

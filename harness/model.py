@@ -202,6 +202,16 @@ class OuroModel:
         per_layer = sum(w.numel() * w.element_size() for w in vars(self.layers[0]).values())
         return per_layer * len(self.layers) + (self.norm.numel() + self.gate_w.numel()) * self.norm.element_size()
 
+    def num_parameters(self) -> int:
+        """Distinct parameters held (fused projections count once; a tied lm_head counts once)."""
+        seen = {id(self.lm_head): self.lm_head} if not self.cfg.tie_word_embeddings else {}
+        for t in (self.embed, self.norm, self.gate_w, self.gate_b):
+            seen[id(t)] = t
+        for w in self.layers:
+            for t in vars(w).values():
+                seen[id(t)] = t
+        return sum(t.numel() for t in seen.values())
+
     def run_loop(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One loop of the recurrent core: every layer, the final norm and the exit gate.

@@ -1,0 +1,226 @@
+"""The runtime on the CPU: engine == naive reference, native == alias == alias+prefix bitwise,
+schedule capture/replay, aborts and slot reuse, checkpoint round trip, the 1.4B preset's size."""
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
+from loopbench.harness.engine import EngineConfig, LoopEngine, Request
+from loopbench.harness.model import PRESETS, OuroModel, tensor_shapes
+from loopbench.harness.reference import NaiveOuro
+from loopbench.harness.schedule import Schedule, ScheduleMismatchError
+
+PROMPT_LENS = [1, 15, 16, 17, 31, 32, 33, 34, 64]
+POLICY_BOUNDS = {  # policy -> (min_loops, max_loops, threshold) cycled over requests
+    "fixed": [(1, 4, 1.0), (1, 2, 1.0), (1, 3, 1.0)],
+    "ouro": [(2, 4, 0.5), (1, 4, 0.3), (1, 3, 0.6)],
+    "ouro_delayed": [(2, 4, 0.5), (1, 4, 0.4), (2, 3, 0.5)],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    write_synthetic_checkpoint(path, "tiny", seed=0, dtype=torch.float32)
+    return load_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def model64(tiny_ckpt):
+    cfg, tensors = tiny_ckpt
+    return OuroModel.from_tensors(cfg, tensors, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def naive(tiny_ckpt):
+    cfg, tensors = tiny_ckpt
+    return NaiveOuro(cfg, tensors, dtype=torch.float64)
+
+
+def make_requests(n, max_tokens, policy, seed=0, lens=PROMPT_LENS):
+    g = torch.Generator().manual_seed(seed)
+    bounds = POLICY_BOUNDS["ouro_delayed" if policy == "replay" else policy]
+    out = []
+    for i in range(n):
+        mn, mx, thr = bounds[i % len(bounds)]
+        prompt = torch.randint(0, 256, (lens[i % len(lens)],), generator=g).tolist()
+        out.append(Request(f"r{i}", prompt, max_tokens, min_loops=mn, max_loops=mx, exit_threshold=thr))
+    return out
+
+
+def run_engine(model, requests, **cfg):
+    eng = LoopEngine(model, EngineConfig(max_model_len=128, **cfg))
+    for r in requests:
+        eng.add_request(r)
+    return eng, eng.run()
+
+
+_ref_cache = {}
+
+
+def reference(naive, req, policy, forced=None):
+    key = (req, policy, forced)
+    if key not in _ref_cache:
+        _ref_cache[key] = naive.generate(list(req.prompt_token_ids), req.max_tokens, policy=policy,
+                                         min_loops=req.min_loops, max_loops=req.max_loops,
+                                         threshold=req.exit_threshold, forced_exits=forced)
+    return _ref_cache[key]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "ouro", "ouro_delayed", "replay"])
+@pytest.mark.parametrize("max_tokens", [1, 8])
+@pytest.mark.parametrize("num_requests", [1, 5, 16])
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
+def test_engine_matches_naive_reference(model64, naive, max_num_seqs, num_requests, max_tokens, policy):
+    reqs = make_requests(num_requests, max_tokens, policy)
+    if policy == "replay":
+        eng, natural = run_engine(model64, reqs, max_num_seqs=max_num_seqs, exit_policy="ouro_delayed")
+        sched = eng.capture_schedule()
+        _, outs = run_engine(model64, reqs, max_num_seqs=max_num_seqs, exit_policy="replay", schedule=sched)
+    else:
+        _, outs = run_engine(model64, reqs, max_num_seqs=max_num_seqs, exit_policy=policy)
+    for r in reqs:
+        forced = outs[r.request_id].exit_depths if policy == "replay" else None
+        tokens, exits = reference(naive, r, policy, forced)
+        o = outs[r.request_id]
+        assert list(o.token_ids) == tokens, f"{r.request_id} (prompt {len(r.prompt_token_ids)}): tokens"
+        assert list(o.exit_depths) == exits, f"{r.request_id} (prompt {len(r.prompt_token_ids)}): exits"
+        assert len(tokens) == max_tokens
+    if policy != "fixed":
+        assert len({e for o in outs.values() for e in o.exit_depths}) > 1 or max_tokens == 1
+
+
+ARMS = {"native": dict(kv_layout="native"), "alias": dict(kv_layout="alias"),
+        "alias_prefix": dict(kv_layout="alias", prefix_tiles=True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile_size", [32, 16])
+def test_native_alias_prefix_bitwise_equal(tiny_ckpt, dtype, tile_size):
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=dtype)
+    reqs = make_requests(12, 24, "ouro_delayed", seed=3, lens=[33, 34, 1, 64, 17, 31])
+    base, _ = run_engine(model, reqs, max_num_seqs=4, exit_policy="ouro_delayed", **ARMS["native"])
+    sched = base.capture_schedule()
+    for policy in ("ouro_delayed", "replay"):
+        results = {}
+        for name, arm in ARMS.items():
+            extra = dict(schedule=sched) if policy == "replay" else {}
+            eng, outs = run_engine(model, reqs, max_num_seqs=4, exit_policy=policy, keep_logits=True,
+                                   tile_size=tile_size, **arm, **extra)
+            results[name] = (outs, eng.logits_log, eng.stats.as_dict())
+        ref_outs, ref_logits, ref_stats = results["native"]
+        assert any(e < 4 for o in ref_outs.values() for e in o.exit_depths[1:]), "no early exits: alias untested"
+        for name, (outs, logits, stats) in results.items():
+            assert outs == ref_outs, f"{name} tokens/exits differ from native under {policy}"
+            assert stats == ref_stats, f"{name} work counters differ"
+            for rid, rows in ref_logits.items():
+                for i, (a, b) in enumerate(zip(rows, logits[rid])):
+                    assert torch.equal(a, b), (f"{name} {policy} {rid} token {i}: max diff "
+                                               f"{(a.float() - b.float()).abs().max().item():.3e}")
+        sched.verify(results["alias_prefix"][0]) if policy == "replay" else None
+
+
+def test_replay_reproduces_capture_and_drift_fails(model64):
+    reqs = make_requests(7, 10, "ouro_delayed", seed=5)
+    eng, natural = run_engine(model64, reqs, max_num_seqs=3, exit_policy="ouro_delayed")
+    sched = eng.capture_schedule()
+    assert Schedule.from_json(sched.to_json()) == sched
+    rep, outs = run_engine(model64, reqs, max_num_seqs=3, exit_policy="replay", schedule=sched)
+    sched.verify(outs, rep.trace_sha256)
+    assert outs == natural
+
+    # A frozen token the model does not produce: the replay drifts and verify names the place.
+    r0 = sched.requests[0]
+    bad = dataclasses.replace(sched, requests=(dataclasses.replace(
+        r0, token_ids=r0.token_ids[:4] + ((r0.token_ids[4] + 1) % 256,) + r0.token_ids[5:]),) + sched.requests[1:])
+    with pytest.raises(ScheduleMismatchError, match=r"request 'r0' token_ids\[4\]"):
+        bad.verify(outs)
+    # Forced exit depths that differ from the capture change the run: tokens or trace no longer match.
+    flipped = tuple(e if i == 0 else (3 if e == 4 else 4) for i, e in enumerate(r0.exit_depths))
+    forced = dataclasses.replace(sched, requests=(dataclasses.replace(r0, exit_depths=flipped),) + sched.requests[1:])
+    rep2, outs2 = run_engine(model64, reqs, max_num_seqs=3, exit_policy="replay", schedule=forced)
+    with pytest.raises(ScheduleMismatchError):
+        sched.verify(outs2, rep2.trace_sha256)
+
+
+def test_schedule_that_does_not_fit_is_refused(model64):
+    reqs = make_requests(3, 4, "ouro_delayed")
+    eng, _ = run_engine(model64, reqs, max_num_seqs=2, exit_policy="ouro_delayed")
+    sched = eng.capture_schedule()
+    other = dataclasses.replace(reqs[1], prompt_token_ids=reqs[1].prompt_token_ids + (1,))
+    with pytest.raises(ValueError, match="request 'r1' has prompt sha256"):
+        run_engine(model64, [reqs[0], other], max_num_seqs=2, exit_policy="replay", schedule=sched)
+    longer = dataclasses.replace(reqs[0], max_tokens=5)
+    with pytest.raises(ValueError, match="max_tokens 5"):
+        run_engine(model64, [longer], max_num_seqs=2, exit_policy="replay", schedule=sched)
+    with pytest.raises(ValueError, match="max_num_seqs=2"):
+        EngineConfig(max_num_seqs=3, exit_policy="replay", schedule=sched)
+    with pytest.raises(ValueError, match="not in the schedule"):
+        run_engine(model64, [dataclasses.replace(reqs[0], request_id="zz")], max_num_seqs=2,
+                   exit_policy="replay", schedule=sched)
+
+
+@pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
+def test_abort_mid_prefill_and_mid_decode_then_slot_reuse(model64, layout):
+    reqs = make_requests(4, 12, "ouro_delayed", seed=9, lens=[33, 17, 34, 20])
+    late = make_requests(2, 12, "ouro_delayed", seed=11, lens=[31, 33])
+    late = [dataclasses.replace(r, request_id=f"late{i}") for i, r in enumerate(late)]
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=128, exit_policy="ouro_delayed", **layout))
+    eng.add_request(reqs[0])
+    eng.add_request(reqs[1])
+    eng.step()                          # both admitted, one prefill loop done (of max_loops)
+    eng.abort("r0")                     # mid-prefill
+    eng.add_request(late[0])            # takes r0's slot
+    for _ in range(14):
+        eng.step()                      # r1 decodes
+    eng.abort("r1")                     # mid-decode
+    eng.add_request(late[1])            # takes r1's slot
+    outs = eng.run()
+    assert outs["r0"].finish_reason == "abort" and outs["r1"].finish_reason == "abort"
+    assert 1 < len(outs["r1"].token_ids) < 12
+    for r in late:
+        _, fresh = run_engine(model64, [r], max_num_seqs=2, exit_policy="ouro_delayed", **layout)
+        assert outs[r.request_id] == fresh[r.request_id]
+    with pytest.raises(ValueError, match="unknown or finished request 'r0'"):
+        eng.abort("r0")
+    assert eng.kv.allocator.num_used == 0
+
+
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path):
+    a, b = tmp_path / "single", tmp_path / "sharded"
+    write_synthetic_checkpoint(a, "tiny", seed=4, dtype=torch.bfloat16)
+    write_synthetic_checkpoint(b, "tiny", seed=4, dtype=torch.bfloat16, max_shard_bytes=40_000)
+    outs = []
+    for path in (a, b):
+        cfg, tensors = load_checkpoint(path)
+        model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16)
+        reqs = make_requests(3, 6, "ouro_delayed", seed=1)
+        eng, o = run_engine(model, reqs, max_num_seqs=2, exit_policy="ouro_delayed", keep_logits=True)
+        outs.append((o, eng.logits_log))
+    assert outs[0][0] == outs[1][0]
+    for rid in outs[0][1]:
+        assert all(torch.equal(x, y) for x, y in zip(outs[0][1][rid], outs[1][1][rid]))
+
+
+def test_ouro_1_4b_preset_builds_on_meta_with_exact_parameter_count():
+    cfg = PRESETS["ouro-1.4b"]
+    tensors = {n: torch.empty(s, device="meta", dtype=torch.bfloat16) for n, s in tensor_shapes(cfg).items()}
+    model = OuroModel.from_tensors(cfg, tensors, device="meta", dtype=torch.bfloat16, rope_len=16)
+    assert model.num_parameters() == 1_434_652_673
+
+
+def test_bad_requests_and_configs_are_refused(model64):
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64))
+    with pytest.raises(ValueError, match="token id 999"):
+        eng.add_request(Request("a", [1, 999], 4))
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        eng.add_request(Request("b", [1] * 60, 8))
+    with pytest.raises(ValueError, match="max_loops"):
+        eng.add_request(Request("c", [1], 4, min_loops=3, max_loops=2))
+    with pytest.raises(ValueError, match="kv_layout 'paged'"):
+        EngineConfig(kv_layout="paged")
+    with pytest.raises(ValueError, match="exit policy 'early'"):
+        EngineConfig(exit_policy="early")
