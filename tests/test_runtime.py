@@ -224,3 +224,17 @@ def test_bad_requests_and_configs_are_refused(model64):
         EngineConfig(kv_layout="paged")
     with pytest.raises(ValueError, match="exit policy 'early'"):
         EngineConfig(exit_policy="early")
+
+
+def test_calibrated_gate_gives_about_three_quarters_three_loop_tokens(tmp_path):
+    from loopbench.harness.synthetic import write_calibrated_checkpoint
+    write_calibrated_checkpoint(tmp_path / "ckpt", "tiny", seed=0, dtype=torch.float32)
+    cfg, tensors = load_checkpoint(tmp_path / "ckpt")
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    reqs = [Request(f"r{i}", torch.randint(0, 256, (32,), generator=g).tolist(), 32, 2, 4, 0.5) for i in range(32)]
+    _, outs = run_engine(model, reqs, max_num_seqs=16, exit_policy="ouro_delayed")
+    exits = [e for o in outs.values() for e in o.exit_depths[1:]]
+    assert set(exits) == {3, 4}
+    share = exits.count(3) / len(exits)
+    assert 0.6 <= share <= 0.9, f"three-loop share {share:.3f}"
