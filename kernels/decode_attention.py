@@ -1,0 +1,380 @@
+"""Depth-aware paged decode attention (Triton), with a plain torch reference beside it.
+
+One query per (row, head) attends causally to keys ``0..row_pos`` of its request, each key read from the
+KV plane that the LAST_EXITED rule names (BRIEF section 1, DESIGN.md "Decode-attention backend contract"):
+
+- ``native``: key ``p`` is read from plane ``d`` (the exited tokens were copied there by ``native_fill``);
+- ``alias``: key ``p`` is read from plane ``min(d, e_p)`` with ``e_p = exit_map[slot, p]``;
+- ``alias`` + ``prefix_tiles``: key tiles of ``tile_size`` positions that end at or before the row's
+  first-alias position are read from plane ``d`` directly, the boundary tile and later ones per key.
+
+All three run the *same* kernel body: constexpr ``LAYOUT_ALIAS`` / ``PREFIX`` flags change only the plane
+a key's block-table entry is looked up in, never the tile order, the split of the key range or the
+arithmetic. On identical logical KV the three outputs are therefore bitwise identical.
+
+Kernel shape (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"): one program
+per (row, kv head, split). A program serves all ``H // Hkv`` query heads of its kv head, so each K/V tile
+is read once per group. The key range of a row is cut into at most ``MAX_SPLITS`` contiguous splits whose
+length depends only on the row's context length and module constants (never on the batch, the layout or
+the device), so a row's result does not depend on what it is batched with. Each split keeps an online
+softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax") in fp32 and writes
+``(m, l, acc)``; a second kernel merges the splits in a fixed order. When the cache can hold no more than
+one split's keys the first kernel normalises and writes the output itself.
+
+Scores use ``exp2`` with ``scale * log2(e)`` folded into the query (the FlashAttention-2 formulation).
+The dot products are fp32 elementwise products reduced with ``tl.sum``: decode has one query per head, so
+there is no matrix product to feed tensor cores, and the Triton interpreter computes bf16 ``tl.dot`` wrongly
+(BRIEF section 4).
+
+The kernels know nothing about exit policies or the scheduler; they read the metadata tensors as given.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LAYOUTS = ("native", "alias")
+
+# A split covers at least MIN_SPLIT_TOKENS keys and a row has at most MAX_SPLITS splits; both are
+# constants so the split of a row's key range is a pure function of its context length.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 16
+# Keys per inner-loop iteration (the compute tile). Independent of ``tile_size``, which only sets the
+# granularity of the prefix switch; must be a power of two.
+DEFAULT_BLOCK_N = 32
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_slot_ptr, row_depth_ptr, row_pos_ptr,
+    exit_map_ptr, row_first_alias_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    # sizes
+    num_slots, num_planes, max_ctx, qk_scale_log2, tile_size,
+    # strides
+    stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts, stride_btp, stride_btj,
+    stride_ems, stride_emp,
+    stride_on, stride_oh, stride_od,
+    stride_pn, stride_ph, stride_ps,
+    # meta
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
+    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    slot = tl.load(row_slot_ptr + row)
+    depth = tl.load(row_depth_ptr + row)
+    pos = tl.load(row_pos_ptr + row)
+    # Padding rows (slot < 0) see no keys; every index below is clamped so nothing is read out of bounds.
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    depth = tl.minimum(tl.maximum(depth, 1), num_planes)
+    n_ctx = tl.where(valid, tl.minimum(tl.maximum(pos + 1, 0), max_ctx), 0)
+
+    # The row's split: a pure function of n_ctx and the constants.
+    n_tiles = (n_ctx + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = tl.maximum((n_tiles + MAX_SPLITS_PER_ROW - 1) // MAX_SPLITS_PER_ROW, MIN_SPLIT_TILES)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+
+    # Keys before direct_end are read from plane `depth` without consulting the exit map.
+    if LAYOUT_ALIAS:
+        if PREFIX:
+            first_alias = tl.maximum(tl.load(row_first_alias_ptr + row), 0)
+            direct_end = (first_alias // tile_size) * tile_size
+        else:
+            direct_end = 0
+    else:
+        direct_end = n_ctx
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_t = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    q = tl.load(q_ptr + row * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    q = q * qk_scale_log2                                                    # (G, D)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    bt_row = block_tables_ptr + slot * stride_bts
+    k_head = k_cache_ptr + kv_head * stride_kh + offs_d[None, :] * stride_kd
+    v_head = v_cache_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + offs_t
+        mask_n = offs_n < n_ctx
+        plane = tl.zeros([BLOCK_N], tl.int32) + depth
+        if LAYOUT_ALIAS:
+            # Where a key is loaded from is the ONLY thing the layout flags change.
+            per_key = mask_n & (offs_n >= direct_end)
+            exit_depth = tl.load(exit_map_ptr + slot * stride_ems + offs_n * stride_emp,
+                                 mask=per_key, other=num_planes)
+            plane = tl.maximum(tl.minimum(plane, exit_depth), 1)
+        block = tl.load(bt_row + (plane - 1) * stride_btp + (offs_n // PAGE_SIZE) * stride_btj,
+                        mask=mask_n, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_head + block[:, None] * stride_kb + in_page[:, None] * stride_kt,
+                    mask=mask_kv, other=0.0).to(tl.float32)                  # (N, D)
+        v = tl.load(v_head + block[:, None] * stride_vb + in_page[:, None] * stride_vt,
+                    mask=mask_kv, other=0.0).to(tl.float32)                  # (N, D)
+
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                    # (G, N), log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))                           # finite: tile has a key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    if DIRECT_OUT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        # Empty splits store (m=-inf, l=0, acc=0), which the merge weighs by exactly zero.
+        part = row * stride_pn + heads * stride_ph + split * stride_ps
+        tl.store(part_m_ptr + part, m_i, mask=mask_g)
+        tl.store(part_l_ptr + part, l_i, mask=mask_g)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=mask_g[:, None])
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    # pointers
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    # strides
+    stride_pn, stride_ph, stride_ps,
+    stride_on, stride_oh, stride_od,
+    # meta
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_s = offs_s < NUM_SPLITS
+    part = row * stride_pn + head * stride_ph + offs_s * stride_ps
+    m_s = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                    mask=mask_s[:, None], other=0.0)
+    m = tl.max(m_s, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)     # a row without keys: all weights are zero
+    w = tl.exp2(m_s - m)
+    l = tl.sum(w * l_s, axis=0)
+    acc = tl.sum(w[:, None] * acc_s, axis=0)
+    out = acc / tl.where(l > 0, l, 1.0)
+    tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _check_int32(name: str, t: torch.Tensor, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+
+
+def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
+              layout, tile_size):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size <= 0:
+        raise ValueError(f"tile_size must be a positive int, got {tile_size!r}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    n, h, d = q.shape
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"head_dim of q ({d}) and of the cache ({k_cache.shape[3]}) differ")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    _check_int32("block_tables", block_tables, 3)
+    _check_int32("exit_map", exit_map, 2)
+    for name, t in (("row_slot", row_slot), ("row_depth", row_depth), ("row_pos", row_pos),
+                    ("row_first_alias", row_first_alias)):
+        _check_int32(name, t, 1)
+        if t.shape[0] != n:
+            raise ValueError(f"{name} must have N={n} entries, got {t.shape[0]}")
+    if exit_map.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"exit_map has {exit_map.shape[0]} slots but block_tables has {block_tables.shape[0]}")
+    tensors = (q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def launch_config(head_dim: int, group: int) -> dict:
+    """Launch meta-parameters for the split kernel: a pure function of the head shape.
+
+    Identical for every layout so native, alias and alias+prefix compile the same arithmetic.
+    """
+    work = group * head_dim
+    return {"num_warps": 4 if work <= 128 else 8, "num_stages": 2}
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, row_slot: torch.Tensor, row_depth: torch.Tensor,
+                     row_pos: torch.Tensor, exit_map: torch.Tensor, row_first_alias: torch.Tensor,
+                     layout: str = "native", prefix_tiles: bool = False, tile_size: int = 32,
+                     scale: float | None = None, *, block_n: int = DEFAULT_BLOCK_N,
+                     min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
+
+    Args:
+        q: ``[N, H, D]`` float32/bfloat16/float16; one row per (request slot, query depth) pair.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype; one layer's views.
+        block_tables: ``[S, P, max_blocks] int32``; ``block_tables[s, d-1, j]`` holds positions
+            ``j*block_size .. (j+1)*block_size-1`` of plane ``d`` of slot ``s``.
+        row_slot: ``[N] int32``; ``< 0`` marks a padding row (output zero, nothing read).
+        row_depth: ``[N] int32``; the query depth ``d``, 1-based.
+        row_pos: ``[N] int32``; the query position; keys ``0..row_pos`` inclusive.
+        exit_map: ``[S, max_model_len] int32``; ``e_p``, read only by the ``alias`` layout.
+        row_first_alias: ``[N] int32``; smallest ``p`` with ``e_p < d`` (else ``row_pos + 1``), read
+            only by ``alias`` with ``prefix_tiles``.
+        layout: ``"native"`` or ``"alias"``; ``prefix_tiles`` is ignored for ``native``.
+        tile_size: granularity (positions) of the prefix switch.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        block_n, min_split_tokens, max_splits, num_warps, num_stages: tuning knobs (benchmarks only);
+            bitwise equality between layouts holds for equal knobs.
+
+    Returns:
+        ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
+        ``h // (H // Hkv)``. Keys beyond ``min(max_blocks * block_size, max_model_len)`` are never read.
+
+    Never synchronises with the host.
+    """
+    _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
+              layout, tile_size)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if min_split_tokens < block_n or max_splits < 1:
+        raise ValueError(f"need min_split_tokens >= block_n and max_splits >= 1, got "
+                         f"{min_split_tokens}, {max_splits}")
+    n, h, d = q.shape
+    num_blocks, page_size, hkv, _ = k_cache.shape
+    group = h // hkv
+    num_planes, max_blocks = block_tables.shape[1], block_tables.shape[2]
+    max_ctx = min(max_blocks * page_size, exit_map.shape[1])
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    head_dim_pad = triton.next_power_of_2(d)
+
+    min_split_tiles = triton.cdiv(min_split_tokens, block_n)
+    num_splits = max(1, min(max_splits, triton.cdiv(triton.cdiv(max_ctx, block_n), min_split_tiles)))
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    if num_splits > 1:
+        part_m = torch.empty((n, h, num_splits), device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((n, h, num_splits, head_dim_pad), device=q.device, dtype=torch.float32)
+    else:
+        part_m = part_l = part_acc = out     # unused by the DIRECT_OUT variant
+    cfg = launch_config(d, group)
+    if num_warps is not None:
+        cfg["num_warps"] = num_warps
+    if num_stages is not None:
+        cfg["num_stages"] = num_stages
+
+    _decode_attention_split_kernel[(n, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
+        exit_map, row_first_alias, out, part_m, part_l, part_acc,
+        block_tables.shape[0], num_planes, max_ctx, scale * _LOG2E, tile_size,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *exit_map.stride(),
+        *out.stride(), h * num_splits, num_splits, 1,
+        PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
+        MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
+        LAYOUT_ALIAS=layout == "alias", PREFIX=bool(prefix_tiles) and layout == "alias",
+        DIRECT_OUT=num_splits == 1, **cfg)
+    if num_splits > 1:
+        _decode_attention_merge_kernel[(n, h)](
+            part_m, part_l, part_acc, out,
+            h * num_splits, num_splits, 1, *out.stride(),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+    return out
+
+
+def key_planes_ref(block_tables: torch.Tensor, slot: int, depth: int, n_ctx: int, exit_map: torch.Tensor,
+                   first_alias: int, layout: str, prefix_tiles: bool, tile_size: int) -> torch.Tensor:
+    """The 1-based plane each key ``0..n_ctx-1`` of one row is read from (LAST_EXITED, BRIEF section 1)."""
+    planes = torch.full((n_ctx,), depth, dtype=torch.long)
+    if layout == "alias":
+        e = exit_map[slot, :n_ctx].long().cpu()
+        per_key = torch.arange(n_ctx) >= ((max(first_alias, 0) // tile_size) * tile_size if prefix_tiles else 0)
+        planes = torch.where(per_key, torch.clamp(torch.minimum(planes, e), min=1), planes)
+    return planes
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, row_slot: torch.Tensor, row_depth: torch.Tensor,
+                         row_pos: torch.Tensor, exit_map: torch.Tensor, row_first_alias: torch.Tensor,
+                         layout: str = "native", prefix_tiles: bool = False, tile_size: int = 32,
+                         scale: float | None = None) -> torch.Tensor:
+    """Plain torch reference of :func:`decode_attention` (same signature and semantics).
+
+    Gathers each row's keys into dense ``[n_ctx, Hkv, D]`` tensors and runs an fp32 softmax. Slow (a
+    Python loop over rows, host syncs); for tests only. Padding rows (``row_slot < 0``) give zeros.
+    """
+    _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
+              layout, tile_size)
+    n, h, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = h // hkv
+    num_planes = block_tables.shape[1]
+    max_ctx = min(block_tables.shape[2] * page_size, exit_map.shape[1])
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.zeros((n, h, d), dtype=torch.float32, device=q.device)
+    bt = block_tables.long()
+    for i in range(n):
+        slot = int(row_slot[i])
+        if not 0 <= slot < block_tables.shape[0]:
+            continue
+        depth = min(max(int(row_depth[i]), 1), num_planes)
+        n_ctx = min(max(int(row_pos[i]) + 1, 0), max_ctx)
+        if n_ctx == 0:
+            continue
+        planes = key_planes_ref(block_tables, slot, depth, n_ctx, exit_map, int(row_first_alias[i]),
+                                layout, prefix_tiles, tile_size).to(q.device)
+        positions = torch.arange(n_ctx, device=q.device)
+        blocks = bt[slot, planes - 1, positions // page_size]
+        k = k_cache[blocks, positions % page_size].float()               # (T, Hkv, D)
+        v = v_cache[blocks, positions % page_size].float()
+        k = k.repeat_interleave(group, dim=1)                              # (T, H, D)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale       # (H, T)
+        probs = torch.softmax(scores, dim=-1)
+        out[i] = torch.einsum("ht,thd->hd", probs, v)
+    return out.to(q.dtype)

@@ -1,0 +1,247 @@
+"""Decode attention: Triton kernel == torch reference, and native == alias == alias+prefix bitwise.
+
+Every case builds one request per slot with a chosen context length, an exit map, and an ``alias`` cache
+in which planes a token never computed hold NaN (so a wrong plane shows up as NaN). The ``native`` cache is
+that cache with the skipped planes actually filled (``native_fill``), so both hold identical logical KV.
+Rows are every (slot, depth) pair plus padding rows; block tables are shuffled across the whole pool.
+On CPU the kernels run in the Triton interpreter (fp32, small heads); on CUDA the same cases run in bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopbench.kernels.decode_attention import decode_attention, decode_attention_ref
+from loopbench.kernels.kv_write import native_fill, native_fill_ref
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="CPU tensors need the Triton interpreter")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 34, 63, 64, 65]
+# First-alias positions on both sides of block (16) and tile (32) boundaries.
+BOUNDARIES = [0, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64]
+NUM_PLANES = 4
+PAGE = 16
+
+
+def sweep_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    tol = 2e-2 if actual.dtype in (torch.bfloat16, torch.float16) else 2e-5
+    a, e = actual.float(), expected.float()
+    diff = (a - e).abs()
+    ok = torch.isfinite(a).all() and bool((diff <= tol + tol * e.abs()).all())
+    assert ok, f"{what}: max abs diff {diff.max().item():.3e}, mean abs diff {diff.mean().item():.3e}"
+
+
+def alternate_depths(slot: int) -> tuple[int, ...]:
+    """Two query depths per slot, alternating, so every depth is covered at half the interpreter time."""
+    return (2, 4) if slot % 2 == 0 else (1, 3)
+
+
+def make_case(seed: int, device: str, dtype: torch.dtype, contexts: list[int], exits: str,
+              heads: int = 2, kv_heads: int = 1, head_dim: int = 16, padding_rows: int = 2,
+              fill_with_kernel: bool = False, depths=alternate_depths) -> dict:
+    """One request per slot (context ``contexts[s]``), rows at ``depths(slot)``, two cache layouts.
+
+    ``exits``: ``none`` (every token ran all loops), ``all`` (every earlier token exited after loop 1),
+    ``mixed`` (random exit depths) or ``boundary`` (no exits before a first-alias position taken from
+    BOUNDARIES, which exits after loop 1; random exits after it).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = len(contexts)
+    max_blocks = -(-max(contexts) // PAGE) + 1
+    max_len = max_blocks * PAGE
+    num_blocks = num_slots * NUM_PLANES * max_blocks + 3
+    block_tables = torch.randperm(num_blocks, generator=gen)[: num_slots * NUM_PLANES * max_blocks]
+    block_tables = block_tables.view(num_slots, NUM_PLANES, max_blocks).int()
+
+    exit_map = torch.zeros((num_slots, max_len), dtype=torch.int32)     # beyond the context: never read
+    for s, ctx in enumerate(contexts):
+        pos = ctx - 1
+        if exits == "none":
+            e = torch.full((pos,), NUM_PLANES)
+        elif exits == "all":
+            e = torch.ones(pos)
+        elif exits == "mixed":
+            e = torch.randint(1, NUM_PLANES + 1, (pos,), generator=gen)
+        elif exits == "boundary":
+            first = min(BOUNDARIES[(s + seed) % len(BOUNDARIES)], pos)
+            e = torch.full((pos,), NUM_PLANES)
+            e[first:] = torch.randint(1, NUM_PLANES + 1, (pos - first,), generator=gen)
+            if first < pos:
+                e[first] = 1
+        else:
+            raise ValueError(exits)
+        exit_map[s, :pos] = e.int()
+        exit_map[s, pos] = NUM_PLANES                                     # the token being computed
+
+    shape = (num_blocks, PAGE, kv_heads, head_dim)
+    k_alias = torch.full(shape, float("nan"))
+    v_alias = torch.full(shape, float("nan"))
+    for s, ctx in enumerate(contexts):
+        for plane in range(1, NUM_PLANES + 1):
+            p = torch.nonzero(exit_map[s, :ctx] >= plane).flatten()       # tokens that computed this plane
+            blocks = block_tables[s, plane - 1, p // PAGE].long()
+            k_alias[blocks, p % PAGE] = torch.randn((len(p), kv_heads, head_dim), generator=gen)
+            v_alias[blocks, p % PAGE] = torch.randn((len(p), kv_heads, head_dim), generator=gen)
+    k_alias, v_alias = k_alias.to(dtype), v_alias.to(dtype)
+
+    fill = [(s, p, int(exit_map[s, p])) for s, ctx in enumerate(contexts) for p in range(ctx)
+            if exit_map[s, p] < NUM_PLANES]
+    fill_args = [torch.tensor([f[i] for f in fill], dtype=torch.int32) for i in range(3)]
+    fill_args.append(torch.full((len(fill),), NUM_PLANES, dtype=torch.int32))
+    k_native, v_native = k_alias.clone()[None], v_alias.clone()[None]
+    if fill_with_kernel:
+        k_native, v_native = k_native.to(device), v_native.to(device)
+        native_fill(k_native, v_native, block_tables.to(device), *[t.to(device) for t in fill_args])
+    else:
+        native_fill_ref(k_native, v_native, block_tables, *fill_args)
+
+    rows = [(s, d, ctx - 1) for s, ctx in enumerate(contexts) for d in depths(s)]
+    rows += [(-1, 0, 10**6)] * padding_rows
+    row_slot, row_depth, row_pos = (torch.tensor([r[i] for r in rows], dtype=torch.int32) for i in range(3))
+    first_alias = []
+    for s, d, pos in rows:
+        aliased = torch.nonzero(exit_map[s, : pos + 1] < d).flatten() if s >= 0 else torch.empty(0)
+        first_alias.append(int(aliased[0]) if len(aliased) else pos + 1)
+    q = torch.randn((len(rows), heads, head_dim), generator=gen).to(dtype)
+    meta = dict(block_tables=block_tables, row_slot=row_slot, row_depth=row_depth, row_pos=row_pos,
+                exit_map=exit_map, row_first_alias=torch.tensor(first_alias, dtype=torch.int32))
+    to = lambda t: t.to(device)  # noqa: E731
+    return dict(q=to(q), native=(to(k_native[0]), to(v_native[0])), alias=(to(k_alias), to(v_alias)),
+                meta={k: to(v) for k, v in meta.items()}, num_real_rows=len(rows) - padding_rows)
+
+
+VARIANTS = [("native", False), ("alias", False), ("alias", True)]
+
+
+def run_variants(case: dict, fn=decode_attention, **kw) -> dict:
+    outs = {}
+    for layout, prefix in VARIANTS:
+        k, v = case[layout]
+        outs[(layout, prefix)] = fn(case["q"], k, v, **case["meta"], layout=layout, prefix_tiles=prefix, **kw)
+    return outs
+
+
+def check_case(case: dict, **kw) -> None:
+    outs = run_variants(case, **kw)
+    refs = run_variants(case, fn=decode_attention_ref)
+    n = case["num_real_rows"]
+    for key, out in outs.items():
+        assert torch.isfinite(out.float()).all(), f"{key}: non-finite output (padding rows included)"
+        assert_close(out[:n], refs[key][:n], f"{key} vs reference")
+    native = outs[("native", False)]
+    for key in VARIANTS[1:]:
+        assert torch.equal(native, outs[key]), (
+            f"{key} differs from native: max abs diff {(native.float() - outs[key].float()).abs().max():.3e}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("exits", ["none", "all", "mixed", "boundary"])
+def test_layouts_match_reference_and_each_other(device, exits):
+    case = make_case(1, device, sweep_dtype(device), CONTEXTS, exits)
+    check_case(case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("exits", ["mixed", "boundary"])
+def test_split_key_range(device, exits):
+    # Splits of 32 keys: every context above 32 goes through the split-merge path.
+    case = make_case(2, device, sweep_dtype(device), [1, 33, 63, 64, 65], exits)
+    check_case(case, min_split_tokens=32)
+    # max_splits=2 forces splits longer than the minimum (tiles_per_split from the context length).
+    check_case(case, min_split_tokens=16, max_splits=2, block_n=16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (8, 1, 16), (4, 4, 24)])
+def test_grouped_query_and_padded_shapes(device, heads, kv_heads, head_dim):
+    case = make_case(3, device, sweep_dtype(device), [1, 17, 33, 65], "mixed", heads=heads,
+                     kv_heads=kv_heads, head_dim=head_dim)
+    check_case(case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ouro_shape_bf16(device):
+    # Ouro-1.4B attention: 16 heads (MHA), head_dim 128, bf16.
+    contexts = [40] if device == "cpu" else CONTEXTS       # cpu: first alias at 33, one past a tile
+    case = make_case(6, device, torch.bfloat16, contexts, "boundary", heads=16, kv_heads=16, head_dim=128,
+                     padding_rows=1, depths=lambda s: (2, 4) if device == "cpu" else (1, 2, 3, 4))
+    check_case(case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_cache_filled_by_kernel(device):
+    case = make_case(5, device, sweep_dtype(device), [17, 34, 64], "mixed", fill_with_kernel=True)
+    check_case(case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_result_does_not_depend_on_batch(device):
+    case = make_case(6, device, sweep_dtype(device), [16, 33, 65], "mixed", padding_rows=0)
+    k, v = case["alias"]
+    full = decode_attention(case["q"], k, v, **case["meta"], layout="alias", prefix_tiles=True)
+    pick = torch.tensor([5, 2, 3], device=device)
+    meta = {name: (t[pick] if name.startswith("row_") else t) for name, t in case["meta"].items()}
+    part = decode_attention(case["q"][pick], k, v, **meta, layout="alias", prefix_tiles=True)
+    assert torch.equal(part, full[pick])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_rows_read_nothing(device):
+    case = make_case(7, device, sweep_dtype(device), [5], "none", padding_rows=0)
+    meta = dict(case["meta"])
+    n = 4
+    meta["row_slot"] = torch.tensor([-1, -7, 1, 99], dtype=torch.int32, device=device)   # 1 and 99: no such slot
+    meta["row_depth"] = torch.tensor([0, 9, -3, 2], dtype=torch.int32, device=device)
+    meta["row_pos"] = torch.tensor([10**9, -5, 3, 2**31 - 2], dtype=torch.int32, device=device)
+    meta["row_first_alias"] = torch.tensor([-1, 10**9, 0, 5], dtype=torch.int32, device=device)
+    q = case["q"][:1].expand(n, -1, -1).contiguous()
+    for layout, prefix in VARIANTS:
+        k, v = case[layout]
+        out = decode_attention(q, k, v, **meta, layout=layout, prefix_tiles=prefix)
+        assert torch.equal(out, torch.zeros_like(out)), f"{layout}/{prefix}: padding rows must give zeros"
+
+
+def test_rejects_bad_arguments():
+    case = make_case(8, "cpu", torch.float32, [3], "none", padding_rows=0)
+    k, v = case["native"]
+    with pytest.raises(ValueError, match="layout"):
+        decode_attention(case["q"], k, v, **case["meta"], layout="paged")
+    meta = dict(case["meta"], block_tables=case["meta"]["block_tables"].long())
+    with pytest.raises(ValueError, match="block_tables"):
+        decode_attention(case["q"], k, v, **meta)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(case["q"].double(), k, v, **case["meta"])
+    with pytest.raises(ValueError, match="row_pos"):
+        decode_attention(case["q"], k, v, **dict(case["meta"], row_pos=case["meta"]["row_pos"][:0]))
+    with pytest.raises(ValueError, match="tile_size"):
+        decode_attention(case["q"], k, v, **case["meta"], tile_size=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_tiles_skip_the_exit_map(device):
+    # Keys in tiles that end at or before the first-alias position must be read from plane d without
+    # consulting the exit map: overwrite those entries with depth 1 and the output must not move.
+    case = make_case(9, device, sweep_dtype(device), [40, 65, 66], "boundary", padding_rows=0,
+                     depths=lambda s: (2, 3, 4))
+    k, v = case["alias"]
+    meta = case["meta"]
+    before = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=True)
+    tampered = meta["exit_map"].clone()
+    direct_end = {}                                  # per slot: the direct prefix shared by all its rows
+    for slot, first_alias in zip(meta["row_slot"].tolist(), meta["row_first_alias"].tolist()):
+        direct_end[slot] = min(direct_end.get(slot, first_alias), first_alias) // 32 * 32
+    for slot, end in direct_end.items():
+        tampered[slot, :end] = 1
+    assert not torch.equal(tampered, meta["exit_map"]), "case has no direct tiles"
+    meta = dict(meta, exit_map=tampered)
+    after = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=True)
+    assert torch.equal(before, after)
+    plain = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=False)
+    assert not torch.equal(before, plain), "the tampered exit map should change the per-key reader"
