@@ -22,6 +22,7 @@ import torch
 
 from .attention import LAYOUTS, get_backend, prefill_attention_torch
 from .exit_policy import exit_step, validate_policy
+from .graphs import GraphCache, bucket_for
 from .kv_cache import DepthKVCache
 from .model import OuroModel
 from .schedule import Schedule, ScheduledRequest, prompt_sha256
@@ -100,9 +101,12 @@ class EngineStats:
     decode_tokens: int = 0            # output tokens sampled after a decode loop
     steps: int = 0
     decode_steps: int = 0
-    graph_captures: int = 0
+    graph_captures: int = 0           # recurrent-core (decode) graphs
     graph_replays: int = 0
     graph_fallbacks: int = 0
+    prefill_graph_captures: int = 0   # full-prompt loop graphs, keyed by prompt length
+    prefill_graph_replays: int = 0
+    prefill_graph_fallbacks: int = 0
     peak_kv_blocks: int = 0
 
     def as_dict(self) -> dict:
@@ -142,12 +146,25 @@ class LoopEngine:
                                max_model_len=config.max_model_len, block_size=config.block_size,
                                num_blocks=num_blocks, device=dev, dtype=model.dtype)
         acc = model.rope_dtype
-        self.hidden = torch.zeros((S, cfg.hidden_size), device=dev, dtype=model.dtype)
-        self.last_token = torch.zeros(S, dtype=torch.long, device=dev)
+        # Resident per-slot state; row S is a scratch slot that padding rows of a bucket read and write.
+        self.hidden = torch.zeros((S + 1, cfg.hidden_size), device=dev, dtype=model.dtype)
+        self.last_token = torch.zeros(S + 1, dtype=torch.long, device=dev)
         self.out_tokens = torch.zeros((S, config.max_model_len), dtype=torch.long, device=dev)
-        self.survival = torch.ones(S, dtype=acc, device=dev)
-        self.triggered = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.survival = torch.ones(S + 1, dtype=acc, device=dev)
+        self.triggered = torch.zeros(S + 1, dtype=torch.bool, device=dev)
         self.stats = EngineStats(rows_per_depth=[0] * self.num_planes)
+        self.banks = DescriptorBanks(S, dev, config.descriptor_mode)
+        self._graphs = self._prefill_graphs = None
+        if config.cuda_graphs:
+            if dev.type != "cuda":
+                raise ValueError(f"cuda_graphs=True needs a CUDA model, got device {dev}")
+            if config.attention_backend != "triton":
+                raise ValueError("cuda_graphs=True needs attention_backend='triton' (the torch backend syncs)")
+            self._graphs = GraphCache(self._core, config.graph_cache_size, self.stats, prefix="graph")
+            self._prefill_graphs = GraphCache(self._prefill_core, config.graph_cache_size, self.stats,
+                                              prefix="prefill_graph")
+            self._static_desc: dict[int, torch.Tensor] = {}
+            self._static_prefill: dict[int, tuple] = {}
         self._queue: list[Request] = []
         self._ids: set[str] = set()
         self._slots: list[_Running | None] = [None] * S
@@ -243,16 +260,22 @@ class LoopEngine:
     def _prefill_loop(self, run: _Running) -> None:
         """One full-depth loop over the whole prompt at depth ``run.depth``; KV into that plane."""
         T, d, dev = len(run.req.prompt_token_ids), run.depth, self.model.device
-        positions = torch.arange(T, device=dev, dtype=torch.int32)
-        row_slot = torch.full((T,), run.slot, dtype=torch.int32, device=dev)
-        row_depth = torch.full((T,), d, dtype=torch.int32, device=dev)
-        kv, be = self.kv, self.backend
-
-        def attend(layer, q, k, v):
-            be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
-            return prefill_attention_torch(q, k, v)
-
-        run.prefill_x, _ = self.model.run_loop(run.prefill_x, positions, attend)
+        if self._prefill_graphs is None:
+            positions = torch.arange(T, device=dev, dtype=torch.int32)
+            row_slot = torch.full((T,), run.slot, dtype=torch.int32, device=dev)
+            row_depth = torch.full((T,), d, dtype=torch.int32, device=dev)
+            run.prefill_x = self._prefill_core(run.prefill_x, row_slot, row_depth, positions)[0]
+        else:
+            static = self._static_prefill.get(T)
+            if static is None:
+                static = (torch.empty_like(run.prefill_x), torch.empty(T, dtype=torch.int32, device=dev),
+                          torch.empty(T, dtype=torch.int32, device=dev),
+                          torch.arange(T, device=dev, dtype=torch.int32))
+                self._static_prefill[T] = static
+            static[0].copy_(run.prefill_x)
+            static[1].fill_(run.slot)
+            static[2].fill_(d)
+            run.prefill_x = self._prefill_graphs.run(T, static)[0].clone()
         self.stats.prefill_rows += T
         self._trace.update(f"P{run.slot}:{d};".encode())
         if d < run.req.max_loops:
@@ -270,16 +293,44 @@ class LoopEngine:
             run.host_tokens.append(int(token[0]))
         self._after_token(run)
 
+    def _prefill_core(self, x, row_slot, row_depth, positions):
+        """One full-depth loop over a prompt: x [T, hidden]; [T] int32 slot/depth/positions.
+        Writes the prompt's K/V into the depth's plane; returns (x_out [T, hidden],)."""
+        kv, be = self.kv, self.backend
+
+        def attend(layer, q, k, v):
+            be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
+            return prefill_attention_torch(q, k, v)
+
+        return (self.model.run_loop(x, positions, attend)[0],)
+
     def _decode_loop(self, rows: list[_Running]) -> None:
-        dev, cfg = self.model.device, self.config
+        cfg, n = self.config, len(rows)
         for r in rows:
             if r.depth == 1:
                 self.kv.ensure_capacity(r.slot, r.pos + 1)
-        desc = torch.tensor([[r.slot for r in rows], [r.depth for r in rows], [r.pos for r in rows],
-                             [min(r.first_alias.get(r.depth, r.pos + 1), r.pos + 1) for r in rows]],
-                            dtype=torch.int32).to(dev)
-        row_slot, row_depth, row_pos, row_fa = desc
-        x_out, hazard = self._core(row_slot, row_depth, row_pos, row_fa)
+        bucket = n if self._graphs is None else bucket_for(n, cfg.max_num_seqs)
+        bank = self.banks.acquire(bucket)
+        for i, r in enumerate(rows):
+            bank[0, i], bank[1, i], bank[2, i] = r.slot, r.depth, r.pos
+            bank[3, i] = min(r.first_alias.get(r.depth, r.pos + 1), r.pos + 1)
+        if self._graphs is None:
+            desc = self.banks.publish(bank)
+            row_slot, row_depth, row_pos, row_fa = desc
+            x_out, hazard = self._core(row_slot, row_depth, row_pos, row_fa)
+        else:
+            bank[0, n:bucket], bank[1, n:bucket], bank[2, n:bucket], bank[3, n:bucket] = -1, 1, 0, 1
+            static = self._static_desc.get(bucket)
+            if static is None:
+                static = self._static_desc[bucket] = torch.empty((4, bucket), dtype=torch.int32,
+                                                                  device=self.model.device)
+            self.banks.publish(bank, into=static)
+            x_out, hazard = self._graphs.run(bucket, tuple(static))
+            desc = static
+        row_slot, row_depth, row_pos = desc[0], desc[1], desc[2]
+        S = cfg.max_num_seqs
+        self.hidden.index_copy_(0, torch.where(row_slot < 0, S, row_slot).long(), x_out)
+        x_out, hazard, row_slot, row_depth, row_pos = (t[:n] for t in (x_out, hazard, row_slot, row_depth, row_pos))
         for r in rows:
             self.stats.rows_per_depth[r.depth - 1] += 1
         self.stats.decode_steps += 1
@@ -309,10 +360,12 @@ class LoopEngine:
     def _core(self, row_slot, row_depth, row_pos, row_fa):
         """One recurrent-core loop for N rows: [N] int32 descriptors -> (x_out [N, hidden], hazard [N]).
 
-        Reads and writes only device tensors (no host sync), so it can be captured as a CUDA Graph.
+        Rows with slot < 0 are padding (they read the scratch slot). Reads device tensors only and
+        writes only the KV cache (idempotently), so it can be captured as a CUDA Graph; the caller
+        stores x_out into the resident hidden state.
         """
         kv, be, cfg = self.kv, self.backend, self.config
-        sl = row_slot.long()
+        sl = torch.where(row_slot < 0, cfg.max_num_seqs, row_slot).long()
         x = torch.where((row_depth == 1)[:, None], self.model.embed[self.last_token[sl]], self.hidden[sl])
 
         def attend(layer, q, k, v):
@@ -321,9 +374,7 @@ class LoopEngine:
                                        row_pos, kv.exit_map, row_fa, layout=cfg.kv_layout,
                                        prefix_tiles=cfg.prefix_tiles, tile_size=cfg.tile_size)
 
-        x_out, hazard = self.model.run_loop(x, row_pos, attend)
-        self.hidden[sl] = x_out
-        return x_out, hazard
+        return self.model.run_loop(x, row_pos, attend)
 
     def _natural_exits(self, rows, row_slot, row_depth, hazard) -> list[bool]:
         dev, sl = self.model.device, row_slot.long()
@@ -424,3 +475,48 @@ class LoopEngine:
         return Schedule(version=Schedule.FORMAT_VERSION, max_num_seqs=self.config.max_num_seqs,
                         admission_order=tuple(self._admitted), requests=tuple(reqs),
                         num_steps=self.stats.steps, trace_sha256=self.trace_sha256)
+
+
+class DescriptorBanks:
+    """A ring of host descriptor banks ([4, max_num_seqs] int32: slot, depth, position, first-alias).
+
+    On CUDA the banks are pinned; a bank is rewritten only after the GPU has finished reading it (an
+    event recorded after its read, waited on before reuse), so the host can run ahead of the GPU
+    without a device-wide sync. ``h2d`` moves a bank with an async copy engine transfer; ``mapped``
+    has a device kernel read the pinned bank directly (zero-copy through unified addressing).
+    """
+
+    def __init__(self, max_num_seqs: int, device: torch.device, mode: str, num_banks: int = 4):
+        self.device, self.mode = device, mode
+        cuda = device.type == "cuda"
+        self.banks = [torch.zeros(4 * max_num_seqs, dtype=torch.int32, pin_memory=cuda)
+                      for _ in range(num_banks)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(num_banks)]
+        self.pending = [False] * num_banks
+        self.i = -1
+        self.waits = 0          # times the host found a bank still in use by the GPU
+
+    def acquire(self, cols: int) -> torch.Tensor:
+        """Next bank as a contiguous [4, cols] view, once the GPU no longer reads it."""
+        self.i = (self.i + 1) % len(self.banks)
+        if self.pending[self.i]:
+            if not self.events[self.i].query():
+                self.waits += 1
+                self.events[self.i].synchronize()
+            self.pending[self.i] = False
+        return self.banks[self.i][:4 * cols].view(4, cols)
+
+    def publish(self, src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Make the bank view ``src`` [4, n] visible on the device (into ``into`` if given)."""
+        n = src.shape[1]
+        if self.device.type != "cuda":
+            return src.clone() if into is None else into.copy_(src)
+        dst = into if into is not None else torch.empty((4, n), dtype=torch.int32, device=self.device)
+        if self.mode == "mapped":
+            from loopbench.kernels.descriptor import copy_mapped
+            copy_mapped(src, dst)
+        else:
+            dst.copy_(src, non_blocking=True)
+        self.events[self.i].record()
+        self.pending[self.i] = True
+        return dst
