@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WORK_KEYS = ("rows_per_depth", "prefill_tokens", "decode_tokens", "steps")
+WORK_KEYS = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
 PHASES = ("warmup", "measured")
 
 

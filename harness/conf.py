@@ -140,6 +140,7 @@ class VerdictConf:
 
     min_effect: float = 0.01   # |speedup - 1| must reach this for faster / slower
     confidence: float = 0.95
+    min_pairs: int = 6         # fewer pairs: inconclusive (stats.verdict says why 6)
     n_resamples: int = 10_000
     bootstrap_seed: int = 0
 
@@ -294,6 +295,7 @@ def validate(cfg: DictConfig | dict) -> dict:
     if not (math.isfinite(vd["min_effect"]) and vd["min_effect"] >= 0):
         raise ValueError(f"verdict.min_effect must be >= 0, got {vd['min_effect']!r}")
     positive("verdict.n_resamples", vd["n_resamples"])
+    positive("verdict.min_pairs", vd["min_pairs"])
     exe = plain["executor"]
     for key in ("session_timeout_s", "reference_timeout_s", "poll_s"):
         if not exe[key] > 0:

@@ -34,7 +34,7 @@ FIRST_BASELINE = "baseline"
 FIRST_CANDIDATE = "candidate"
 
 
-def balanced_first(n_pairs: int, seed: int) -> tuple[str, ...]:
+def balanced_first(n_pairs: int, seed: int | Sequence[int]) -> tuple[str, ...]:
     """Which arm runs first in each of ``n_pairs`` pairs: balanced, then shuffled with ``seed``.
 
     The baseline goes first in ceil(n/2) pairs and the candidate in floor(n/2) (the seed's 4 native-first
@@ -132,14 +132,21 @@ def wilcoxon_p(ratios: Sequence[float]) -> tuple[float | None, str]:
     return float(extreme.mean()), "exact conditional (ties or zeros)"
 
 
-def verdict(speedup: float, ci: tuple[float, float] | None, min_effect: float) -> tuple[str, str]:
+def verdict(speedup: float, ci: tuple[float, float] | None, min_effect: float, n_pairs: int | None = None,
+            min_pairs: int = 1) -> tuple[str, str]:
     """The predeclared rule: ("faster" | "slower" | "inconclusive", why).
 
     faster: the whole CI lies above 1 and speedup - 1 >= min_effect; slower: the whole CI lies below 1
     and 1 - speedup >= min_effect; anything else (CI touching 1, an effect below the minimum, an
-    undefined CI) is inconclusive. The CI says whether the direction is credible, the minimum effect
-    whether it is worth reporting; pyperf's "not significant" plays the same role.
+    undefined CI, fewer than ``min_pairs`` pairs) is inconclusive. The CI says whether the direction is
+    credible, the minimum effect whether it is worth reporting; pyperf's "not significant" plays the
+    same role. ``min_pairs`` guards the small-sample case in which a percentile bootstrap of the median
+    is overconfident: with n pairs all on one side, the exact two-sided sign test gives p = 2 / 2^n,
+    below 0.05 only from n = 6 (Conover 1999, "Practical Nonparametric Statistics", 3.4), while the
+    bootstrap CI already excludes 1 at n = 2.
     """
+    if n_pairs is not None and n_pairs < min_pairs:
+        return "inconclusive", f"{n_pairs} pairs, fewer than the minimum {min_pairs} for a verdict"
     if ci is None:
         return "inconclusive", "confidence interval undefined (fewer than 2 pairs or degenerate data)"
     low, high = ci
@@ -188,14 +195,15 @@ class ComparisonStats:
 
 
 def compare(baseline_s: Sequence[float], candidate_s: Sequence[float], *, confidence: float = 0.95,
-            n_resamples: int = 10_000, seed: int = 0, min_effect: float = 0.01) -> ComparisonStats:
+            n_resamples: int = 10_000, seed: int = 0, min_effect: float = 0.01,
+            min_pairs: int = 1) -> ComparisonStats:
     """Paired statistics of one comparison at one point (pairs in measurement order)."""
     ratios = pair_ratios(baseline_s, candidate_s)
     speedup = float(np.median(ratios))
     ci = bootstrap_median_ci(ratios, confidence, n_resamples, seed, "percentile")
     bca = bootstrap_median_ci(ratios, confidence, n_resamples, seed, "BCa") if ratios.size >= 2 else None
     p, p_method = wilcoxon_p(ratios)
-    word, why = verdict(speedup, ci, min_effect)
+    word, why = verdict(speedup, ci, min_effect, int(ratios.size), min_pairs)
     return ComparisonStats(
         n_pairs=int(ratios.size), ratios=tuple(float(r) for r in ratios), speedup=speedup, ci=ci, bca_ci=bca,
         confidence=confidence, n_resamples=n_resamples, bootstrap_seed=seed,

@@ -1,0 +1,32 @@
+"""``python -m loopbench.audit BUNDLE_DIR``: audit one evidence bundle, write ``audit.json``, exit 0/1/3.
+
+Exit status: 0 the bundle is complete and every claim in it re-derives; 1 discrepancies (each printed,
+naming the file, arm, request and position or number that differs); 3 consistent but incomplete (a
+partial run that honestly publishes no verdict); 2 usage error.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from loopbench.audit.auditor import audit, write_verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
+        return 2
+    bundle = Path(argv[0])
+    verdict = audit(bundle)
+    path = write_verdict(bundle, verdict)
+    checked = ", ".join(f"{k} {v:,}" for k, v in sorted(verdict["checked"].items()))
+    print(f"audit {verdict['status'].upper()}: {bundle} ({checked})")
+    for d in verdict["discrepancies"]:
+        print(f"  - {d}")
+    print(f"verdict written to {path}")
+    return {"pass": 0, "fail": 1, "incomplete": 3}[verdict["status"]]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

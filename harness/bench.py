@@ -1,0 +1,73 @@
+"""``make bench``: the paired benchmark end to end, then the independent audit, then the report table.
+
+    python -m loopbench.harness.bench [--config-name PRESET] [KEY=VALUE ...] [-m KEY=A,B ...]
+
+Without ``--config-name`` the preset is ``ouro-1.4b`` where CUDA is available and ``cpu-smoke``
+otherwise. Any key can be overridden (``pairs=3``, ``model.checkpoint=/path``...); Hydra's multirun
+(``-m``) runs one benchmark per combination, each into its own bundle. Each run: controller (plan,
+references, sessions) -> checker -> statistics -> bundle -> ``python -m loopbench.audit BUNDLE`` in a
+separate process (the auditor imports nothing from the harness) -> the seed-style table on stdout.
+
+Exit status: 0 when every run is complete and its audit passes; 3 when a run is incomplete (no
+verdict) and its audit finds nothing else wrong; 1 when an audit fails or on any error. A configuration
+error (a misspelt key, a wrong type, an unknown arm...) is printed by Hydra before anything is
+measured and exits 1.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from . import conf, evidence
+
+_EXIT_CODES: list[int] = []
+
+
+def audit(bundle: Path) -> int:
+    """Run the auditor on ``bundle`` in its own interpreter; returns its exit code."""
+    from .executors import child_env
+
+    return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None)).returncode
+
+
+def task(cfg) -> int:
+    from . import controller
+
+    result = controller.run(cfg)
+    code = audit(result.bundle)
+    summary = result.summary
+    print()
+    print(evidence.result_tables(summary))
+    print(f"status: {summary['status']}"
+          + (f" ({'; '.join(summary['incomplete_reasons'])})" if summary["incomplete_reasons"] else "")
+          + f"; checks {'passed' if summary['checks']['ok'] else 'FAILED'}"
+          + f"; verdicts {'published' if summary['verdicts_published'] else 'barred: ' + str(summary['verdicts_barred_by'])}"
+          + f"; audit {'passed' if code == 0 else 'exit ' + str(code)}")
+    print(f"bundle: {result.bundle}")
+    print(f"report: {result.bundle / 'report.md'}")
+    rc = 1 if code not in (0, 3) else (3 if summary["status"] != "complete" or code == 3 else 0)
+    _EXIT_CODES.append(rc)
+    return rc
+
+
+def default_config_name() -> str:
+    import torch
+
+    return "ouro-1.4b" if torch.cuda.is_available() else "cpu-smoke"
+
+
+def main() -> int:
+    import hydra
+
+    argv = sys.argv[1:]
+    named = any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in argv)
+    name = None if named else default_config_name()
+    if name is not None:
+        print(f"loopbench: preset {name} ({'CUDA available' if name == 'ouro-1.4b' else 'no CUDA'})", flush=True)
+    hydra.main(version_base=None, config_path=str(conf.CONFIG_DIR), config_name=name)(task)()
+    return max(_EXIT_CODES) if _EXIT_CODES else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

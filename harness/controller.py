@@ -1,0 +1,328 @@
+"""The controller: validate, freeze the plan, capture or reuse the references, run sessions, check, bundle.
+
+Order of work (BRIEF section 2, issue 3):
+
+1. :func:`conf.validate` - a bad key or value fails here, before anything is written or measured.
+2. Inputs: the checkpoint (a synthetic one of the preset, written once into the cache, or a real one),
+   the prompt pool, and their sha256s; the code's git SHA, dirty flag and a hash of the runtime sources.
+3. References: one ``reference`` child on the first device runs (or reuses by hash) a natural capture
+   of the reference arm per point; the frozen ``Schedule`` files land in ``references/``.
+4. ``plan.json``: resolved config and its sha256, code identity, checkpoint and prompts hashes, the
+   references' sha256s, the devices and the full measurement order, written before any measurement.
+5. Sessions: one child per device (local processes or submitit jobs) with timeouts and a progress bar
+   fed by the raw records the sessions write as each arm completes.
+6. :mod:`checker`, :mod:`stats` and :mod:`evidence` turn whatever was recorded into the bundle; a
+   failed, killed, timed-out or interrupted run is marked incomplete and publishes no verdict.
+
+The measurement order: per point, the comparisons' pairs interleaved (pair 0 of every comparison,
+then pair 1, ...), each pair's first arm from ``stats.balanced_first`` seeded with
+(order_seed, point index, comparison index); every session runs the same order.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+
+from . import checker, conf, evidence, stats, telemetry
+from .executors import REPO_ROOT, ChildResult, ChildSpec, LocalExecutor, SubmititExecutor
+
+PLAN_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class RunResult:
+    bundle: Path
+    summary: dict
+
+
+# ---------------------------------------------------------------------------------------- identity
+
+def code_identity(root: Path = REPO_ROOT) -> dict:
+    """Git SHA and dirty flag (tracked files), and the sha256 of the runtime sources (harness, kernels)."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    h = hashlib.sha256()
+    for folder in ("harness", "kernels"):
+        for p in sorted((root / folder).rglob("*.py")):
+            h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
+            h.update(p.read_bytes())
+    return {"git_sha": sha or "unknown", "git_dirty": bool(status) if status is not None else None,
+            "code_sha256": h.hexdigest()}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+def prepare_checkpoint(plain: dict, cache: Path) -> dict:
+    """The checkpoint directory, its sha256 and model config; a synthetic one is written once, then reused."""
+    from .checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict, write_synthetic_checkpoint
+    from .session import _DTYPES
+
+    m = plain["model"]
+    if m["checkpoint"]:
+        path = Path(m["checkpoint"]).expanduser().resolve()
+        if not (path / CONFIG_NAME).is_file():
+            raise ValueError(f"model.checkpoint = {m['checkpoint']!r} is not an HF checkpoint directory "
+                             f"(no {CONFIG_NAME})")
+        source, description = "path", f"checkpoint {path}"
+    else:
+        from .model import PRESETS
+
+        if m["preset"] not in PRESETS:
+            raise ValueError(f"model.preset = {m['preset']!r} is not a preset; known: {sorted(PRESETS)}")
+        path = cache / "checkpoints" / f"{m['preset']}-seed{m['seed']}-{m['dtype']}"
+        if not (path / CONFIG_NAME).is_file():
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            write_synthetic_checkpoint(tmp, m["preset"], seed=m["seed"], dtype=_DTYPES[m["dtype"]])
+            tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+        source, description = "synthetic", f"synthetic `{m['preset']}` (seed {m['seed']})"
+    cfg = config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text()))
+    return {"source": source, "path": str(path), "preset": None if m["checkpoint"] else m["preset"],
+            "description": description, "sha256": checkpoint_sha256(path), "model_config": cfg.to_dict()}
+
+
+def read_prompts_file(path: Path) -> list[list[int]]:
+    """Token-id prompts from parquet (a ``prompt_token_ids`` list column) or JSONL (a list, or an object
+    with ``prompt_token_ids``, per line)."""
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        df = pd.read_parquet(path)
+        if "prompt_token_ids" not in df.columns:
+            raise ValueError(f"{path}: no 'prompt_token_ids' column (columns: {list(df.columns)})")
+        return [[int(t) for t in row] for row in df["prompt_token_ids"]]
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        ids = item.get("prompt_token_ids") if isinstance(item, dict) else item
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{path}:{n}: expected a non-empty list of token ids, got {str(item)[:80]!r}")
+        prompts.append(ids)
+    return prompts
+
+
+def make_prompts(plain: dict, vocab_size: int) -> list[list[int]]:
+    """The prompt pool: seeded uniform token ids (numpy ``default_rng(prompt_seed)``), or the user's file."""
+    wl = plain["workload"]
+    need = max(p["num_requests"] for p in plain["points"])
+    if wl["prompts_file"]:
+        prompts = read_prompts_file(Path(wl["prompts_file"]).expanduser())
+        if len(prompts) < need:
+            raise ValueError(f"workload.prompts_file has {len(prompts)} prompts; the largest point needs {need}")
+        bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"workload.prompts_file: prompt {bad[0][0]} has token id {bad[0][1]} outside "
+                             f"[0, {vocab_size})")
+        return prompts[:need]
+    rng = np.random.default_rng(wl["prompt_seed"])
+    return rng.integers(0, vocab_size, size=(need, wl["prompt_len"])).tolist()
+
+
+# ----------------------------------------------------------------------------------------- devices
+
+def resolve_devices(plain: dict) -> list[dict]:
+    """One entry per session: {name, kind, gpu_index, label}. CPU: a single session."""
+    exe = plain["executor"]
+    kind = exe["device"]
+    if exe["kind"] == "slurm":
+        use_gpu = kind != "cpu"
+        return [{"name": f"slurm{i}", "kind": "cuda" if use_gpu else "cpu", "gpu_index": None,
+                 "label": f"slurm job {i}" if use_gpu else "cpu"} for i in range(exe["slurm"]["jobs"])]
+    import torch
+
+    n_gpus = torch.cuda.device_count() if kind != "cpu" else 0
+    if kind == "cuda" and n_gpus == 0:
+        raise ValueError("executor.device = cuda, but no CUDA device is visible")
+    if n_gpus == 0:
+        return [{"name": "cpu0", "kind": "cpu", "gpu_index": None, "label": "cpu"}]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [int(x) for x in visible.split(",")] if visible and all(x.strip().isdigit() for x in visible.split(",")) \
+        else list(range(n_gpus))
+    gpus = exe["gpus"] if exe["gpus"] is not None else physical
+    for g in gpus:
+        if g not in physical:
+            raise ValueError(f"executor.gpus lists GPU {g}, visible GPUs are {physical}")
+    out = []
+    for g in gpus:
+        info = telemetry.device_info(g) or {}
+        short = (info.get("name") or "GPU").replace("NVIDIA ", "").replace("GeForce ", "")
+        out.append({"name": f"gpu{g}", "kind": "cuda", "gpu_index": g, "label": f"{short} #{g}"})
+    return out
+
+
+def measurement_order(plain: dict, points: list[dict]) -> list[dict]:
+    """Every arm run of one session, in order (see the module docstring)."""
+    order, seq = [], 0
+    comps = plain["comparisons"]
+    for pi, pt in enumerate(points):
+        firsts = [stats.balanced_first(plain["pairs"], [plain["order_seed"], pi, ci]) for ci in range(len(comps))]
+        for pair in range(plain["pairs"]):
+            for ci, comp in enumerate(comps):
+                positions = ("baseline", "candidate") if firsts[ci][pair] == "baseline" else ("candidate", "baseline")
+                for slot, pos in enumerate(positions):
+                    order.append({"seq": seq, "point": pt["key"], "comparison": comp["name"], "pair": pair,
+                                  "position": pos, "slot": slot, "arm": comp[pos]})
+                    seq += 1
+    return order
+
+
+# ------------------------------------------------------------------------------------- environment
+
+def environment(devices: list[dict]) -> dict:
+    from importlib import metadata
+
+    import torch
+
+    pkgs = {}
+    for name in ("torch", "triton", "numpy", "scipy", "pandas", "pyarrow", "hydra-core", "omegaconf", "submitit",
+                 "safetensors", "matplotlib", "nvidia-ml-py", "tqdm"):
+        try:
+            pkgs[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pkgs[name] = None
+    from .session import _cpu_name
+
+    gpus = [telemetry.device_info(d["gpu_index"]) for d in devices if d["gpu_index"] is not None]
+    return {
+        "host": socket.gethostname(), "platform": platform.platform(),
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "cpu": {"model": _cpu_name(), "logical_cores": os.cpu_count()},
+        "torch": {"version": torch.__version__, "cuda": torch.version.cuda,
+                  "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None},
+        "packages": pkgs, "gpus": gpus,
+        "gpu_telemetry_at_start": [telemetry.sample(d["gpu_index"]) for d in devices if d["gpu_index"] is not None],
+        "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "OMP_NUM_THREADS")},
+    }
+
+
+# -------------------------------------------------------------------------------------------- run
+
+def _executor(plain: dict, bundle: Path, cache: Path, devices: list[dict]):
+    if plain["executor"]["kind"] == "slurm":
+        return SubmititExecutor(cache / "submitit" / bundle.name, plain["executor"]["slurm"],
+                                use_gpus=devices[0]["kind"] == "cuda")
+    return LocalExecutor()
+
+
+def _progress(bundle: Path, total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but a bar is never worth failing a run for
+        return lambda: None, lambda: None
+    bar = tqdm(total=total, desc="arms", unit="arm", dynamic_ncols=True, file=sys.stderr)
+
+    def update() -> None:
+        done = len(list((bundle / "raw").glob("*/*.json")))
+        if done > bar.n:
+            bar.update(done - bar.n)
+    return update, bar.close
+
+
+def _job(bundle: Path, kind: str, dev: dict, **extra) -> Path:
+    job = {"kind": kind, "name": dev["name"], "bundle": str(bundle),
+           "device": {"kind": dev["kind"], "gpu_index": dev["gpu_index"]}, **extra}
+    path = bundle / "jobs" / f"{kind}-{dev['name']}.json"
+    evidence.atomic_write_json(path, job)
+    return path
+
+
+def run(cfg: DictConfig | dict) -> RunResult:
+    """Run one benchmark end to end; returns the bundle and its summary (never a verdict for a partial run)."""
+    plain = conf.validate(cfg)
+    cache = conf.cache_dir(plain)
+    devices = resolve_devices(plain)
+    code = code_identity()
+    short = code["git_sha"][:8] if code["git_sha"] != "unknown" else "nogit"
+    results_dir = Path(plain["results_dir"])
+    if not results_dir.is_absolute():
+        results_dir = REPO_ROOT / results_dir
+    bundle = evidence.bundle_dir(results_dir, plain["name"], short)
+    print(f"loopbench: bundle {bundle}", flush=True)
+
+    ckpt = prepare_checkpoint(plain, cache)
+    prompts = make_prompts(plain, ckpt["model_config"]["vocab_size"])
+    prompts_text = json.dumps(prompts, separators=(",", ":")) + "\n"
+    evidence.atomic_write_text(bundle / "prompts.json", prompts_text)
+    max_model_len = max(len(p) for p in prompts) + plain["workload"]["output_len"]
+    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
+    env = environment(devices)
+    evidence.atomic_write_json(bundle / "environment.json", env)
+    executor = _executor(plain, bundle, cache, devices)
+    ex = plain["executor"]
+
+    # --- references (a natural run of the reference arm per point, or the cached one)
+    ref_arm = conf.reference_arm(plain)
+    key_material = {"checkpoint_sha256": ckpt["sha256"], "prompts_sha256": evidence.sha256_bytes(prompts_text.encode()),
+                    "workload": plain["workload"], "exit": plain["exit"], "arm": plain["arms"][ref_arm],
+                    "dtype": plain["model"]["dtype"], "code_sha256": code["code_sha256"]}
+    ref_job = _job(bundle, "reference", devices[0], spec={
+        "checkpoint_path": ckpt["path"], "dtype": plain["model"]["dtype"], "prompts_file": "prompts.json",
+        "points": points, "output_len": plain["workload"]["output_len"], "exit": plain["exit"],
+        "arm": ref_arm, "arm_config": plain["arms"][ref_arm], "max_model_len": max_model_len,
+        "cache_dir": str(cache), "reuse": plain["reuse_references"], "key_material": key_material})
+    children: list[ChildResult] = executor.run(
+        [ChildSpec("reference", ref_job, bundle / "logs" / "reference.log", devices[0]["gpu_index"],
+                   devices[0]["label"], ex["reference_timeout_s"])], poll_s=ex["poll_s"])
+    for pt in points:
+        f = bundle / "references" / f"{pt['key']}.schedule.json"
+        meta = bundle / "references" / f"{pt['key']}.meta.json"
+        if f.is_file() and meta.is_file():
+            pt["reference"] = {"file": f.relative_to(bundle).as_posix(), "sha256": evidence.sha256_file(f),
+                               "meta_file": meta.relative_to(bundle).as_posix(),
+                               "meta_sha256": evidence.sha256_file(meta)}
+
+    # --- the frozen plan
+    order = measurement_order(plain, points)
+    plan = {
+        "schema_version": PLAN_SCHEMA, "name": plain["name"],
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": plain, "config_sha256": evidence.sha256_bytes(evidence.canonical_json(plain).encode()),
+        "code": code, "checkpoint": ckpt,
+        "prompts": {"file": "prompts.json", "sha256": evidence.sha256_bytes(prompts_text.encode()),
+                    "count": len(prompts), "lengths": sorted({len(p) for p in prompts})},
+        "max_model_len": max_model_len, "points": points, "reference_arm": ref_arm,
+        "devices": devices, "order": {d["name"]: order for d in devices},
+    }
+    evidence.atomic_write_json(bundle / "plan.json", plan)
+    interrupted = None
+    if children[0].exit_code != 0 or any("reference" not in pt for pt in points):
+        interrupted = "the reference capture failed; nothing was measured"
+    else:
+        specs = [ChildSpec(d["name"], _job(bundle, "session", d), bundle / "logs" / f"{d['name']}.log",
+                           d["gpu_index"], d["label"], ex["session_timeout_s"]) for d in devices]
+        update, close = _progress(bundle, len(order) * len(devices))
+        try:
+            children += executor.run(specs, progress=update, poll_s=ex["poll_s"])
+        except KeyboardInterrupt:
+            interrupted = "interrupted by the user"
+        finally:
+            close()
+    child_dicts = [c.to_dict() for c in children]
+    evidence.atomic_write_json(bundle / "children.json", child_dicts)
+
+    references = {}
+    for pt in points:
+        if "reference" in pt:
+            references[pt["key"]] = {"schedule": json.loads((bundle / pt["reference"]["file"]).read_text()),
+                                     "work": json.loads((bundle / pt["reference"]["meta_file"]).read_text())["work"]}
+    report = checker.check(evidence.load_records(bundle), references, warmup=plain["warmup"])
+    summary = evidence.finalize(bundle, plan, report.to_dict(), child_dicts, env, interrupted)
+    return RunResult(bundle, summary)

@@ -1,0 +1,430 @@
+"""The evidence bundle: raw arm records in, parquet tables, summary, report, plot and manifest out.
+
+Layout of ``results/<date>-<name>-<short sha>/`` (schema version :data:`SCHEMA_VERSION`)::
+
+    plan.json              frozen before measuring (controller.py)
+    environment.json       hosts, GPUs, driver, library versions
+    prompts.json           the prompt pool (token ids); requests of a point take the first C
+    references/<point>.schedule.json   frozen natural run, bytes exactly ``Schedule.to_json()``
+    references/<point>.meta.json       its arm, work counters, cache key
+    jobs/*.json            what each child was asked to do
+    raw/<job>/<seq>-....json           one file per completed arm, written by the session as it completes
+    logs/<job>.log         child output
+    children.json          every child's exit code and state
+    tables/{arms,pairs,requests,tokens,telemetry}.parquet   (schema version in the parquet metadata)
+    summary.json           status, counts, checks, statistics, verdicts
+    report.md              the seed-style table and the checks behind it
+    pair_ratios.png        paired ratios with medians and CIs
+    manifest.json          sha256 and size of every file above
+    audit.json             the auditor's verdict (written after the manifest, declared outside it)
+
+Every file is written atomically (temporary file in the same folder, fsync, rename), so a crash leaves
+either the old file or the new one. A run that lost an arm, a pair or a child is marked incomplete and
+publishes no verdict; its completed arms stay in the bundle. This module formats the report table; the
+auditor re-derives each row from the tables with its own code and checks it is present verbatim.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import stats as _stats
+
+SCHEMA_VERSION = 1
+TABLES = ("arms", "pairs", "requests", "tokens", "telemetry")
+UNMANIFESTED = ("manifest.json", "audit.json")
+
+
+# ------------------------------------------------------------------------------------------- atomic IO
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def canonical_json(data: Any) -> str:
+    """The one JSON spelling that hashes are taken over: sorted keys, compact, UTF-8."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, sort_keys=True, indent=1, allow_nan=False) + "\n")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_table(path: Path, df: pd.DataFrame) -> None:
+    """Parquet with ``loopbench_schema_version`` in the schema metadata, written atomically."""
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta[b"loopbench_schema_version"] = str(SCHEMA_VERSION).encode()
+    table = table.replace_schema_metadata(meta)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
+# ----------------------------------------------------------------------------------------- bundle dir
+
+def bundle_dir(results_dir: Path, name: str, short_sha: str, today: _dt.date | None = None) -> Path:
+    """``results/<date>-<name>-<short sha>``, with ``-2``, ``-3``... when that exists already."""
+    today = today or _dt.date.today()
+    base = Path(results_dir) / f"{today.isoformat()}-{name}-{short_sha}"
+    path, k = base, 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+    path.mkdir(parents=True)
+    return path
+
+
+def load_records(bundle: Path) -> list[dict]:
+    """Every raw arm record in the bundle, by (job, seq)."""
+    recs = [json.loads(p.read_text()) for p in sorted((Path(bundle) / "raw").glob("*/*.json"))]
+    return sorted(recs, key=lambda r: (r["job"], r["seq"]))
+
+
+# ------------------------------------------------------------------------------------------- tables
+
+def _phase_row(prefix: str, phase: dict | None) -> dict:
+    keys = ("elapsed_s", "captures", "replays", "fallbacks", "peak_allocated_bytes", "peak_reserved_bytes")
+    if phase is None:
+        return {f"{prefix}{k}": None for k in keys}
+    return {f"{prefix}elapsed_s": phase["elapsed_s"],
+            f"{prefix}captures": phase["graphs"]["captures"], f"{prefix}replays": phase["graphs"]["replays"],
+            f"{prefix}fallbacks": phase["graphs"]["fallbacks"],
+            f"{prefix}peak_allocated_bytes": phase["memory"]["peak_allocated_bytes"],
+            f"{prefix}peak_reserved_bytes": phase["memory"]["peak_reserved_bytes"]}
+
+
+def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
+    """Flatten raw records into the bundle's five tables (one row per arm / pair / request / token / sample)."""
+    arms, reqs, toks, tele = [], [], [], []
+    for r in records:
+        m = r["measured"]
+        row = {"job": r["job"], "seq": r["seq"], "device": r["device"]["label"], "point": r["point"],
+               "max_num_seqs": r["max_num_seqs"], "num_requests": r["num_requests"], "output_len": r["output_len"],
+               "comparison": r["comparison"], "pair": r["pair"], "position": r["position"], "slot": r["slot"],
+               "arm": r["arm"], **{f"arm_{k}": v for k, v in sorted(r["arm_config"].items())},
+               "tokens_per_s": r["tokens_per_s"]}
+        row.update(_phase_row("", m))
+        row.update(_phase_row("warmup_", r.get("warmup")))
+        for k, v in sorted(m["work"].items()):
+            row[f"work_{k}"] = v
+        row["kv_blocks_used"] = m["kv_blocks_used"]
+        row["trace_sha256"] = m.get("trace_sha256")
+        arms.append(row)
+        for phase in ("warmup", "measured"):
+            data = r.get(phase)
+            if data is None:
+                continue
+            for rid, out in sorted(data["outputs"].items()):
+                depths = out["exit_depths"]
+                reqs.append({"job": r["job"], "seq": r["seq"], "arm": r["arm"], "point": r["point"],
+                             "phase": phase, "request_id": rid, "num_tokens": len(out["token_ids"]),
+                             "finish_reason": out["finish_reason"],
+                             "mean_exit_depth": float(np.mean(depths)) if depths else None})
+                for pos, (tok, dep) in enumerate(zip(out["token_ids"], depths)):
+                    toks.append((r["job"], r["seq"], phase, rid, pos, tok, dep))
+        for when in ("start", "end"):
+            sample = (r.get("telemetry") or {}).get(when)
+            if sample:
+                tele.append({"job": r["job"], "seq": r["seq"], "arm": r["arm"], "when": when, **sample})
+    tokens = pd.DataFrame(toks, columns=["job", "seq", "phase", "request_id", "position", "token_id", "exit_depth"])
+    arms_df = pd.DataFrame(arms)
+    return {"arms": arms_df, "pairs": build_pairs(arms_df), "requests": pd.DataFrame(reqs),
+            "tokens": tokens.astype({"position": "int32", "token_id": "int64", "exit_depth": "int16"}),
+            "telemetry": pd.DataFrame(tele, columns=None if tele else ["job", "seq", "arm", "when"])}
+
+
+def build_pairs(arms: pd.DataFrame) -> pd.DataFrame:
+    """One row per complete pair: both arms' measured seconds and ratio = baseline_s / candidate_s."""
+    cols = ["job", "device", "point", "max_num_seqs", "num_requests", "output_len", "comparison", "pair",
+            "first", "baseline_arm", "candidate_arm", "baseline_seq", "candidate_seq", "baseline_s",
+            "candidate_s", "ratio"]
+    rows = []
+    if len(arms):
+        for key, grp in arms.groupby(["job", "point", "comparison", "pair"], sort=True):
+            if set(grp["position"]) != {"baseline", "candidate"} or len(grp) != 2:
+                continue
+            b = grp[grp["position"] == "baseline"].iloc[0]
+            c = grp[grp["position"] == "candidate"].iloc[0]
+            rows.append({"job": b["job"], "device": b["device"], "point": b["point"],
+                         "max_num_seqs": int(b["max_num_seqs"]), "num_requests": int(b["num_requests"]),
+                         "output_len": int(b["output_len"]), "comparison": b["comparison"], "pair": int(b["pair"]),
+                         "first": "baseline" if b["slot"] == 0 else "candidate",
+                         "baseline_arm": b["arm"], "candidate_arm": c["arm"],
+                         "baseline_seq": int(b["seq"]), "candidate_seq": int(c["seq"]),
+                         "baseline_s": float(b["elapsed_s"]), "candidate_s": float(c["elapsed_s"]),
+                         "ratio": float(b["elapsed_s"]) / float(c["elapsed_s"])})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def write_tables(bundle: Path, tables: dict[str, pd.DataFrame]) -> None:
+    for name in TABLES:
+        write_table(Path(bundle) / "tables" / f"{name}.parquet", tables[name])
+
+
+# ------------------------------------------------------------------------------------------- summary
+
+def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], checks: dict,
+              children: list[dict], interrupted: str | None = None) -> dict:
+    """Status, counts and per (job, point, comparison) statistics; a verdict only for a complete, checked run."""
+    cfg = plan["config"]
+    vd = cfg["verdict"]
+    arms, pairs = tables["arms"], tables["pairs"]
+    planned = sum(len(v) for v in plan["order"].values())
+    reasons = []
+    if interrupted:
+        reasons.append(interrupted)
+    for ch in children:
+        if ch["exit_code"] != 0:
+            reasons.append(f"child {ch['name']} ended {ch['state']} with exit code {ch['exit_code']}")
+    if len(arms) != planned:
+        reasons.append(f"{len(arms)} of {planned} planned arms recorded")
+    status = "incomplete" if reasons else "complete"
+    publish = status == "complete" and checks["ok"]
+    results = []
+    planned_keys = [(d["name"], pt["key"], c["name"]) for d in plan["devices"] for pt in plan["points"]
+                    for c in cfg["comparisons"]]
+    if len(pairs):
+        groups = dict(iter(pairs.groupby(["job", "point", "comparison"], sort=False)))
+        for job, point, comp in planned_keys:
+            if (job, point, comp) not in groups:
+                continue
+            grp = groups[(job, point, comp)].sort_values("pair")
+            st = _stats.compare(grp["baseline_s"].tolist(), grp["candidate_s"].tolist(),
+                                confidence=vd["confidence"], n_resamples=vd["n_resamples"],
+                                seed=vd["bootstrap_seed"], min_effect=vd["min_effect"],
+                                min_pairs=vd["min_pairs"])
+            first = grp.iloc[0]
+            sel = arms[(arms["job"] == job) & (arms["point"] == point) & (arms["comparison"] == comp)
+                       & arms["pair"].isin(set(grp["pair"]))]
+            results.append({
+                "job": job, "device": first["device"], "point": point,
+                "max_num_seqs": int(first["max_num_seqs"]), "num_requests": int(first["num_requests"]),
+                "output_len": int(first["output_len"]), "comparison": comp,
+                "baseline": first["baseline_arm"], "candidate": first["candidate_arm"],
+                "pairs": [int(p) for p in grp["pair"]],
+                "baseline_tokens_per_s": float(np.median(sel[sel["position"] == "baseline"]["tokens_per_s"])),
+                "candidate_tokens_per_s": float(np.median(sel[sel["position"] == "candidate"]["tokens_per_s"])),
+                "stats": st.to_dict(),
+                "verdict": st.verdict if publish else None,
+            })
+    barred = None if publish else ("run incomplete" if status != "complete" else "checks failed")
+    return {
+        "schema_version": SCHEMA_VERSION, "name": plan["name"], "status": status,
+        "incomplete_reasons": reasons, "verdicts_published": publish, "verdicts_barred_by": barred,
+        "plan_sha256": plan_sha256,
+        "verdict_rule": {"min_effect": vd["min_effect"], "confidence": vd["confidence"], "min_pairs": vd["min_pairs"],
+                         "ci_method": "percentile bootstrap of the median", "n_resamples": vd["n_resamples"],
+                         "bootstrap_seed": vd["bootstrap_seed"]},
+        "counts": {"arms_planned": planned, "arms_recorded": int(len(arms)),
+                   "pairs_planned": planned // 2, "pairs_complete": int(len(pairs)),
+                   "requests": int(len(tables["requests"])), "tokens": int(len(tables["tokens"]))},
+        "checks": checks, "children": children, "results": results,
+    }
+
+
+# -------------------------------------------------------------------------------------------- report
+
+def fmt_speedup(speedup: float, ci: list | None) -> str:
+    ci_text = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "[n/a]"
+    return f"{speedup:.4f}× {ci_text}"
+
+
+def table_row(res: dict) -> str:
+    """One seed-style row. The auditor rebuilds this line from the tables and looks for it verbatim."""
+    st = res["stats"]
+    verdict = res["verdict"] if res["verdict"] is not None else "none"
+    return (f"| {res['device']} | {res['max_num_seqs']} / {res['num_requests']} | "
+            f"{res['baseline_tokens_per_s']:.2f} | {res['candidate_tokens_per_s']:.2f} | "
+            f"{fmt_speedup(st['speedup'], st['ci'])} | {100 * (st['speedup'] - 1):+.2f}% | {verdict} |")
+
+
+def result_tables(summary: dict) -> str:
+    """The seed's table, one per comparison (GPU, B / C, tokens/s of each arm, speedup [CI], change)."""
+    out = []
+    comps: dict[str, list[dict]] = {}
+    for res in summary["results"]:
+        comps.setdefault(res["comparison"], []).append(res)
+    for comp, rows in comps.items():
+        b, c = rows[0]["baseline"], rows[0]["candidate"]
+        label = f"{comp} (A/A noise floor)" if b == c else comp
+        out += [f"### {label}", "",
+                f"| GPU | B / C | {b} tokens/s | {c} tokens/s | Paired speedup [95% CI] | Throughput change | Verdict |",
+                "|---|---|---|---|---|---|---|"]
+        out += [table_row(r) for r in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def _graph_memory_lines(arms: pd.DataFrame) -> list[str]:
+    lines = ["| GPU | B / C | arm | runs | warmup captures | measured captures | measured replays | "
+             "measured fallbacks | peak allocated MiB | peak reserved MiB | KV blocks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mib(series) -> str:
+        vals = [v for v in series if v is not None and not pd.isna(v)]
+        return f"{max(vals) / 2**20:.1f}" if vals else "n/a"
+
+    for (dev, b, c, arm), g in arms.groupby(["device", "max_num_seqs", "num_requests", "arm"], sort=True):
+        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {int(g['warmup_captures'].fillna(0).sum())} | "
+                     f"{int(g['captures'].sum())} | {int(g['replays'].sum())} | {int(g['fallbacks'].sum())} | "
+                     f"{mib(g['peak_allocated_bytes'])} | {mib(g['peak_reserved_bytes'])} | "
+                     f"{int(g['kv_blocks_used'].max())} |")
+    return lines
+
+
+def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict) -> str:
+    cfg = plan["config"]
+    code = plan["code"]
+    head = "complete" if summary["status"] == "complete" else "INCOMPLETE: no verdict"
+    lines = [f"# loopbench: {plan['name']} ({head})", ""]
+    if summary["status"] != "complete":
+        lines += ["**This run is incomplete and publishes no verdict:** " + "; ".join(summary["incomplete_reasons"]), ""]
+    elif not summary["verdicts_published"]:
+        lines += ["**Checks failed: every verdict is barred** (see Checks).", ""]
+    wl = cfg["workload"]
+    ex = cfg["exit"]
+    lines += [
+        f"- Code: `{code['git_sha']}`{' (dirty tree)' if code['git_dirty'] else ''}; plan sha256 `{summary['plan_sha256']}`",
+        f"- Model: {plan['checkpoint']['description']}, {cfg['model']['dtype']}, checkpoint sha256 "
+        f"`{plan['checkpoint']['sha256']}`",
+        f"- Workload: P{wl['prompt_len'] if not wl['prompts_file'] else 'file'} / D{wl['output_len']}, "
+        f"prompts sha256 `{plan['prompts']['sha256']}`; fixed schedule from a natural `{plan['reference_arm']}` run "
+        f"({ex['policy']} {ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']})",
+        f"- Protocol: {cfg['pairs']} balanced pairs per point and comparison, order seed {cfg['order_seed']}, "
+        f"{'one full untimed warmup per arm' if cfg['warmup'] else 'NO warmup'}, fresh engine per arm",
+        f"- Torch {environment.get('torch', {}).get('version')}, triton {environment.get('packages', {}).get('triton')}, "
+        f"python {environment.get('python', {}).get('version')}",
+        "", "## Result", "",
+        result_tables(summary),
+        "Tokens/s are medians over an arm's measured runs within the comparison; speedup is the median paired "
+        f"ratio baseline_s / candidate_s; the interval is a percentile bootstrap of the median over pairs "
+        f"({cfg['verdict']['n_resamples']:,} resamples, seed {cfg['verdict']['bootstrap_seed']}). Verdict rule: "
+        f"faster / slower when the whole {cfg['verdict']['confidence']:.0%} CI lies above / below 1 and the "
+        f"effect is at least {cfg['verdict']['min_effect']:.2%}, with at least {cfg['verdict']['min_pairs']} pairs; "
+        "otherwise inconclusive. The intervals bootstrap "
+        "pairs within one persistent session per device, not independent sessions.", "",
+        "## Statistics", "",
+        "| GPU | B / C | comparison | pairs | BCa CI | Wilcoxon p | distinct resamples | rule outcome |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in summary["results"]:
+        st = r["stats"]
+        bca = f"[{st['bca_ci'][0]:.4f}, {st['bca_ci'][1]:.4f}]" if st["bca_ci"] else "undefined"
+        p = f"{st['wilcoxon_p']:.4g} ({st['wilcoxon_method']})" if st["wilcoxon_p"] is not None else "n/a"
+        lines.append(f"| {r['device']} | {r['max_num_seqs']} / {r['num_requests']} | {r['comparison']} | "
+                     f"{st['n_pairs']} | {bca} | {p} | {st['distinct_resamples']:,} | {st['verdict']}: "
+                     f"{st['verdict_reason']} |")
+    ch = summary["checks"]
+    lines += ["", "## Checks", "",
+              f"{'PASS' if ch['ok'] else 'FAIL'}: {ch['arms_checked']} arms, {ch['phases_checked']} runs "
+              f"(warmup and measured), {ch['requests_checked']:,} requests and {ch['tokens_checked']:,} output "
+              "tokens compared with the frozen references (tokens, exit depths, work counters, row trace); "
+              "measured arms must show zero new Graph captures; paired Graph coverage must be equal."]
+    for f in ch["findings"][:25]:
+        lines.append(f"- {f['message']}")
+    if len(ch["findings"]) > 25:
+        lines.append(f"- ... and {len(ch['findings']) - 25} more (summary.json)")
+    lines += ["", "## Graph counters and memory", ""] + _graph_memory_lines(arms) if len(arms) else []
+    lines += ["", "## Children", "", "| child | device | state | exit code | wall s |", "|---|---|---|---|---|"]
+    for c in summary["children"]:
+        lines.append(f"| {c['name']} | {c['device']} | {c['state']} | {c['exit_code']} | {c['wall_s']:.1f} |")
+    lines += ["", "![paired ratios](pair_ratios.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_ratios(summary: dict, pairs: pd.DataFrame, path: Path) -> None:
+    """Each pair's ratio (dots), the median (bar) and its CI (whiskers), one row per device/point/comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = summary["results"]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * max(len(results), 1) + 1.4))
+    for y, r in enumerate(results):
+        grp = pairs[(pairs["job"] == r["job"]) & (pairs["point"] == r["point"]) & (pairs["comparison"] == r["comparison"])]
+        ax.scatter(grp["ratio"], np.full(len(grp), y) + np.linspace(-0.12, 0.12, len(grp)), s=14, color="0.45", zorder=2)
+        st = r["stats"]
+        if st["ci"]:
+            ax.errorbar([st["speedup"]], [y], xerr=[[st["speedup"] - st["ci"][0]], [st["ci"][1] - st["speedup"]]],
+                        fmt="none", ecolor="C0", capsize=4, zorder=3)
+        ax.scatter([st["speedup"]], [y], marker="|", s=300, color="C0", zorder=4)
+    ax.axvline(1.0, color="C3", lw=0.8)
+    ax.set_yticks(range(len(results)))
+    ax.set_yticklabels([f"{r['device']} B{r['max_num_seqs']}/C{r['num_requests']}\n{r['comparison']}" for r in results],
+                       fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("pair ratio baseline_s / candidate_s (> 1: candidate faster)")
+    ax.set_title("Paired ratios, median and 95% CI" + ("" if summary["status"] == "complete" else " (INCOMPLETE)"))
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ manifest
+
+def write_manifest(bundle: Path) -> dict:
+    """sha256 and size of every file in the bundle except the manifest itself and the audit verdict."""
+    bundle = Path(bundle)
+    files = {}
+    for p in sorted(bundle.rglob("*")):
+        rel = p.relative_to(bundle).as_posix()
+        if p.is_file() and rel not in UNMANIFESTED and not p.name.startswith("."):
+            files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    manifest = {"schema_version": SCHEMA_VERSION, "files": files}
+    atomic_write_json(bundle / "manifest.json", manifest)
+    return manifest
+
+
+def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], environment: dict,
+             interrupted: str | None = None) -> dict:
+    """Tables, summary, report, plot and manifest from whatever raw records the bundle holds."""
+    bundle = Path(bundle)
+    records = load_records(bundle)
+    tables = build_tables(records)
+    write_tables(bundle, tables)
+    summary = summarize(plan, sha256_file(bundle / "plan.json"), tables, checks, children, interrupted)
+    atomic_write_json(bundle / "summary.json", summary)
+    plot_ratios(summary, tables["pairs"], bundle / "pair_ratios.png")
+    atomic_write_text(bundle / "report.md", render_report(plan, summary, tables["arms"], environment))
+    write_manifest(bundle)
+    return summary

@@ -1,0 +1,313 @@
+"""A child process on one device: the reference capture, or one persistent measuring session.
+
+``python -m loopbench.harness.session JOB.json`` (or :func:`run_job` through submitit) runs one job
+that the controller wrote into the bundle:
+
+- ``reference``: for each point, a natural run of the reference arm (BRIEF section 2: "a natural run
+  of the native Graph arm is captured once ... and frozen with its sha256"), stored as the frozen
+  ``Schedule`` plus its work counters, or reused from the cache when the same inputs, code, device
+  model and torch version were captured before.
+- ``session``: loads the model once, then for each arm of the frozen measurement order builds a fresh
+  engine replaying the point's schedule, runs one full untimed warmup of the whole workload, then one
+  measured run timed from the first submission to full drain. Each completed arm is written at once as
+  one raw JSON record (atomic), so a killed session leaves every completed arm behind.
+
+Timing: ``time.perf_counter`` around add_request ... run() (whose end synchronises the device and
+copies the tokens to the host, i.e. the drain); on CUDA a ``torch.cuda.synchronize`` precedes both clock
+reads. The garbage collector is collected before and disabled inside the timed region, as ``timeit``
+does, so a collection of earlier garbage cannot land in one arm. Checking, telemetry and file writing
+are outside the timer. Peak memory is reset before and read after each phase (CUDA; None on CPU).
+
+This module is the only harness module that drives the runtime; it sees the plan as plain JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import telemetry
+from .evidence import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes
+from .stats import tokens_per_s
+
+RECORD_SCHEMA = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _runtime():
+    # Imported lazily: the controller imports this module for job helpers without loading the runtime.
+    from . import checkpoint, engine, model, schedule
+    return checkpoint, engine, model, schedule
+
+
+# ------------------------------------------------------------------------------------------ device
+
+def resolve_device(job: dict) -> dict:
+    """This child's device: torch device string, NVML index and a label for tables ("H200 #0", "cpu")."""
+    if job["device"]["kind"] == "cpu":
+        return {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": _cpu_name(), "uuid": None}
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"job {job['name']} asks for CUDA, but torch.cuda.is_available() is False")
+    index = job["device"].get("gpu_index")
+    if index is None:  # a Slurm job: the scheduler pinned one GPU through CUDA_VISIBLE_DEVICES
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0]
+        index = int(first) if first.isdigit() else None
+    info = telemetry.device_info(index) if index is not None else None
+    name = (info or {}).get("name") or torch.cuda.get_device_name(0)
+    short = name.replace("NVIDIA ", "").replace("GeForce ", "")
+    return {"kind": "cuda", "torch": "cuda:0", "gpu_index": index, "name": name,
+            "label": f"{short} #{index if index is not None else 0}", "uuid": (info or {}).get("uuid")}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: dict) -> None:
+    if device["kind"] == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+def load_model(checkpoint_path: str, dtype: str, device: dict, max_model_len: int):
+    ckpt, _, model, _ = _runtime()
+    cfg, tensors = ckpt.load_checkpoint(checkpoint_path, dtype=_DTYPES[dtype], device=device["torch"])
+    return model.OuroModel.from_tensors(cfg, tensors, device=device["torch"], dtype=_DTYPES[dtype],
+                                        rope_len=max_model_len)
+
+
+def build_requests(prompts: list[list[int]], num_requests: int, output_len: int, exit_conf: dict) -> list:
+    """The point's requests: the first C prompts of the pool, ids r0000.., exactly D tokens, EOS ignored."""
+    _, engine, _, _ = _runtime()
+    if len(prompts) < num_requests:
+        raise ValueError(f"the prompt pool has {len(prompts)} prompts, the point needs {num_requests}")
+    return [engine.Request(request_id=f"r{i:04d}", prompt_token_ids=tuple(prompts[i]), max_tokens=output_len,
+                           min_loops=exit_conf["min_loops"], max_loops=exit_conf["max_loops"],
+                           exit_threshold=exit_conf["threshold"], ignore_eos=True)
+            for i in range(num_requests)]
+
+
+def engine_config(arm: dict, max_num_seqs: int, max_model_len: int, policy: str, schedule=None):
+    _, engine, _, _ = _runtime()
+    return engine.EngineConfig(
+        max_num_seqs=max_num_seqs, block_size=arm["block_size"], max_model_len=max_model_len,
+        kv_layout=arm["kv_layout"], prefix_tiles=arm["prefix_tiles"], tile_size=arm["tile_size"],
+        attention_backend=arm["attention_backend"], exit_policy=policy, schedule=schedule,
+        cuda_graphs=arm["cuda_graphs"], graph_cache_size=arm["graph_cache_size"],
+        descriptor_mode=arm["descriptor_mode"])
+
+
+# --------------------------------------------------------------------------------------- one phase
+
+def _stats_dict(engine) -> dict:
+    s = engine.stats
+    return s.as_dict() if hasattr(s, "as_dict") else dataclasses.asdict(s)
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    """Counters of one run from two snapshots of cumulative engine stats (peaks are taken as they are)."""
+    out = {}
+    for key, end in after.items():
+        start = before.get(key)
+        if key.startswith("peak_") or start is None:
+            out[key] = end
+        elif isinstance(end, list):
+            out[key] = [e - s for e, s in zip(end, start)]
+        else:
+            out[key] = end - start
+    return out
+
+
+def begin_repeat_run(engine) -> str:
+    """Let ``engine`` run the same request ids again (the measured run after the warmup).
+
+    Uses ``LoopEngine.reset_run()`` where the runtime offers it. Until then, the engine refuses a
+    request id it has seen and hashes its row trace over its whole life, so this clears exactly that
+    bookkeeping (ids, finished outputs, admission list, trace), which holds no device state; the
+    record names which path ran. Graph caches, buffers and allocations are untouched.
+    """
+    reset = getattr(engine, "reset_run", None)
+    if callable(reset):
+        reset()
+        return "reset_run"
+    engine._ids.clear()
+    engine._finished.clear()
+    engine._admitted.clear()
+    engine._aborted = False
+    engine._trace = hashlib.sha256()
+    return "private-fields"
+
+
+def run_phase(engine, requests: list, device: dict) -> dict:
+    """Submit every request and drain; timed from the first submission to the drained outputs."""
+    before = _stats_dict(engine)
+    if device["kind"] == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    gc.collect()
+    gc.disable()
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        for req in requests:
+            engine.add_request(req)
+        outputs = engine.run()
+        _sync(device)
+        elapsed_s = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    after = _stats_dict(engine)
+    work = _counter_delta(before, after)
+    cuda = device["kind"] == "cuda"
+    return {
+        "elapsed_s": elapsed_s,
+        "outputs": {rid: {"token_ids": [int(t) for t in o.token_ids], "exit_depths": [int(d) for d in o.exit_depths],
+                          "finish_reason": o.finish_reason} for rid, o in sorted(outputs.items())},
+        "work": {k: work[k] for k in ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens",
+                                      "steps", "decode_steps") if k in work},
+        "graphs": {"captures": work.get("graph_captures", 0), "replays": work.get("graph_replays", 0),
+                   "fallbacks": work.get("graph_fallbacks", 0)},
+        "memory": {"peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                   "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None},
+        "kv_blocks_used": after.get("peak_kv_blocks"),
+        "trace_sha256": getattr(engine, "trace_sha256", None),
+    }
+
+
+# ------------------------------------------------------------------------------------------- jobs
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def reference_cache_key(material: dict, device: dict) -> str:
+    """What a frozen reference depends on: inputs, runtime code, device model and torch version."""
+    return sha256_bytes(canonical_json({**material, "device_name": device["name"],
+                                        "torch": torch.__version__}).encode())
+
+
+def capture_references(job: dict) -> None:
+    bundle, spec = Path(job["bundle"]), job["spec"]
+    device = resolve_device(job)
+    prompts = json.loads((bundle / spec["prompts_file"]).read_text())
+    model = None
+    cache = Path(spec["cache_dir"]) / "references"
+    for point in spec["points"]:
+        key = reference_cache_key({**spec["key_material"], "point": point}, device)
+        cached = cache / key
+        sched_text = meta = None
+        if spec["reuse"] and (cached / "schedule.json").is_file() and (cached / "meta.json").is_file():
+            sched_text = (cached / "schedule.json").read_text()
+            meta = json.loads((cached / "meta.json").read_text())
+            if meta.get("schedule_sha256") != sha256_bytes(sched_text.encode()):
+                sched_text = meta = None  # a damaged cache entry is recaptured, never trusted
+            else:
+                meta["reused"] = True
+                _log(f"reference {point['key']}: reused {key[:12]}")
+        if sched_text is None:
+            if model is None:
+                model = load_model(spec["checkpoint_path"], spec["dtype"], device, spec["max_model_len"])
+            reqs = build_requests(prompts, point["num_requests"], spec["output_len"], spec["exit"])
+            _, engine_mod, _, _ = _runtime()
+            eng = engine_mod.LoopEngine(model, engine_config(spec["arm_config"], point["max_num_seqs"],
+                                                             spec["max_model_len"], spec["exit"]["policy"]))
+            phase = run_phase(eng, reqs, device)
+            sched_text = eng.capture_schedule().to_json()
+            meta = {"point": point["key"], "arm": spec["arm"], "arm_config": spec["arm_config"],
+                    "policy": spec["exit"]["policy"], "work": phase["work"], "graphs": phase["graphs"],
+                    "elapsed_s": phase["elapsed_s"], "device": device, "torch": torch.__version__,
+                    "cache_key": key, "schedule_sha256": sha256_bytes(sched_text.encode()), "reused": False}
+            cached.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cached / "schedule.json", sched_text)
+            atomic_write_json(cached / "meta.json", {**meta, "reused": False})
+            _log(f"reference {point['key']}: captured {key[:12]} in {phase['elapsed_s']:.2f}s")
+        atomic_write_text(bundle / "references" / f"{point['key']}.schedule.json", sched_text)
+        atomic_write_json(bundle / "references" / f"{point['key']}.meta.json", meta)
+
+
+def measure(job: dict) -> None:
+    bundle = Path(job["bundle"])
+    plan = json.loads((bundle / "plan.json").read_text())
+    cfg = plan["config"]
+    device = resolve_device(job)
+    _, engine_mod, _, schedule_mod = _runtime()
+    prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())
+    points = {p["key"]: p for p in plan["points"]}
+    max_len = plan["max_model_len"]
+    _log(f"session {job['name']} on {device['label']}: loading {plan['checkpoint']['path']}")
+    model = load_model(plan["checkpoint"]["path"], cfg["model"]["dtype"], device, max_len)
+    schedules, requests = {}, {}
+    for key, pt in points.items():
+        schedules[key] = schedule_mod.Schedule.from_json((bundle / pt["reference"]["file"]).read_text())
+        requests[key] = build_requests(prompts, pt["num_requests"], cfg["workload"]["output_len"], cfg["exit"])
+    out_dir = bundle / "raw" / job["name"]
+    kill_after = cfg["fault"]["kill_after_arms"]
+    done = 0
+    for item in plan["order"][job["name"]]:
+        if kill_after is not None and done >= kill_after:
+            _log(f"fault.kill_after_arms={kill_after}: SIGKILL")
+            os.kill(os.getpid(), signal.SIGKILL)
+        pt, arm = points[item["point"]], cfg["arms"][item["arm"]]
+        eng = engine_mod.LoopEngine(model, engine_config(arm, pt["max_num_seqs"], max_len, "replay",
+                                                         schedules[item["point"]]))
+        warm = run_phase(eng, requests[item["point"]], device) if cfg["warmup"] else None
+        reset_path = begin_repeat_run(eng) if warm is not None else None
+        tele_start = telemetry.sample(device["gpu_index"])
+        start_unix_s = time.time()
+        meas = run_phase(eng, requests[item["point"]], device)
+        end_unix_s = time.time()
+        tele_end = telemetry.sample(device["gpu_index"])
+        del eng
+        rec = {"schema": RECORD_SCHEMA, "job": job["name"], "device": device, "seq": item["seq"],
+               "point": item["point"], "max_num_seqs": pt["max_num_seqs"], "num_requests": pt["num_requests"],
+               "output_len": cfg["workload"]["output_len"], "comparison": item["comparison"], "pair": item["pair"],
+               "position": item["position"], "slot": item["slot"], "arm": item["arm"], "arm_config": arm,
+               "tokens_per_s": tokens_per_s(pt["num_requests"], cfg["workload"]["output_len"], meas["elapsed_s"]),
+               "engine_reset": reset_path, "warmup": warm, "measured": meas,
+               "telemetry": {"start": tele_start, "end": tele_end},
+               "wall_clock": {"measured_start_unix_s": start_unix_s, "measured_end_unix_s": end_unix_s}}
+        name = f"{item['seq']:05d}-{item['point']}-{item['comparison']}-p{item['pair']}-{item['position']}.json"
+        atomic_write_json(out_dir / name, rec)
+        done += 1
+        _log(f"{item['seq']:4d} {item['point']} {item['comparison']} pair {item['pair']} {item['position']:9s} "
+             f"{item['arm']:>14s}: {meas['elapsed_s']:.4f}s {rec['tokens_per_s']:.1f} tok/s")
+
+
+def run_job(job_path: str) -> int:
+    """Run one job file; returns 0 (an exception propagates, so its exit code is non-zero)."""
+    job = json.loads(Path(job_path).read_text())
+    if job["kind"] == "reference":
+        capture_references(job)
+    elif job["kind"] == "session":
+        measure(job)
+    else:
+        raise ValueError(f"unknown job kind {job['kind']!r} in {job_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m loopbench.harness.session JOB.json", file=sys.stderr)
+        return 2
+    return run_job(argv[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
