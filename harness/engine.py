@@ -218,6 +218,18 @@ class LoopEngine:
                 return
         raise ValueError(f"unknown or finished request {request_id!r}")
 
+    def reset_run(self) -> None:
+        """Forget finished requests so the same request ids can run again on this engine (the measured
+        run after the warmup). Device buffers, KV allocations, graphs and cumulative stats are kept."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_run needs a drained engine")
+        self._ids.clear()
+        self._finished.clear()
+        self._admitted.clear()
+        self.logits_log.clear()
+        self._aborted = False
+        self._trace = hashlib.sha256()
+
     def has_unfinished(self) -> bool:
         return bool(self._queue) or any(r is not None for r in self._slots)
 

@@ -238,3 +238,13 @@ def test_calibrated_gate_gives_about_three_quarters_three_loop_tokens(tmp_path):
     assert set(exits) == {3, 4}
     share = exits.count(3) / len(exits)
     assert 0.6 <= share <= 0.9, f"three-loop share {share:.3f}"
+
+
+def test_reset_run_repeats_the_same_workload_identically(model64):
+    reqs = make_requests(5, 6, "ouro_delayed", seed=2)
+    eng, first = run_engine(model64, reqs, max_num_seqs=2, exit_policy="ouro_delayed")
+    trace = eng.trace_sha256
+    eng.reset_run()
+    for r in reqs:
+        eng.add_request(r)
+    assert eng.run() == first and eng.trace_sha256 == trace
