@@ -359,6 +359,7 @@ class LoopEngine:
             if exits[i]:
                 r.exit_depths.append(r.depth)
                 r.n_out += 1
+                self.stats.decode_tokens += 1
                 e = r.depth
                 for d in range(e + 1, r.req.max_loops + 1):
                     r.first_alias.setdefault(d, r.pos)

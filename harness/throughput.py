@@ -1,0 +1,75 @@
+"""Quick single-arm throughput probe (not the paired benchmark): one engine, one warmup, a few timed
+runs of the same workload, printed as tokens/s with graph counters. For iterating on the runtime;
+published figures come from ``make bench`` and its audited bundle.
+
+    python -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs 16 --num-requests 32
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint
+from .engine import EngineConfig, LoopEngine, Request
+from .model import OuroModel
+from .synthetic import write_calibrated_checkpoint
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (overrides --preset)")
+    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/loopbench/checkpoints"))
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"])
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = Path(args.checkpoint) if args.checkpoint else Path(args.cache) / f"{args.preset}-seed0-bf16"
+    if not (path / "config.json").exists():
+        t0 = time.perf_counter()
+        write_calibrated_checkpoint(path, args.preset, seed=0, dtype=torch.bfloat16, device=device)
+        print(f"wrote {path} in {time.perf_counter() - t0:.1f}s")
+    cfg, tensors = load_checkpoint(path)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype,
+                                   rope_len=args.prompt_len + args.output_len)
+    del tensors
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(f"r{i}", torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(),
+                    args.output_len, min_loops=2, max_loops=4, exit_threshold=0.5)
+            for i in range(args.num_requests)]
+    arm = dict(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix")
+    eng = LoopEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.output_len,
+                                         attention_backend=args.backend, cuda_graphs=not args.no_graphs and device == "cuda",
+                                         exit_policy="ouro_delayed", **arm))
+    for i in range(args.repeats + 1):
+        if i:
+            eng.reset_run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for r in reqs:
+            eng.add_request(r)
+        outs = eng.run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        el = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs.values())
+        exits = [e for o in outs.values() for e in o.exit_depths[1:]]
+        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  three-loop share "
+              f"{exits.count(3) / max(1, len(exits)):.3f}  stats {eng.stats.as_dict()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
