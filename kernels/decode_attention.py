@@ -49,7 +49,8 @@ DEFAULT_BLOCK_N = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles.
+@triton.jit(do_not_specialize=["num_slots", "num_planes", "max_ctx", "tile_size"])
 def _decode_attention_split_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_slot_ptr, row_depth_ptr, row_pos_ptr,
@@ -68,7 +69,7 @@ def _decode_attention_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
-    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr, FLAT: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,13 +137,21 @@ def _decode_attention_split_kernel(
         v = tl.load(v_head + block[:, None] * stride_vb + in_page[:, None] * stride_vt,
                     mask=mask_kv, other=0.0).to(tl.float32)                  # (N, D)
 
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                    # (G, N), log2 units
+        if FLAT:
+            # One query head per kv head (MHA, e.g. Ouro): plain 2-D products, no size-1 third axis.
+            s = tl.reshape(tl.sum(q * k, axis=1), [1, BLOCK_N])              # (1, N), log2 units
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                # (G, N), log2 units
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))                           # finite: tile has a key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if FLAT:
+            pv = tl.reshape(tl.sum(tl.reshape(p, [BLOCK_N, 1]) * v, axis=0), [1, HEAD_DIM_PAD])
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)                # (G, D)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     if DIRECT_OUT:
@@ -249,7 +258,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      layout: str = "native", prefix_tiles: bool = False, tile_size: int = 32,
                      scale: float | None = None, *, block_n: int = DEFAULT_BLOCK_N,
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     flat_mha: bool = True) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -266,8 +276,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         layout: ``"native"`` or ``"alias"``; ``prefix_tiles`` is ignored for ``native``.
         tile_size: granularity (positions) of the prefix switch.
         scale: softmax scale, default ``1/sqrt(D)``.
-        block_n, min_split_tokens, max_splits, num_warps, num_stages: tuning knobs (benchmarks only);
-            bitwise equality between layouts holds for equal knobs.
+        block_n, min_split_tokens, max_splits, num_warps, num_stages, flat_mha: tuning knobs
+            (benchmarks only; ``flat_mha`` uses 2-D products when ``H == Hkv``); bitwise equality
+            between layouts holds for equal knobs.
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -317,7 +328,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=layout == "alias", PREFIX=bool(prefix_tiles) and layout == "alias",
-        DIRECT_OUT=num_splits == 1, **cfg)
+        DIRECT_OUT=num_splits == 1, FLAT=bool(flat_mha) and group == 1, **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,

@@ -1,0 +1,217 @@
+"""Microbenchmark of the depth-aware decode-attention kernel on CUDA (a script, not a test).
+
+For Ouro-1.4B's attention shape (16 heads, head_dim 128, bf16, block_size 16) and every batch ``B`` in
+{1, 16, 32, 64, 128} x context in {128, 256, 1024, 4096} it reports:
+
+- time per call of ``native``, ``alias`` and ``alias`` + ``prefix_tiles`` (``triton.testing.do_bench``
+  median, which flushes L2 between calls), and alias / prefix time relative to native;
+- bytes the call needs to read (K and V of every key once, q, the output write, block tables and row
+  metadata; the alias layout's exit-map reads count as its overhead, not as needed bytes) and the achieved
+  GB/s of ``native`` against a copy ceiling measured here (a large device-to-device copy, read + write bytes);
+- dense ``torch.nn.functional.scaled_dot_product_attention`` on contiguous K/V of the same size (cuDNN /
+  flash backends) as an outside yardstick;
+- whether the three layouts gave bitwise-identical outputs.
+
+Workload: one row per request at query depth 4 of 4; the first-alias position is 60% of the context and
+half of the later tokens exited after loop 3 (their key is read from plane 3 by the alias layouts). The
+native cache is made from the same cache with ``native_fill``, so all three layouts see identical logical KV.
+Block tables are shuffled over the pool. Only planes 3 and 4 own physical blocks (planes 1-2 are never read
+by a depth-4 query whose keys exited at 3 or 4, so their table entries point at plane 3's blocks).
+
+Usage: ``PYTHONPATH=<repo> python3 kernels/bench_decode_attention.py --out results/decode_attention.md
+[--sweep]``; ``--out`` also gets a ``.csv`` beside it. ``--sweep`` first times a few launch configurations
+of the native kernel on a few shapes (to choose the module defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from loopbench.kernels.decode_attention import (DEFAULT_BLOCK_N, MIN_SPLIT_TOKENS, decode_attention,
+                                                launch_config)
+from loopbench.kernels.kv_write import native_fill
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE, PLANES, DEPTH = 16, 16, 128, 16, 4, 4
+BATCHES = (1, 16, 32, 64, 128)
+CONTEXTS = (128, 256, 1024, 4096)
+FIRST_ALIAS_FRACTION = 0.6
+DEVICE = "cuda"
+
+
+def copy_ceiling_bytes_per_s(size_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting the read and the write (the BRIEF's 4.15 TB/s anchor)."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * size_bytes / (ms * 1e-3)
+
+
+def make_workload(batch: int, context: int, seed: int = 0) -> dict:
+    """Caches, metadata and query for ``batch`` requests of ``context`` keys each (see module docstring)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    blocks_per_seq = context // PAGE
+    num_blocks = 2 * batch * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).int().view(batch, 2, blocks_per_seq)
+    block_tables = torch.empty((batch, PLANES, blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    block_tables[:, :3] = perm[:, :1]                  # planes 1-3 share plane 3's blocks (1-2 unread)
+    block_tables[:, 3] = perm[:, 1]
+    k_cache = torch.randn((num_blocks, PAGE, KV_HEADS, HEAD_DIM), generator=gen, device=DEVICE,
+                          dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+
+    first_alias = int(FIRST_ALIAS_FRACTION * context)
+    exit_map = torch.full((batch, context), PLANES, dtype=torch.int32, device=DEVICE)
+    exit_map[:, first_alias:context - 1:2] = PLANES - 1        # half of the later tokens exited at 3
+    k_native, v_native = k_cache.clone(), v_cache.clone()
+    aliased = torch.nonzero(exit_map[0] < PLANES).flatten().int()
+    fill = [torch.arange(batch, device=DEVICE, dtype=torch.int32).repeat_interleave(len(aliased)),
+            aliased.repeat(batch)]
+    fill += [torch.full_like(fill[0], PLANES - 1), torch.full_like(fill[0], PLANES)]
+    native_fill(k_native[None], v_native[None], block_tables, *fill)
+
+    rows = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+    meta = dict(block_tables=block_tables, row_slot=rows, row_depth=torch.full_like(rows, DEPTH),
+                row_pos=torch.full_like(rows, context - 1), exit_map=exit_map,
+                row_first_alias=torch.full_like(rows, first_alias))
+    q = torch.randn((batch, HEADS, HEAD_DIM), generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    return dict(q=q, native=(k_native, v_native), alias=(k_cache, v_cache), meta=meta)
+
+
+def needed_bytes(batch: int, context: int) -> int:
+    elt = 2
+    kv = 2 * batch * context * KV_HEADS * HEAD_DIM * elt
+    q_out = 2 * batch * HEADS * HEAD_DIM * elt
+    metadata = batch * (context // PAGE) * 4 + 4 * batch * 4
+    return kv + q_out + metadata
+
+
+def call(work: dict, layout: str, prefix: bool, **kw):
+    k, v = work[layout]
+    return lambda: decode_attention(work["q"], k, v, **work["meta"], layout=layout, prefix_tiles=prefix, **kw)
+
+
+def bench_ms(fn, rep: int = 100) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def dense_sdpa_ms(batch: int, context: int) -> float:
+    q = torch.randn((batch, HEADS, 1, HEAD_DIM), device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn((batch, KV_HEADS, context, HEAD_DIM), device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    return bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+SWEEP_SHAPES = ((1, 4096), (16, 256), (32, 1024), (128, 1024))
+# (block_n, num_warps, num_stages, min_split_tokens, flat_mha)
+SWEEP_CONFIGS = ((32, 4, 2, 256, True), (32, 4, 2, 256, False), (32, 4, 1, 256, True), (32, 4, 3, 256, True),
+                 (32, 8, 2, 256, True), (32, 2, 2, 256, True), (16, 2, 3, 256, True), (64, 4, 2, 256, True),
+                 (64, 8, 3, 256, True), (32, 4, 2, 128, True), (64, 4, 2, 512, True))
+
+
+def sweep(ceiling: float, emit) -> None:
+    emit("## Launch-configuration sweep (native; prefix/native in brackets)\n")
+    header = "| block_n | warps | stages | min_split | flat | " + " | ".join(f"B{b}/ctx{c}" for b, c in SWEEP_SHAPES)
+    emit(header + " |")
+    emit("|" + "---|" * (5 + len(SWEEP_SHAPES)))
+    works = {shape: make_workload(*shape) for shape in SWEEP_SHAPES}
+    for block_n, warps, stages, min_split, flat in SWEEP_CONFIGS:
+        kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, min_split_tokens=min_split,
+                  flat_mha=flat)
+        cells = []
+        for shape, work in works.items():
+            try:
+                ms = bench_ms(call(work, "native", False, **kw), rep=50)
+                ms_prefix = bench_ms(call(work, "alias", True, **kw), rep=50)
+                pct = needed_bytes(*shape) / (ms * 1e-3) / ceiling * 100
+                cells.append(f"{ms * 1e3:.1f} us {pct:.0f}% [{ms_prefix / ms:.3f}]")
+            except Exception as exc:      # a config that fails to compile is reported, not fatal
+                cells.append(f"error: {type(exc).__name__}")
+        emit(f"| {block_n} | {warps} | {stages} | {min_split} | {flat} | " + " | ".join(cells) + " |")
+    del works
+    torch.cuda.empty_cache()
+    emit("")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="markdown table path; a .csv goes beside it")
+    parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
+    parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    parser.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode_attention needs a CUDA device", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    md = args.out.open("w")
+
+    def emit(line: str) -> None:          # written as it goes, so a time-out still leaves the rows so far
+        print(line, flush=True)
+        md.write(line + "\n")
+        md.flush()
+
+    started = time.time()
+    ceiling = copy_ceiling_bytes_per_s()
+    cfg = launch_config(HEAD_DIM, HEADS // KV_HEADS)
+    emit(f"# Decode attention on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
+         f"triton {triton.__version__})\n")
+    emit(f"Ouro shape: {HEADS} heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}, bf16, block_size {PAGE}; "
+         f"query depth {DEPTH}, first alias at {FIRST_ALIAS_FRACTION:.0%} of the context, half of the later "
+         f"tokens aliased. Copy ceiling (read+write) {ceiling / 1e9:.0f} GB/s. Kernel defaults: block_n "
+         f"{DEFAULT_BLOCK_N}, min split {MIN_SPLIT_TOKENS} tokens, {cfg}. Times are do_bench medians.\n")
+    if args.sweep:
+        sweep(ceiling, emit)
+
+    emit("## Native vs alias vs alias+prefix\n")
+    columns = ["batch", "context", "native_us", "alias_us", "prefix_us", "alias_rel", "prefix_rel",
+               "sdpa_dense_us", "bytes_read", "native_gb_s", "pct_of_copy_ceiling", "bitwise_equal"]
+    emit("| " + " | ".join(columns) + " |")
+    emit("|" + "---|" * len(columns))
+    records = []
+    for context in args.contexts:
+        for batch in args.batches:
+            work = make_workload(batch, context)
+            outs = [call(work, layout, prefix)() for layout, prefix in
+                    (("native", False), ("alias", False), ("alias", True))]
+            bitwise = all(torch.equal(outs[0], o) for o in outs[1:])
+            native_ms = bench_ms(call(work, "native", False))
+            alias_ms = bench_ms(call(work, "alias", False))
+            prefix_ms = bench_ms(call(work, "alias", True))
+            del work, outs
+            sdpa_ms = dense_sdpa_ms(batch, context)
+            torch.cuda.empty_cache()
+            nbytes = needed_bytes(batch, context)
+            gbs = nbytes / (native_ms * 1e-3) / 1e9
+            rec = dict(batch=batch, context=context, native_us=native_ms * 1e3, alias_us=alias_ms * 1e3,
+                       prefix_us=prefix_ms * 1e3, alias_rel=alias_ms / native_ms,
+                       prefix_rel=prefix_ms / native_ms, sdpa_dense_us=sdpa_ms * 1e3, bytes_read=nbytes,
+                       native_gb_s=gbs, pct_of_copy_ceiling=gbs * 1e9 / ceiling * 100, bitwise_equal=bitwise)
+            records.append(rec)
+            emit("| " + " | ".join(_fmt(rec[c]) for c in columns) + " |")
+    emit(f"\n(total {time.time() - started:.0f} s)")
+    md.close()
+    with args.out.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(records)
+    return 0
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
