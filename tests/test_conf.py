@@ -1,0 +1,81 @@
+"""Typed configs: presets compose, and a misspelt key, a wrong type or a bad value fails naming the key."""
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from loopbench.harness import conf
+
+
+def _error_text(exc: BaseException) -> str:
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__
+    return "\n".join(parts)
+
+
+def test_presets_compose_and_validate():
+    smoke = conf.validate(conf.compose("cpu-smoke"))
+    assert smoke["model"]["preset"] == "tiny" and smoke["pairs"] == 3
+    assert smoke["workload"]["prompt_len"] == 33   # crosses the 32-position tile boundary
+    assert [c["name"] for c in smoke["comparisons"]] == [
+        "native_vs_alias_prefix", "alias_vs_alias_prefix", "native_vs_native"]
+    big = conf.validate(conf.compose("ouro-1.4b"))
+    assert big["model"] == {"preset": "ouro-1.4b", "checkpoint": None, "dtype": "bfloat16", "seed": 0}
+    assert [(p["max_num_seqs"], p["num_requests"]) for p in big["points"]] == [(16, 32), (32, 64)]
+    assert (big["workload"]["prompt_len"], big["workload"]["output_len"], big["pairs"]) == (128, 128, 7)
+    assert big["exit"] == {"policy": "ouro_delayed", "threshold": 0.5, "min_loops": 2, "max_loops": 4}
+    assert set(big["arms"]) == {"native", "alias", "alias_prefix"}
+    assert all(a["attention_backend"] == "triton" and a["cuda_graphs"] for a in big["arms"].values())
+    assert [(c["baseline"], c["candidate"]) for c in big["comparisons"]] == [
+        ("native", "alias_prefix"), ("alias", "alias_prefix")]
+    assert conf.reference_arm(big) == "native"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("workload.promt_len=3", "workload.promt_len"),
+    ("arms.native.kv_layot=alias", "arms.native.kv_layot"),
+    ("pairs=abc", "pairs"),
+    ("model.dtype=bf16", "model.dtype"),
+    ("arms.alias.cuda_graphs=maybe", "arms.alias.cuda_graphs"),
+    ("comparisons=[{baseline:native,candidat:alias}]", "candidat"),
+])
+def test_misspelt_key_or_wrong_type_fails_at_composition(override, key):
+    with pytest.raises(ConfigCompositionException) as err:
+        conf.compose("cpu-smoke", [override])
+    assert key in _error_text(err.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("+workload.promt_len=3", "workload.promt_len"),      # '+' lifts Hydra's struct flag; validate does not
+    ("+verdict.min_efect=0.1", "verdict.min_efect"),
+    ("comparisons=[{baseline:native,candidate:alias_prefx}]", "comparisons[0].candidate"),
+    ("exit.min_loops=5", "exit.min_loops"),
+    ("pairs=0", "pairs"),
+    ("verdict.confidence=1.5", "verdict.confidence"),
+    ("arms.native.prefix_tiles=true", "arms.native.prefix_tiles"),
+    ("points=[]", "points"),
+    ("reference_arm=nativ", "reference_arm"),
+])
+def test_semantic_errors_fail_in_validate_naming_the_key(override, key):
+    with pytest.raises(ValueError) as err:
+        conf.validate(conf.compose("cpu-smoke", [override]))
+    assert key in str(err.value)
+
+
+def test_overrides_and_list_replacement():
+    plain = conf.validate(conf.compose("cpu-smoke", [
+        "pairs=5", "points=[{max_num_seqs:2,num_requests:3}]",
+        "comparisons=[{baseline:alias_prefix,candidate:alias_prefix,name:aa}]", "arms.native.block_size=32"]))
+    assert plain["pairs"] == 5 and plain["points"] == [{"max_num_seqs": 2, "num_requests": 3}]
+    assert plain["comparisons"] == [{"baseline": "alias_prefix", "candidate": "alias_prefix", "name": "aa"}]
+    assert plain["arms"]["native"]["block_size"] == 32
+
+
+def test_misspelt_key_fails_before_any_measurement(tmp_path):
+    from loopbench.harness import controller
+
+    cfg = conf.compose("cpu-smoke", ["+workload.promt_len=3", f"results_dir={tmp_path / 'results'}",
+                                     f"cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ValueError, match="workload.promt_len"):
+        controller.run(cfg)
+    assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()

@@ -1,0 +1,96 @@
+"""Paired statistics: balanced order, bootstrap CI against a hand-computed case, degenerate inputs."""
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from loopbench.harness import stats
+
+
+@pytest.mark.parametrize("n", range(1, 21))
+def test_balanced_order_is_balanced_for_1_to_20_pairs(n):
+    for seed in (0, 1, [7, 0, 2]):
+        order = stats.balanced_first(n, seed)
+        assert len(order) == n
+        assert order.count("baseline") == math.ceil(n / 2)
+        assert order.count("candidate") == n // 2
+        assert order == stats.balanced_first(n, seed)  # seeded: the same order again
+
+
+def test_balanced_order_is_shuffled_by_the_seed():
+    orders = {stats.balanced_first(10, s) for s in range(20)}
+    assert len(orders) > 5
+    with pytest.raises(ValueError, match="n_pairs"):
+        stats.balanced_first(0, 0)
+
+
+def test_bootstrap_matches_hand_computed_case():
+    """Seven distinct ratios: the 95% percentile CI of the median is [2nd smallest, 2nd largest].
+
+    By hand: a resample's median is <= x_(k) iff at least 4 of its 7 draws are <= x_(k), so
+    P(median <= x_(k)) = P(Binomial(7, k/7) >= 4). For k = 1 that is 0.0101 < 0.025, for k = 2 it is
+    0.1083 > 0.025, so the 2.5% quantile of the bootstrap distribution is x_(2); by symmetry the
+    97.5% quantile is x_(6). 10,000 resamples put ~101 medians at x_(1), far from the 250th order
+    statistic, so the Monte Carlo interval equals the exact one.
+    """
+    p_le_x1 = sum(math.comb(7, j) * (1 / 7) ** j * (6 / 7) ** (7 - j) for j in range(4, 8))
+    p_le_x2 = sum(math.comb(7, j) * (2 / 7) ** j * (5 / 7) ** (7 - j) for j in range(4, 8))
+    assert p_le_x1 == pytest.approx(0.01015, abs=1e-4) and p_le_x2 == pytest.approx(0.1083, abs=1e-3)
+    ratios = [1.031, 0.987, 1.012, 1.044, 0.995, 1.020, 1.003]
+    x = sorted(ratios)
+    low, high = stats.bootstrap_median_ci(ratios, 0.95, 10_000, seed=0)
+    assert (low, high) == (x[1], x[5])
+    for seed in range(1, 6):
+        assert stats.bootstrap_median_ci(ratios, 0.95, 10_000, seed=seed) == (x[1], x[5])
+    res = stats.compare([r * 2.0 for r in ratios], [2.0] * 7)
+    assert res.speedup == pytest.approx(np.median(ratios))
+    assert res.distinct_resamples == 1716 == math.comb(13, 7)
+
+
+def test_bootstrap_is_scipy_percentile_with_the_seed():
+    ratios = np.array([0.98, 0.97, 0.99, 0.985, 0.975, 0.99, 0.96, 0.995])
+    res = scipy.stats.bootstrap((ratios,), np.median, n_resamples=10_000, method="percentile",
+                                vectorized=True, **stats._rng_kwargs(3))
+    assert stats.bootstrap_median_ci(ratios, seed=3) == (res.confidence_interval.low, res.confidence_interval.high)
+
+
+def test_equal_ratios_and_single_pair_never_crash():
+    same = stats.compare([2.0] * 7, [2.0] * 7)
+    assert same.speedup == 1.0 and same.ci == (1.0, 1.0) and same.bca_ci is None
+    assert same.wilcoxon_p == 1.0 and same.verdict == "inconclusive"
+    one = stats.compare([1.0], [0.5])
+    assert one.speedup == 2.0 and one.ci is None and one.bca_ci is None
+    assert one.verdict == "inconclusive" and "undefined" in one.verdict_reason
+    two = stats.compare([1.0, 1.0], [0.5, 0.5])
+    assert two.ci == (2.0, 2.0) and two.distinct_resamples == 3
+
+
+def test_wilcoxon_exact_and_tied_cases():
+    r = [1.1, 0.95, 1.2, 1.3, 1.05, 1.15, 1.01]
+    p, method = stats.wilcoxon_p(r)
+    assert method == "exact" and p == pytest.approx(scipy.stats.wilcoxon(np.log(r), method="exact").pvalue)
+    # Three equal positive log-ratios: mid-ranks (2, 2, 2), W+ = 6; of the 8 sign patterns only
+    # W+ = 0 and W+ = 6 are as far from the centre 3, so p = 2/8.
+    p, method = stats.wilcoxon_p([1.1, 1.1, 1.1])
+    assert p == 0.25 and method.startswith("exact conditional")
+    assert stats.wilcoxon_p([1.0, 1.0]) == (1.0, "all ratios equal 1")
+
+
+def test_verdict_rule():
+    assert stats.verdict(1.05, (1.02, 1.08), 0.01)[0] == "faster"
+    assert stats.verdict(0.95, (0.92, 0.98), 0.01)[0] == "slower"
+    assert stats.verdict(1.05, (0.99, 1.08), 0.01)[0] == "inconclusive"
+    assert stats.verdict(1.005, (1.001, 1.009), 0.01)[0] == "inconclusive"   # below the minimum effect
+    assert stats.verdict(1.05, None, 0.01)[0] == "inconclusive"
+    assert stats.verdict(1.05, (1.02, 1.08), 0.01, n_pairs=3, min_pairs=6)[0] == "inconclusive"
+
+
+def test_bad_inputs_name_the_values():
+    with pytest.raises(ValueError, match="elapsed seconds must be > 0"):
+        stats.pair_ratios([1.0, 0.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="equal-length"):
+        stats.pair_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="elapsed_s"):
+        stats.tokens_per_s(4, 8, 0.0)
+    assert stats.tokens_per_s(32, 128, 2.0) == 2048.0
