@@ -92,19 +92,31 @@ def write_kv_torch(k_cache, v_cache, k_new, v_new, block_tables, row_slot, row_d
 
 
 def native_fill_torch(k_all, v_all, block_tables, slot, pos, exit_depth, max_depth) -> None:
-    """Copy exited tokens' K/V from plane e into planes e+1..max (all layers). [M] int tensors."""
-    bs = k_all.shape[2]
-    for i in range(slot.shape[0]):
-        s, p, e, m = (int(t[i]) for t in (slot, pos, exit_depth, max_depth))
-        src = int(block_tables[s, e - 1, p // bs])
-        for d in range(e + 1, m + 1):
-            dst = int(block_tables[s, d - 1, p // bs])
-            k_all[:, dst, p % bs] = k_all[:, src, p % bs]
-            v_all[:, dst, p % bs] = v_all[:, src, p % bs]
+    """Copy exited tokens' K/V from plane e into planes e+1..max, every layer (vectorised, no sync).
+
+    k_all, v_all: [L, num_blocks, block_size, Hkv, D]; slot, pos, exit_depth, max_depth: [M] int.
+    Entries with slot < 0 or e >= max copy nothing.
+    """
+    bs, planes = k_all.shape[2], block_tables.shape[1]
+    s, p, e = slot.long(), pos.long(), exit_depth.long()
+    m = max_depth.long().clamp(max=planes)
+    keep = (s >= 0)[:, None]
+    for d in range(2, planes + 1):                      # destination plane d: rows with e < d <= max
+        take = keep[:, 0] & (e < d) & (d <= m)
+        sc = s.clamp(min=0)
+        src = block_tables.long()[sc, (e - 1).clamp(min=0), p // bs]
+        dst = torch.where(take, block_tables.long()[sc, d - 1, p // bs], src)
+        off = p % bs
+        k_all[:, dst, off] = k_all[:, src, off]
+        v_all[:, dst, off] = v_all[:, src, off]
 
 
 def publish_exits_torch(exit_map, slot, pos, exit_depth) -> None:
-    exit_map[slot.long(), pos.long()] = exit_depth.to(exit_map.dtype)
+    """exit_map[slot, pos] = exit_depth for entries with slot >= 0 (no sync)."""
+    keep = slot >= 0
+    s = torch.where(keep, slot, 0).long()
+    p = torch.where(keep, pos, 0).long()
+    exit_map[s, p] = torch.where(keep, exit_depth.to(exit_map.dtype), exit_map[s, p])
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,13 @@ class LoopEngine:
         # Resident per-slot state; row S is a scratch slot that padding rows of a bucket read and write.
         self.hidden = torch.zeros((S + 1, cfg.hidden_size), device=dev, dtype=model.dtype)
         self.last_token = torch.zeros(S + 1, dtype=torch.long, device=dev)
-        self.out_tokens = torch.zeros((S, config.max_model_len), dtype=torch.long, device=dev)
+        self.out_tokens = torch.zeros((S + 1, config.max_model_len), dtype=torch.long, device=dev)
+        self.n_out = torch.zeros(S + 1, dtype=torch.long, device=dev)
         self.survival = torch.ones(S + 1, dtype=acc, device=dev)
         self.triggered = torch.zeros(S + 1, dtype=torch.bool, device=dev)
+        self.min_loops = torch.ones(S + 1, dtype=torch.int32, device=dev)
+        self.max_loops = torch.ones(S + 1, dtype=torch.int32, device=dev)
+        self.threshold = torch.ones(S + 1, dtype=acc, device=dev)
         self.stats = EngineStats(rows_per_depth=[0] * self.num_planes)
         self.banks = DescriptorBanks(S, dev, config.descriptor_mode)
         self._graphs = self._prefill_graphs = None
@@ -263,6 +267,8 @@ class LoopEngine:
                 T = len(req.prompt_token_ids)
                 self.kv.open_slot(slot, self.num_planes, T, prompt_exit_depth=req.max_loops)
                 ids = torch.tensor(req.prompt_token_ids, dtype=torch.long).to(self.model.device)
+                self.min_loops[slot], self.max_loops[slot] = req.min_loops, req.max_loops
+                self.threshold[slot] = req.exit_threshold
                 run.prefill_x = self.model.embed[ids]
                 self._slots[slot] = run
                 self._admitted.append(req.request_id)
@@ -284,10 +290,14 @@ class LoopEngine:
                           torch.empty(T, dtype=torch.int32, device=dev),
                           torch.arange(T, device=dev, dtype=torch.int32))
                 self._static_prefill[T] = static
-            static[0].copy_(run.prefill_x)
-            static[1].fill_(run.slot)
-            static[2].fill_(d)
-            run.prefill_x = self._prefill_graphs.run(T, static)[0].clone()
+            x_in = run.prefill_x
+
+            def publish():
+                static[0].copy_(x_in)
+                static[1].fill_(run.slot)
+                static[2].fill_(d)
+
+            run.prefill_x = self._prefill_graphs.run(T, static, publish, warm_inputs=publish)[0].clone()
         self.stats.prefill_rows += T
         self._trace.update(f"P{run.slot}:{d};".encode())
         if d < run.req.max_loops:
@@ -298,6 +308,7 @@ class LoopEngine:
         token = logits.argmax(-1)                                           # [1]
         self.last_token[run.slot] = token[0]
         self.out_tokens[run.slot, 0] = token[0]
+        self.n_out[run.slot] = 1
         run.prefill_x = None
         run.exit_depths.append(d)
         run.n_out, run.phase, run.depth, run.pos = 1, "decode", 1, T
@@ -317,51 +328,50 @@ class LoopEngine:
         return (self.model.run_loop(x, positions, attend)[0],)
 
     def _decode_loop(self, rows: list[_Running]) -> None:
+        """Write the step descriptor, run one resident loop (graph or eager), update host state."""
         cfg, n = self.config, len(rows)
         for r in rows:
             if r.depth == 1:
                 self.kv.ensure_capacity(r.slot, r.pos + 1)
+        replay = cfg.exit_policy == "replay"
+        forced = [r.depth == r.entry.exit_depths[r.n_out] for r in rows] if replay else [False] * n
         bucket = n if self._graphs is None else bucket_for(n, cfg.max_num_seqs)
         bank = self.banks.acquire(bucket)
         for i, r in enumerate(rows):
             bank[0, i], bank[1, i], bank[2, i] = r.slot, r.depth, r.pos
             bank[3, i] = min(r.first_alias.get(r.depth, r.pos + 1), r.pos + 1)
+            bank[4, i] = forced[i]
         if self._graphs is None:
-            desc = self.banks.publish(bank)
-            row_slot, row_depth, row_pos, row_fa = desc
-            x_out, hazard = self._core(row_slot, row_depth, row_pos, row_fa)
+            exit_flags, tok, logits = self._core(*self.banks.publish(bank))
         else:
-            bank[0, n:bucket], bank[1, n:bucket], bank[2, n:bucket], bank[3, n:bucket] = -1, 1, 0, 1
+            bank[:, n:] = torch.tensor(PADDING_ROW, dtype=torch.int32)[:, None]
             static = self._static_desc.get(bucket)
             if static is None:
-                static = self._static_desc[bucket] = torch.empty((4, bucket), dtype=torch.int32,
+                static = self._static_desc[bucket] = torch.empty((DESC_ROWS, bucket), dtype=torch.int32,
                                                                   device=self.model.device)
-            self.banks.publish(bank, into=static)
-            x_out, hazard = self._graphs.run(bucket, tuple(static))
-            desc = static
-        row_slot, row_depth, row_pos = desc[0], desc[1], desc[2]
-        S = cfg.max_num_seqs
-        self.hidden.index_copy_(0, torch.where(row_slot < 0, S, row_slot).long(), x_out)
-        x_out, hazard, row_slot, row_depth, row_pos = (t[:n] for t in (x_out, hazard, row_slot, row_depth, row_pos))
+            exit_flags, tok, logits = self._graphs.run(
+                bucket, tuple(static), publish=lambda: self.banks.publish(bank, into=static),
+                warm_inputs=lambda: static.copy_(torch.tensor(PADDING_ROW, dtype=torch.int32)[:, None]))
         for r in rows:
             self.stats.rows_per_depth[r.depth - 1] += 1
         self.stats.decode_steps += 1
         self._trace.update(("D" + ",".join(f"{r.slot}:{r.depth}:{r.pos}" for r in rows) + ";").encode())
 
-        if cfg.exit_policy == "replay":
-            exits = [r.depth == r.entry.exit_depths[r.n_out] for r in rows]
-        else:
-            exits = self._natural_exits(rows, row_slot, row_depth, hazard)
+        exits = forced if replay else exit_flags[:n].tolist()       # natural policies read the gate
         ex = [i for i, e in enumerate(exits) if e]
-        if ex:
-            self._emit(rows, ex, x_out, row_slot, row_pos)
+        exr = [rows[i] for i in ex]
+        if ex and (cfg.keep_logits or any(self._needs_host_tokens(r) for r in exr)):
+            idx = torch.tensor(ex, dtype=torch.long, device=self.model.device)
+            self._keep_logits(exr, logits[idx])
+            if any(self._needs_host_tokens(r) for r in exr):
+                for r, t in zip(exr, tok[idx].tolist()):
+                    r.host_tokens.append(t)
         for i, r in enumerate(rows):
             if exits[i]:
                 r.exit_depths.append(r.depth)
                 r.n_out += 1
                 self.stats.decode_tokens += 1
-                e = r.depth
-                for d in range(e + 1, r.req.max_loops + 1):
+                for d in range(r.depth + 1, r.req.max_loops + 1):
                     r.first_alias.setdefault(d, r.pos)
                 r.pos, r.depth = r.pos + 1, 1
                 self._after_token(r)
@@ -370,16 +380,21 @@ class LoopEngine:
                     raise RuntimeError(f"request {r.req.request_id!r} ran past max_loops={r.req.max_loops}")
                 r.depth += 1
 
-    def _core(self, row_slot, row_depth, row_pos, row_fa):
-        """One recurrent-core loop for N rows: [N] int32 descriptors -> (x_out [N, hidden], hazard [N]).
+    def _core(self, row_slot, row_depth, row_pos, row_fa, row_forced):
+        """One resident decode step for N rows, entirely on the device (no host sync; graph-capturable).
 
-        Rows with slot < 0 are padding (they read the scratch slot). Reads device tensors only and
-        writes only the KV cache (idempotently), so it can be captured as a CUDA Graph; the caller
-        stores x_out into the resident hidden state.
+        Inputs: [N] int32 descriptor rows (slot, depth, position, first-alias, forced exit). Runs one
+        recurrent-core loop, applies the exit rule (or the forced exits of ``replay``), samples greedy
+        tokens for all rows and, for the exiting ones, updates the resident last token, output tokens and
+        count, and publishes the exit (alias) or fills the skipped planes (native). Rows with slot < 0 are
+        padding: they read and write only the scratch slot S and skip every KV write.
+        Returns (exit [N] bool, token [N] int64, logits [N, vocab]).
         """
         kv, be, cfg = self.kv, self.backend, self.config
-        sl = torch.where(row_slot < 0, cfg.max_num_seqs, row_slot).long()
-        x = torch.where((row_depth == 1)[:, None], self.model.embed[self.last_token[sl]], self.hidden[sl])
+        valid = row_slot >= 0
+        sl = torch.where(valid, row_slot, cfg.max_num_seqs).long()
+        first = row_depth == 1
+        x = torch.where(first[:, None], self.model.embed[self.last_token[sl]], self.hidden[sl])
 
         def attend(layer, q, k, v):
             be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, row_pos)
@@ -387,45 +402,31 @@ class LoopEngine:
                                        row_pos, kv.exit_map, row_fa, layout=cfg.kv_layout,
                                        prefix_tiles=cfg.prefix_tiles, tile_size=cfg.tile_size)
 
-        return self.model.run_loop(x, row_pos, attend)
-
-    def _natural_exits(self, rows, row_slot, row_depth, hazard) -> list[bool]:
-        dev, sl = self.model.device, row_slot.long()
-        first = row_depth == 1
+        x_out, hazard = self.model.run_loop(x, row_pos, attend)
         s_prev = torch.where(first, torch.ones_like(hazard), self.survival[sl])
         t_prev = self.triggered[sl] & ~first
-        mins = torch.tensor([r.req.min_loops for r in rows], dtype=torch.int32).to(dev)
-        maxs = torch.tensor([r.req.max_loops for r in rows], dtype=torch.int32).to(dev)
-        thr = torch.tensor([r.req.exit_threshold for r in rows], dtype=hazard.dtype).to(dev)
-        exit_now, s, trig = exit_step(self.config.exit_policy, hazard, row_depth, s_prev, t_prev, mins, maxs, thr)
-        self.survival[sl] = s
-        self.triggered[sl] = trig
-        return exit_now.tolist()
-
-    def _emit(self, rows, ex: list[int], x_out, row_slot, row_pos) -> None:
-        """lm_head + greedy sampling for the exiting rows; publish exits (alias) or fill planes (native)."""
-        dev = self.model.device
-        exr = [rows[i] for i in ex]
-        meta = torch.tensor([ex, [r.n_out for r in exr], [r.depth for r in exr], [r.req.max_loops for r in exr]],
-                            dtype=torch.long).to(dev)
-        idx, n_out, e, m = meta
-        logits = self.model.logits(x_out[idx])
-        self._keep_logits(exr, logits)
-        tok = logits.argmax(-1)
-        slots, pos = row_slot.long()[idx], row_pos[idx]
-        self.last_token[slots] = tok
-        self.out_tokens[slots, n_out] = tok
-        if self.config.kv_layout == "alias":
-            self.backend.publish_exits(self.kv.exit_map, slots.int(), pos, e.int())
+        if cfg.exit_policy == "replay":
+            exit_now, s, trig = row_forced > 0, s_prev * (1.0 - hazard), t_prev
         else:
-            fill = [j for j, r in enumerate(exr) if r.depth < r.req.max_loops]
-            if fill:
-                f = torch.tensor(fill, dtype=torch.long).to(dev)
-                self.backend.native_fill(self.kv.k, self.kv.v, self.kv.block_tables, slots[f].int(), pos[f],
-                                         e[f].int(), m[f].int())
-        if any(self._needs_host_tokens(r) for r in exr):
-            for r, t in zip(exr, tok.tolist()):
-                r.host_tokens.append(t)
+            exit_now, s, trig = exit_step(cfg.exit_policy, hazard, row_depth, s_prev, t_prev,
+                                          self.min_loops[sl], self.max_loops[sl], self.threshold[sl])
+        exit_now = exit_now & valid
+        logits = self.model.logits(x_out)
+        tok = logits.argmax(-1)
+        self.hidden.index_copy_(0, sl, x_out)
+        self.survival.index_copy_(0, sl, s)
+        self.triggered.index_copy_(0, sl, trig)
+        n = self.n_out[sl]
+        self.out_tokens[sl, n] = torch.where(exit_now, tok, self.out_tokens[sl, n])
+        self.last_token.index_copy_(0, sl, torch.where(exit_now, tok, self.last_token[sl]))
+        self.n_out.index_copy_(0, sl, n + exit_now.long())
+        exit_slot = torch.where(exit_now, row_slot, -1).to(torch.int32)
+        if cfg.kv_layout == "alias":
+            be.publish_exits(kv.exit_map, exit_slot, row_pos, row_depth)
+        else:
+            be.native_fill(kv.k, kv.v, kv.block_tables, exit_slot, row_pos, row_depth,
+                           self.max_loops[sl])
+        return exit_now, tok, logits
 
     def _keep_logits(self, runs: list[_Running], logits: torch.Tensor) -> None:
         if self.config.keep_logits:
@@ -490,8 +491,12 @@ class LoopEngine:
                         num_steps=self.stats.steps, trace_sha256=self.trace_sha256)
 
 
+DESC_ROWS = 5                      # slot, depth, position, first-alias, forced exit
+PADDING_ROW = (-1, 1, 0, 1, 0)     # a padding row: scratch slot, depth 1, position 0, no exit
+
+
 class DescriptorBanks:
-    """A ring of host descriptor banks ([4, max_num_seqs] int32: slot, depth, position, first-alias).
+    """A ring of host descriptor banks ([DESC_ROWS, max_num_seqs] int32: slot, depth, position, first-alias, forced exit).
 
     On CUDA the banks are pinned; a bank is rewritten only after the GPU has finished reading it (an
     event recorded after its read, waited on before reuse), so the host can run ahead of the GPU
@@ -502,7 +507,7 @@ class DescriptorBanks:
     def __init__(self, max_num_seqs: int, device: torch.device, mode: str, num_banks: int = 4):
         self.device, self.mode = device, mode
         cuda = device.type == "cuda"
-        self.banks = [torch.zeros(4 * max_num_seqs, dtype=torch.int32, pin_memory=cuda)
+        self.banks = [torch.zeros(DESC_ROWS * max_num_seqs, dtype=torch.int32, pin_memory=cuda)
                       for _ in range(num_banks)]
         self.events = [torch.cuda.Event() if cuda else None for _ in range(num_banks)]
         self.pending = [False] * num_banks
@@ -510,21 +515,21 @@ class DescriptorBanks:
         self.waits = 0          # times the host found a bank still in use by the GPU
 
     def acquire(self, cols: int) -> torch.Tensor:
-        """Next bank as a contiguous [4, cols] view, once the GPU no longer reads it."""
+        """Next bank as a contiguous [DESC_ROWS, cols] view, once the GPU no longer reads it."""
         self.i = (self.i + 1) % len(self.banks)
         if self.pending[self.i]:
             if not self.events[self.i].query():
                 self.waits += 1
                 self.events[self.i].synchronize()
             self.pending[self.i] = False
-        return self.banks[self.i][:4 * cols].view(4, cols)
+        return self.banks[self.i][:DESC_ROWS * cols].view(DESC_ROWS, cols)
 
     def publish(self, src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Make the bank view ``src`` [4, n] visible on the device (into ``into`` if given)."""
+        """Make the bank view ``src`` [DESC_ROWS, n] visible on the device (into ``into`` if given)."""
         n = src.shape[1]
         if self.device.type != "cuda":
             return src.clone() if into is None else into.copy_(src)
-        dst = into if into is not None else torch.empty((4, n), dtype=torch.int32, device=self.device)
+        dst = into if into is not None else torch.empty((DESC_ROWS, n), dtype=torch.int32, device=self.device)
         if self.mode == "mapped":
             from loopbench.kernels.descriptor import copy_mapped
             copy_mapped(src, dst)

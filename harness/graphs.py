@@ -33,8 +33,9 @@ def bucket_for(n: int, max_num_seqs: int) -> int:
 class GraphCache:
     """Captured graphs of ``fn(*static_inputs) -> tuple of tensors`` keyed by bucket.
 
-    ``fn`` must be idempotent for equal inputs (the capture runs it once eagerly to compile kernels and
-    warm libraries, then the replay runs it again) and must not synchronise with the host.
+    ``fn`` must not synchronise with the host. Before a capture it runs once eagerly (to compile kernels
+    and warm libraries) on inputs that must leave live state unchanged: padding rows, or inputs whose
+    writes the replay repeats identically.
     """
 
     def __init__(self, fn: Callable, capacity: int, stats, *, prefix: str = "graph"):
@@ -46,17 +47,25 @@ class GraphCache:
         name = f"{self.prefix}_{what}"
         setattr(self.stats, name, getattr(self.stats, name) + 1)
 
-    def run(self, bucket: int, static_inputs: tuple) -> tuple:
-        """Replay (or capture, or eagerly run) the bucket's graph on ``static_inputs``, which must be
-        the same tensors for every call with this bucket."""
+    def run(self, bucket: int, static_inputs: tuple, publish: Callable[[], None],
+            warm_inputs: Callable[[], None] | None = None) -> tuple:
+        """Run ``fn`` on ``static_inputs`` (the same tensors for every call with this bucket).
+
+        ``publish()`` writes this step's inputs into the static tensors; it is called right before the
+        replay (or eager fallback). On a capture, ``fn`` first runs once eagerly on the inputs that
+        ``warm_inputs()`` writes (padding that touches no live state), then is captured, then replayed.
+        """
         hit = self.graphs.get(bucket)
         if hit is not None:
+            publish()
             hit[0].replay()
             self._count("replays")
             return hit[1]
         if len(self.graphs) >= self.capacity:
+            publish()
             self._count("fallbacks")
             return self.fn(*static_inputs)
+        (warm_inputs or publish)()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -67,5 +76,6 @@ class GraphCache:
             outputs = self.fn(*static_inputs)
         self.graphs[bucket] = (graph, outputs)
         self._count("captures")
+        publish()
         graph.replay()
         return outputs
