@@ -25,6 +25,12 @@ than one split's keys the first kernel normalises and writes the output itself. 
 pipelined by hand: the next tile's K/V loads and the page lookups two tiles ahead are issued before the
 current tile is reduced, so the alias layout's extra exit-map load is off the critical path.
 
+Measured on an H200 (kernels/results/decode_attention_h200.md, Ouro shape, bf16): native reads K/V at
+69-93% of the device-to-device copy ceiling for B >= 32 and context >= 1024, within 1.1-1.2x of dense
+cuDNN SDPA over contiguous K/V. Alias and alias+prefix are 5-10% slower than native with the defaults:
+the prefix switch only masks the exit-map load, and the direct tiles still run the per-key block-table
+gather of the alias path (a per-tile scalar branch to the native lookup is the next thing to try).
+
 Scores use ``exp2`` with ``scale * log2(e)`` folded into the query (the FlashAttention-2 formulation).
 The dot products are fp32 elementwise products reduced with ``tl.sum``: decode has one query per head, so
 there is no matrix product to feed tensor cores, and the Triton interpreter computes bf16 ``tl.dot`` wrongly
@@ -231,6 +237,8 @@ def _check_int32(name: str, t: torch.Tensor, dim: int) -> None:
         raise ValueError(f"{name} must be int32, got {t.dtype}")
     if t.dim() != dim:
         raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+    if dim == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
 
 
 def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
@@ -277,7 +285,7 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N) -> dict:
     per 1024 tile elements (4 for Ouro's 32 x 128); one stage, since the loop pipelines itself (2 stages
     measured the same). On the H200 (kernels/results/decode_attention_h200.md) this default is the best
     swept setting for short contexts (B16/ctx256); for contexts >= 1024, block_n=16 with one warp was
-    4-7% faster and brought alias+prefix from 6-10% to about 3% over native.
+    6-10% faster and brought alias+prefix from 6-10% to about 3% over native.
     """
     tile = block_n * triton.next_power_of_2(head_dim)
     return {"num_warps": max(1, min(8, tile // 1024)), "num_stages": 1}

@@ -132,6 +132,8 @@ def _check(name: str, t, dtype=None, dim=None, n=None) -> None:
         raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
     if n is not None and t.shape[0] != n:
         raise ValueError(f"{name} must have {n} entries, got {t.shape[0]}")
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
 
 
 def _same_device(**tensors) -> None:

@@ -141,3 +141,10 @@ def test_rejects_bad_arguments():
         native_fill(k, k, block_tables, row, row, row, row)
     with pytest.raises(ValueError, match="exit_depth"):
         publish_exits(torch.zeros((2, 4), dtype=torch.int32), row, row, torch.zeros(2, dtype=torch.int32))
+
+
+def test_rejects_strided_entry_vectors():
+    exit_map = torch.zeros((2, 8), dtype=torch.int32)
+    strided = torch.zeros(4, dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        publish_exits(exit_map, strided, strided, strided)
