@@ -163,6 +163,7 @@ class ExecutorConf:
     kind: ExecutorKind = ExecutorKind.local
     device: DeviceKind = DeviceKind.auto
     gpus: Optional[List[int]] = None  # physical GPU indices for local sessions; None = every visible GPU
+    cpu_threads: int = 1              # torch intra-op threads of a CPU session (see session.py)
     session_timeout_s: float = 3600.0
     reference_timeout_s: float = 1800.0
     poll_s: float = 0.5
@@ -303,6 +304,7 @@ def validate(cfg: DictConfig | dict) -> dict:
     if exe["gpus"] is not None and len(set(exe["gpus"])) != len(exe["gpus"]):
         raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
     positive("executor.slurm.jobs", exe["slurm"]["jobs"])
+    positive("executor.cpu_threads", exe["cpu_threads"])
     kill = plain["fault"]["kill_after_arms"]
     if kill is not None and (isinstance(kill, bool) or kill < 0):
         raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")

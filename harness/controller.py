@@ -238,7 +238,8 @@ def _progress(bundle: Path, total: int):
 
 def _job(bundle: Path, kind: str, dev: dict, **extra) -> Path:
     job = {"kind": kind, "name": dev["name"], "bundle": str(bundle),
-           "device": {"kind": dev["kind"], "gpu_index": dev["gpu_index"]}, **extra}
+           "device": {"kind": dev["kind"], "gpu_index": dev["gpu_index"], "cpu_threads": dev["cpu_threads"]},
+           **extra}
     path = bundle / "jobs" / f"{kind}-{dev['name']}.json"
     evidence.atomic_write_json(path, job)
     return path
@@ -248,7 +249,7 @@ def run(cfg: DictConfig | dict) -> RunResult:
     """Run one benchmark end to end; returns the bundle and its summary (never a verdict for a partial run)."""
     plain = conf.validate(cfg)
     cache = conf.cache_dir(plain)
-    devices = resolve_devices(plain)
+    devices = [{**d, "cpu_threads": plain["executor"]["cpu_threads"]} for d in resolve_devices(plain)]
     code = code_identity()
     short = code["git_sha"][:8] if code["git_sha"] != "unknown" else "nogit"
     results_dir = Path(plain["results_dir"])

@@ -51,8 +51,14 @@ def _runtime():
 # ------------------------------------------------------------------------------------------ device
 
 def resolve_device(job: dict) -> dict:
-    """This child's device: torch device string, NVML index and a label for tables ("H200 #0", "cpu")."""
+    """This child's device: torch device string, NVML index and a label for tables ("H200 #0", "cpu").
+
+    A CPU job runs torch with ``cpu_threads`` intra-op threads (default 1): the CPU arms are tiny, and
+    OpenMP threads that spin-wait for cores held by other processes made single arms 10-80x slower
+    on a busy 2-core machine (measured), which is noise, not signal.
+    """
     if job["device"]["kind"] == "cpu":
+        torch.set_num_threads(job["device"].get("cpu_threads", 1))
         return {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": _cpu_name(), "uuid": None}
     if not torch.cuda.is_available():
         raise RuntimeError(f"job {job['name']} asks for CUDA, but torch.cuda.is_available() is False")

@@ -1,0 +1,120 @@
+"""The controller: frozen plan and order, killed and timed-out children, submitit, reference reuse."""
+import json
+import math
+from collections import Counter
+
+import pandas as pd
+import pytest
+
+from loopbench.audit.auditor import audit
+from loopbench.harness import conf, controller
+
+MINI = ["name=ctl", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9", "workload.output_len=3",
+        "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix}]", "executor.poll_s=0.1"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def run(tmp_path, cache, *extra):
+    cfg = conf.compose("cpu-smoke", MINI + [f"results_dir={tmp_path / 'results'}", f"cache_dir={cache}", *extra])
+    return controller.run(cfg)
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 7, 10])
+def test_measurement_order_is_balanced_interleaved_and_seeded(pairs):
+    plain = conf.validate(conf.compose("cpu-smoke", [f"pairs={pairs}"]))
+    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
+    order = controller.measurement_order(plain, points)
+    assert [o["seq"] for o in order] == list(range(len(order)))
+    assert len(order) == len(points) * len(plain["comparisons"]) * pairs * 2
+    firsts = Counter((o["point"], o["comparison"], o["position"]) for o in order if o["slot"] == 0)
+    for pt in points:
+        for comp in plain["comparisons"]:
+            assert firsts[(pt["key"], comp["name"], "baseline")] == math.ceil(pairs / 2)
+            assert firsts[(pt["key"], comp["name"], "candidate")] == pairs // 2
+    for a, b in zip(order[::2], order[1::2]):   # the two arms of a pair run back to back
+        assert (a["point"], a["comparison"], a["pair"]) == (b["point"], b["comparison"], b["pair"])
+        assert {a["position"], b["position"]} == {"baseline", "candidate"}
+    # pair i of every comparison runs before pair i + 1 of any comparison of the same point
+    pt0 = [o for o in order if o["point"] == points[0]["key"]]
+    assert [o["pair"] for o in pt0] == sorted(o["pair"] for o in pt0)
+    assert order == controller.measurement_order(plain, points)
+    assert order != controller.measurement_order({**plain, "order_seed": 1}, points) or pairs == 1
+
+
+def test_plan_is_frozen_with_hashes(tmp_path, cache, monkeypatch):
+    # Fix the code identity: in a shared checkout another engineer's edit would (rightly) change the key.
+    ident = controller.code_identity()
+    monkeypatch.setattr(controller, "code_identity", lambda: ident)
+    result = run(tmp_path, cache)
+    plan = json.loads((result.bundle / "plan.json").read_text())
+    assert plan["config_sha256"] and plan["checkpoint"]["sha256"] and plan["prompts"]["sha256"]
+    assert plan["code"]["git_sha"] and isinstance(plan["code"]["git_dirty"], bool)
+    assert plan["devices"] == [{"name": "cpu0", "kind": "cpu", "gpu_index": None, "label": "cpu", "cpu_threads": 1}]
+    assert plan["points"][0]["reference"]["file"] == "references/B2C3.schedule.json"
+    assert len(plan["order"]["cpu0"]) == 4
+    assert result.summary["status"] == "complete" and audit(result.bundle)["status"] == "pass"
+    # a second run reuses the frozen reference by hash; reuse_references=false captures it again
+    again = run(tmp_path, cache)
+    meta = json.loads((again.bundle / "references/B2C3.meta.json").read_text())
+    assert meta["reused"] is True
+    assert (again.bundle / "references/B2C3.schedule.json").read_bytes() == \
+        (result.bundle / "references/B2C3.schedule.json").read_bytes()
+    fresh = run(tmp_path, cache, "reuse_references=false")
+    assert json.loads((fresh.bundle / "references/B2C3.meta.json").read_text())["reused"] is False
+
+
+def test_killed_child_leaves_incomplete_bundle_with_finished_arms_and_no_verdict(tmp_path, cache):
+    result = run(tmp_path, cache, "fault.kill_after_arms=3")
+    s = result.summary
+    assert s["status"] == "incomplete" and not s["verdicts_published"]
+    assert all(r["verdict"] is None for r in s["results"])
+    child = {c["name"]: c for c in s["children"]}["cpu0"]
+    assert child["exit_code"] == -9 and child["state"] == "killed"
+    assert len(list((result.bundle / "raw" / "cpu0").glob("*.json"))) == 3
+    arms = pd.read_parquet(result.bundle / "tables" / "arms.parquet")
+    assert sorted(arms["seq"]) == [0, 1, 2] and arms["elapsed_s"].gt(0).all()
+    assert len(pd.read_parquet(result.bundle / "tables" / "pairs.parquet")) == 1
+    assert s["counts"]["arms_recorded"] == 3 and s["counts"]["arms_planned"] == 4
+    assert "INCOMPLETE" in (result.bundle / "report.md").read_text()
+    verdict = audit(result.bundle)
+    assert verdict["status"] == "incomplete", verdict["discrepancies"]
+
+
+def test_timed_out_child_is_killed_and_recorded(tmp_path, cache):
+    result = run(tmp_path, cache, "executor.session_timeout_s=0.5")
+    child = {c["name"]: c for c in result.summary["children"]}["cpu0"]
+    assert child["state"] == "timeout" and child["exit_code"] != 0
+    assert result.summary["status"] == "incomplete" and not result.summary["verdicts_published"]
+
+
+def test_submitit_local_executor(tmp_path, cache):
+    result = run(tmp_path, cache, "executor.kind=slurm", "executor.slurm.cluster=local", "executor.device=cpu")
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    assert [c["name"] for c in result.summary["children"]] == ["reference", "slurm0"]
+    assert all(c["exit_code"] == 0 for c in result.summary["children"])
+    assert audit(result.bundle)["status"] == "pass"
+
+
+def test_prompt_files(tmp_path):
+    plain = conf.validate(conf.compose("cpu-smoke", ["points=[{max_num_seqs:2,num_requests:2}]"]))
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('[1, 2, 3]\n{"prompt_token_ids": [4, 5]}\n[6]\n')
+    plain["workload"]["prompts_file"] = str(jsonl)
+    assert controller.make_prompts(plain, 256) == [[1, 2, 3], [4, 5]]
+    pq = tmp_path / "p.parquet"
+    pd.DataFrame({"prompt_token_ids": [[7, 8], [9, 10, 11]]}).to_parquet(pq)
+    plain["workload"]["prompts_file"] = str(pq)
+    assert controller.make_prompts(plain, 256) == [[7, 8], [9, 10, 11]]
+    with pytest.raises(ValueError, match="prompt 1 has token id 10 outside"):
+        controller.make_prompts(plain, 10)
+    jsonl.write_text('[1, "a"]\n')
+    plain["workload"]["prompts_file"] = str(jsonl)
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        controller.make_prompts(plain, 256)
+    seeded = conf.validate(conf.compose("cpu-smoke"))
+    a = controller.make_prompts(seeded, 256)
+    assert len(a) == 8 and {len(p) for p in a} == {33} and a == controller.make_prompts(seeded, 256)
