@@ -1,0 +1,54 @@
+"""`make bench`'s entry point: the whole pipeline from the command line, config errors, Hydra multirun."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MINI = ["--config-name", "cpu-smoke", "name=cli", "points=[{max_num_seqs:2,num_requests:2}]", "workload.prompt_len=5",
+        "workload.output_len=2", "pairs=1", "comparisons=[{baseline:native,candidate:alias_prefix}]",
+        "executor.poll_s=0.1"]
+
+
+def bench(tmp_path, *args, flags=()):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "loopbench.harness.bench", *flags, *MINI, f"results_dir={tmp_path / 'r'}",
+                           f"cache_dir={tmp_path / 'c'}", f"hydra.run.dir={tmp_path / 'h'}",
+                           f"hydra.sweep.dir={tmp_path / 'm'}", *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+def test_bench_runs_checks_audits_and_prints_the_table(tmp_path):
+    proc = bench(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| GPU | B / C | native tokens/s | alias_prefix tokens/s | Paired speedup [95% CI] |" in proc.stdout
+    assert "| cpu | 2 / 2 |" in proc.stdout and "audit PASS" in proc.stdout
+    (bundle,) = (tmp_path / "r").iterdir()
+    assert json.loads((bundle / "audit.json").read_text())["status"] == "pass"
+
+
+def test_misspelt_key_fails_before_anything_runs(tmp_path):
+    proc = bench(tmp_path, "workload.promt_len=3")
+    assert proc.returncode != 0 and "workload.promt_len" in proc.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+    proc = bench(tmp_path, "+exit.treshold=0.3")
+    assert proc.returncode != 0 and "exit.treshold" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_multirun_sweeps(tmp_path):
+    proc = bench(tmp_path, "order_seed=0,1", flags=["-m"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    bundles = sorted((tmp_path / "r").iterdir())
+    assert len(bundles) == 2
+    seeds = [json.loads((b / "plan.json").read_text())["config"]["order_seed"] for b in bundles]
+    assert sorted(seeds) == [0, 1]
+    assert all(json.loads((b / "audit.json").read_text())["status"] == "pass" for b in bundles)
+
+
+def test_default_preset_follows_cuda():
+    from loopbench.harness import bench as bench_mod
+    import torch
+
+    assert bench_mod.default_config_name() == ("ouro-1.4b" if torch.cuda.is_available() else "cpu-smoke")
