@@ -49,9 +49,14 @@ def main(argv=None) -> int:
                     args.output_len, min_loops=2, max_loops=4, exit_threshold=0.5)
             for i in range(args.num_requests)]
     arm = dict(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix")
-    eng = LoopEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.output_len,
-                                         attention_backend=args.backend, cuda_graphs=not args.no_graphs and device == "cuda",
-                                         exit_policy="ouro_delayed", **arm))
+    common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.output_len,
+                  attention_backend=args.backend, cuda_graphs=not args.no_graphs and device == "cuda")
+    natural = LoopEngine(model, EngineConfig(exit_policy="ouro_delayed", **common, **arm))
+    for r in reqs:
+        natural.add_request(r)
+    natural.run()
+    schedule = natural.capture_schedule()
+    eng = LoopEngine(model, EngineConfig(exit_policy="replay", schedule=schedule, **common, **arm))
     for i in range(args.repeats + 1):
         if i:
             eng.reset_run()
@@ -64,10 +69,11 @@ def main(argv=None) -> int:
         if device == "cuda":
             torch.cuda.synchronize()
         el = time.perf_counter() - t0
+        schedule.verify(outs)
         n = sum(len(o.token_ids) for o in outs.values())
         exits = [e for o in outs.values() for e in o.exit_depths[1:]]
-        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  three-loop share "
-              f"{exits.count(3) / max(1, len(exits)):.3f}  stats {eng.stats.as_dict()}")
+        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  {el / eng.stats.steps * 1e3 * (i + 1):.2f} "
+              f"ms/step  three-loop share {exits.count(3) / max(1, len(exits)):.3f}  stats {eng.stats.as_dict()}")
     return 0
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
-from loopbench.harness.engine import DescriptorBanks, EngineConfig, LoopEngine, Request
+from loopbench.harness.engine import DESC_ROWS, DescriptorBanks, EngineConfig, LoopEngine, Request
 from loopbench.harness.model import OuroModel
 from loopbench.harness.reference import NaiveOuro
 
@@ -108,7 +108,7 @@ def test_descriptor_bank_is_not_rewritten_while_the_gpu_may_read_it(mode):
     """Probe: the GPU is held busy, so its read of bank 0 is still queued when the host wants bank 0
     again. Without the event wait the host would overwrite it and the device would read the new value."""
     banks = DescriptorBanks(8, torch.device("cuda"), mode, num_banks=1)
-    dst = torch.zeros((4, 8), dtype=torch.int32, device="cuda")
+    dst = torch.zeros((DESC_ROWS, 8), dtype=torch.int32, device="cuda")
     bank = banks.acquire(8)
     bank.fill_(7)
     torch.cuda._sleep(200_000_000)            # ~0.1 s of GPU spin ahead of the read
