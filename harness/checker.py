@@ -136,9 +136,11 @@ def check(records: list[dict], references: dict[str, dict], *, warmup: bool = Tr
             requests += len(rec[phase]["outputs"])
             tokens += sum(len(o["token_ids"]) for o in rec[phase]["outputs"].values())
         measured = rec.get("measured")
-        if warmup and measured is not None and measured["graphs"]["captures"] != 0:
-            findings.append(Finding("captures", rec["job"], rec["point"], rec["comparison"], rec["pair"],
-                                    rec["arm"], "measured", None, None, 0, measured["graphs"]["captures"]))
+        if warmup and measured is not None:
+            for key, n in sorted(measured["graphs"].items()):
+                if key.endswith("captures") and n != 0:
+                    findings.append(Finding("captures", rec["job"], rec["point"], rec["comparison"], rec["pair"],
+                                            rec["arm"], "measured", None, None, {key: 0}, {key: n}))
         pairs.setdefault((rec["job"], rec["point"], rec["comparison"], rec["pair"]), []).append(rec)
     for members in pairs.values():
         if len(members) != 2 or any(m.get("measured") is None for m in members):
@@ -146,10 +148,12 @@ def check(records: list[dict], references: dict[str, dict], *, warmup: bool = Tr
         a, b = members
         same_graphs = all(a["arm_config"][k] == b["arm_config"][k] for k in ("cuda_graphs", "graph_cache_size"))
         if same_graphs:
-            for key in ("replays", "fallbacks"):
-                if a["measured"]["graphs"][key] != b["measured"]["graphs"][key]:
+            keys = sorted(k for k in set(a["measured"]["graphs"]) | set(b["measured"]["graphs"])
+                          if k.endswith(("replays", "fallbacks")))
+            for key in keys:
+                if a["measured"]["graphs"].get(key) != b["measured"]["graphs"].get(key):
                     findings.append(Finding(
                         "graph_coverage", b["job"], b["point"], b["comparison"], b["pair"], b["arm"], "measured",
-                        None, None, {key: a["measured"]["graphs"][key], "arm": a["arm"]},
-                        {key: b["measured"]["graphs"][key]}))
+                        None, None, {key: a["measured"]["graphs"].get(key), "arm": a["arm"]},
+                        {key: b["measured"]["graphs"].get(key)}))
     return CheckReport(tuple(findings), len(records), phases, requests, tokens)

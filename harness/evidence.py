@@ -120,15 +120,17 @@ def load_records(bundle: Path) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------- tables
 
+GRAPH_COLUMNS = ("captures", "replays", "fallbacks", "prefill_captures", "prefill_replays", "prefill_fallbacks")
+
+
 def _phase_row(prefix: str, phase: dict | None) -> dict:
-    keys = ("elapsed_s", "captures", "replays", "fallbacks", "peak_allocated_bytes", "peak_reserved_bytes")
+    keys = ("elapsed_s", *GRAPH_COLUMNS, "peak_allocated_bytes", "peak_reserved_bytes")
     if phase is None:
         return {f"{prefix}{k}": None for k in keys}
-    return {f"{prefix}elapsed_s": phase["elapsed_s"],
-            f"{prefix}captures": phase["graphs"]["captures"], f"{prefix}replays": phase["graphs"]["replays"],
-            f"{prefix}fallbacks": phase["graphs"]["fallbacks"],
-            f"{prefix}peak_allocated_bytes": phase["memory"]["peak_allocated_bytes"],
-            f"{prefix}peak_reserved_bytes": phase["memory"]["peak_reserved_bytes"]}
+    row = {f"{prefix}elapsed_s": phase["elapsed_s"]}
+    row.update({f"{prefix}{k}": phase["graphs"].get(k, 0) for k in GRAPH_COLUMNS})
+    row.update({f"{prefix}{k}": phase["memory"][k] for k in ("peak_allocated_bytes", "peak_reserved_bytes")})
+    return row
 
 
 def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
@@ -295,16 +297,20 @@ def result_tables(summary: dict) -> str:
 
 def _graph_memory_lines(arms: pd.DataFrame) -> list[str]:
     lines = ["| GPU | B / C | arm | runs | warmup captures | measured captures | measured replays | "
-             "measured fallbacks | peak allocated MiB | peak reserved MiB | KV blocks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured fallbacks | measured prefill replays / fallbacks | peak allocated MiB | peak reserved MiB | "
+             "KV blocks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def mib(series) -> str:
         vals = [v for v in series if v is not None and not pd.isna(v)]
         return f"{max(vals) / 2**20:.1f}" if vals else "n/a"
 
     for (dev, b, c, arm), g in arms.groupby(["device", "max_num_seqs", "num_requests", "arm"], sort=True):
-        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {int(g['warmup_captures'].fillna(0).sum())} | "
-                     f"{int(g['captures'].sum())} | {int(g['replays'].sum())} | {int(g['fallbacks'].sum())} | "
+        warm = int(g["warmup_captures"].fillna(0).sum() + g["warmup_prefill_captures"].fillna(0).sum())
+        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {warm} | "
+                     f"{int(g['captures'].sum() + g['prefill_captures'].sum())} | {int(g['replays'].sum())} | "
+                     f"{int(g['fallbacks'].sum())} | "
+                     f"{int(g['prefill_replays'].sum())} / {int(g['prefill_fallbacks'].sum())} | "
                      f"{mib(g['peak_allocated_bytes'])} | {mib(g['peak_reserved_bytes'])} | "
                      f"{int(g['kv_blocks_used'].max())} |")
     return lines
