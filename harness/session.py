@@ -270,6 +270,9 @@ def measure(job: dict) -> None:
         end_unix_s = time.time()
         tele_end = telemetry.sample(device["gpu_index"])
         del eng
+        gc.collect()
+        if device["kind"] == "cuda":  # the next arm starts from the same allocator state
+            torch.cuda.empty_cache()
         rec = {"schema": RECORD_SCHEMA, "job": job["name"], "device": device, "seq": item["seq"],
                "point": item["point"], "max_num_seqs": pt["max_num_seqs"], "num_requests": pt["num_requests"],
                "output_len": cfg["workload"]["output_len"], "comparison": item["comparison"], "pair": item["pair"],
