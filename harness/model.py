@@ -158,8 +158,10 @@ class OuroModel:
     """
 
     def __init__(self, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
-                 dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None):
+                 dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None, fused: bool | None = None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        # Fused Triton elementwise kernels (kernels/fused_ops.py) by default on CUDA; plain torch on CPU.
+        self.fused = self.device.type == "cuda" if fused is None else fused
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -193,8 +195,9 @@ class OuroModel:
 
     @classmethod
     def from_tensors(cls, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
-                     dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None) -> "OuroModel":
-        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len)
+                     dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None,
+                     fused: bool | None = None) -> "OuroModel":
+        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len, fused=fused)
 
     @property
     def weight_bytes(self) -> int:
@@ -220,6 +223,8 @@ class OuroModel:
         Returns (normed loop output [N, hidden] model dtype, hazard [N] fp32 or fp64 =
         sigmoid(early_exit_gate(output)), BRIEF section 1).
         """
+        if self.fused:
+            return self._run_loop_fused(x, positions, attend)
         cfg = self.cfg
         n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
@@ -236,6 +241,25 @@ class OuroModel:
             x = x + rms_norm(F.linear(F.silu(gate) * up, w.down), w.ln_post2, eps)
         x = rms_norm(x, self.norm, eps)
         return x, self.hazard(x)
+
+    def _run_loop_fused(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run_loop` with one launch per elementwise stage: each sandwich norm is fused with its
+        residual add and with the next pre-norm (the next layer's input norm, or the final norm), RoPE
+        rotates q and k in place inside the fused qkv output, and silu(gate) * up is one kernel."""
+        from loopbench.kernels import fused_ops as fo
+        cfg = self.cfg
+        n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        h = fo.rms_norm(x, self.layers[0].ln_in, eps)
+        for i, w in enumerate(self.layers):
+            qkv = fo.rope_(F.linear(h, w.qkv), self.cos, self.sin, positions, H + Hkv, D)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
+            x, h = fo.add_rms_norm(x, F.linear(a.reshape(n, H * D), w.o), w.ln_in2, w.ln_post, eps)
+            nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
+            x, h = fo.add_rms_norm(x, F.linear(fo.silu_mul(F.linear(h, w.gate_up)), w.down), w.ln_post2, nxt, eps)
+        return h, self.hazard(h)
 
     def hazard(self, x: torch.Tensor) -> torch.Tensor:
         """h = sigmoid(early_exit_gate(x)): [N] in fp32 (fp64 for an fp64 model). x: [N, hidden]."""

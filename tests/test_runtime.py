@@ -248,3 +248,16 @@ def test_reset_run_repeats_the_same_workload_identically(model64):
     for r in reqs:
         eng.add_request(r)
     assert eng.run() == first and eng.trace_sha256 == trace
+
+
+@pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
+def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckpt, naive, layout):
+    """The GPU path (Triton attention, KV kernels and fused elementwise ops) on the CPU interpreter."""
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32, fused=True)
+    reqs = make_requests(4, 6, "ouro_delayed", seed=6, lens=[1, 17, 33, 34])
+    _, outs = run_engine(model, reqs, max_num_seqs=3, exit_policy="ouro_delayed", attention_backend="triton",
+                         **layout)
+    for r in reqs:
+        assert (list(outs[r.request_id].token_ids), list(outs[r.request_id].exit_depths)) == \
+            reference(naive, r, "ouro_delayed")

@@ -1,0 +1,173 @@
+"""Fused elementwise kernels for the recurrent core: RMSNorm, residual-add + RMSNorm pairs, rotary
+embedding in place, and SwiGLU's silu(gate) * up.
+
+Why: in plain PyTorch one Ouro layer launches ~50 small elementwise kernels (an fp32 RMSNorm alone is
+seven), so at decode batch sizes the loop is launch-bound (BRIEF section 3: RMSNorm 19% and residual /
+SwiGLU elementwise 11% of a loop's kernel time at B16). Each function here is one launch and rounds
+exactly where the torch reference (``*_ref``, same signature) rounds: every intermediate the reference
+stores in the model dtype is rounded to it here too, so results agree to the last bit up to the order
+of the fp32 mean-of-squares reduction.
+
+Formulas: RMSNorm ``y = w * x / sqrt(mean(x^2) + eps)`` in fp32 (Zhang & Sennrich 2019, as in the HF
+Ouro/Qwen2 RMSNorm); rotary embedding, rotate-half form (RoFormer, arXiv 2104.09864); SwiGLU
+``silu(g) * u`` (Shazeer 2020).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hidden,
+                         stride_x, stride_y, stride_xo, stride_ho, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / hidden + eps)
+    w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = (w1 * (y * inv_y)).to(x_out_ptr.dtype.element_ty).to(tl.float32)   # rounded like the ref
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x_new = (x + normed).to(x_out_ptr.dtype.element_ty)
+    tl.store(x_out_ptr + row * stride_xo + offs, x_new, mask=mask)
+    xf = x_new.to(tl.float32)
+    inv_x = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_out_ptr + row * stride_ho + offs, (w2 * (xf * inv_x)).to(h_out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_cos, HALF: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + row)
+    c = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0)
+    base = qkv_ptr + row * stride_row + head * (2 * HALF)
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(c.dtype)
+    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(c.dtype)
+    tl.store(base + offs, (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF + offs, (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)     # rounded like the ref
+    tl.store(out_ptr + row * stride_out + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor, hidden: int) -> None:
+    if t.dim() != 2 or t.shape[1] != hidden or t.stride(1) != 1:
+        raise ValueError(f"{name} must be [N, {hidden}] with unit last stride, got {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row. x: [N, hidden] (bf16/fp16/fp32); weight: [hidden]. Returns [N, hidden] x.dtype."""
+    hidden = weight.shape[0]
+    _check_rows("x", x, hidden)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](x, weight, out, hidden, x.stride(0), out.stride(0), eps,
+                                        BLOCK=triton.next_power_of_2(hidden), num_warps=4)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sandwich-norm residual step and the next pre-norm in one pass.
+
+    x_new = x + RMSNorm(y; w1); h = RMSNorm(x_new; w2). x, y: [N, hidden]; w1, w2: [hidden].
+    Returns (x_new, h), both [N, hidden] in x.dtype.
+    """
+    hidden = w1.shape[0]
+    _check_rows("x", x, hidden)
+    _check_rows("y", y, hidden)
+    x_new, h = torch.empty_like(x), torch.empty_like(x)
+    if x.shape[0]:
+        _add_rms_norm_kernel[(x.shape[0],)](x, y, w1, w2, x_new, h, hidden, x.stride(0), y.stride(0),
+                                            x_new.stride(0), h.stride(0), eps,
+                                            BLOCK=triton.next_power_of_2(hidden), num_warps=8)
+    return x_new, h
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+          num_rotated_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate, in place, the first ``num_rotated_heads`` heads (q then k) of each fused qkv row.
+
+    qkv: [N, (H + 2 Hkv) * head_dim], unit last stride; cos, sin: [max_len, head_dim // 2] fp32/fp64;
+    positions: [N] int. Returns qkv.
+    """
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < num_rotated_heads * head_dim:
+        raise ValueError(f"qkv must be [N, >= {num_rotated_heads * head_dim}] with unit last stride, "
+                         f"got {tuple(qkv.shape)}")
+    if cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or not cos.is_contiguous():
+        raise ValueError(f"cos/sin must be contiguous [max_len, {head_dim // 2}], got {tuple(cos.shape)}")
+    if qkv.shape[0]:
+        half = head_dim // 2
+        _rope_kernel[(qkv.shape[0], num_rotated_heads)](qkv, cos, sin, positions, qkv.stride(0), cos.stride(0),
+                                                        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+                                                        num_warps=1)
+    return qkv
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation. gate_up: [N, 2 I] (gate then up) -> [N, I] = silu(gate) * up, same dtype."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [N, 2*I] with unit last stride, got {tuple(gate_up.shape)}")
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, inter), device=gate_up.device, dtype=gate_up.dtype)
+    if n:
+        block = 1024
+        _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                         BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------ torch references
+def rms_norm_ref(x, weight, eps):
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    return (weight.to(acc) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def add_rms_norm_ref(x, y, w1, w2, eps):
+    x_new = x + rms_norm_ref(y, w1, eps)
+    return x_new, rms_norm_ref(x_new, w2, eps)
+
+
+def rope_ref(qkv, cos, sin, positions, num_rotated_heads, head_dim):
+    out = qkv.clone()
+    n, half = qkv.shape[0], head_dim // 2
+    heads = out[:, :num_rotated_heads * head_dim].view(n, num_rotated_heads, head_dim).to(cos.dtype)
+    c, s = cos[positions.long()][:, None, :], sin[positions.long()][:, None, :]
+    x1, x2 = heads[..., :half], heads[..., half:]
+    out[:, :num_rotated_heads * head_dim] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).reshape(n, -1).to(qkv.dtype)
+    return out
+
+
+def silu_mul_ref(gate_up):
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
