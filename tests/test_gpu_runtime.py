@@ -109,6 +109,10 @@ def test_descriptor_bank_is_not_rewritten_while_the_gpu_may_read_it(mode):
     again. Without the event wait the host would overwrite it and the device would read the new value."""
     banks = DescriptorBanks(8, torch.device("cuda"), mode, num_banks=1)
     dst = torch.zeros((DESC_ROWS, 8), dtype=torch.int32, device="cuda")
+    banks.publish(banks.acquire(8), into=dst)      # warm: kernel/module loads and first event creation
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    banks.waits = 0
     bank = banks.acquire(8)
     bank.fill_(7)
     torch.cuda._sleep(200_000_000)            # ~0.1 s of GPU spin ahead of the read
