@@ -71,7 +71,8 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
 
 def prepare_checkpoint(plain: dict, cache: Path) -> dict:
     """The checkpoint directory, its sha256 and model config; a synthetic one is written once, then reused."""
-    from .checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict, write_synthetic_checkpoint
+    from .checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict
+    from .synthetic import write_calibrated_checkpoint
     from .session import _DTYPES
 
     m = plain["model"]
@@ -86,10 +87,14 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
 
         if m["preset"] not in PRESETS:
             raise ValueError(f"model.preset = {m['preset']!r} is not a preset; known: {sorted(PRESETS)}")
-        path = cache / "checkpoints" / f"{m['preset']}-seed{m['seed']}-{m['dtype']}"
+        path = cache / "checkpoints" / f"{m['preset']}-seed{m['seed']}-{m['dtype']}-calibrated"
         if not (path / CONFIG_NAME).is_file():
+            import torch
+
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            write_synthetic_checkpoint(tmp, m["preset"], seed=m["seed"], dtype=_DTYPES[m["dtype"]])
+            # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/synthetic.py)
+            write_calibrated_checkpoint(tmp, m["preset"], seed=m["seed"], dtype=_DTYPES[m["dtype"]],
+                                        device="cuda" if torch.cuda.is_available() else "cpu")
             tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
         source, description = "synthetic", f"synthetic `{m['preset']}` (seed {m['seed']})"
     cfg = config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text()))
