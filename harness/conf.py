@@ -82,7 +82,8 @@ class WorkloadConf:
 
     Prompts are seeded random token ids (``prompt_seed``), or read from ``prompts_file`` (parquet with a
     ``prompt_token_ids`` list column, or JSONL with one list of ids, or an object with that key, per
-    line); a file's prompts are used as they are (``prompt_len`` is then only a check when > 0).
+    line); a file's prompts are used as they are, its first C for a point of C requests, and
+    ``prompt_len`` is then ignored (the plan records the lengths found).
     """
 
     prompt_len: int = 128

@@ -118,3 +118,13 @@ def test_prompt_files(tmp_path):
     seeded = conf.validate(conf.compose("cpu-smoke"))
     a = controller.make_prompts(seeded, 256)
     assert len(a) == 8 and {len(p) for p in a} == {33} and a == controller.make_prompts(seeded, 256)
+
+
+def test_failed_reference_capture_measures_nothing_and_is_incomplete(tmp_path, cache):
+    result = run(tmp_path, cache, "executor.reference_timeout_s=0.3", "reuse_references=false")
+    s = result.summary
+    assert s["status"] == "incomplete" and "reference capture failed" in " ".join(s["incomplete_reasons"])
+    assert [c["name"] for c in s["children"]] == ["reference"] and s["children"][0]["state"] == "timeout"
+    assert s["counts"]["arms_recorded"] == 0 and s["results"] == []
+    verdict = audit(result.bundle)
+    assert verdict["status"] == "incomplete", verdict["discrepancies"]
