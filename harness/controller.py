@@ -96,6 +96,8 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
             write_calibrated_checkpoint(tmp, m["preset"], seed=m["seed"], dtype=_DTYPES[m["dtype"]],
                                         device="cuda" if torch.cuda.is_available() else "cpu")
             tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+            if torch.cuda.is_available():  # give the calibration's memory back before any session starts
+                torch.cuda.empty_cache()
         source, description = "synthetic", f"synthetic `{m['preset']}` (seed {m['seed']})"
     cfg = config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text()))
     return {"source": source, "path": str(path), "preset": None if m["checkpoint"] else m["preset"],
