@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .attention import LAYOUTS, get_backend, prefill_attention_torch
@@ -337,14 +338,13 @@ class LoopEngine:
         forced = [r.depth == r.entry.exit_depths[r.n_out] for r in rows] if replay else [False] * n
         bucket = n if self._graphs is None else bucket_for(n, cfg.max_num_seqs)
         bank = self.banks.acquire(bucket)
-        for i, r in enumerate(rows):
-            bank[0, i], bank[1, i], bank[2, i] = r.slot, r.depth, r.pos
-            bank[3, i] = min(r.first_alias.get(r.depth, r.pos + 1), r.pos + 1)
-            bank[4, i] = forced[i]
+        host = bank.numpy()                  # one vectorised write into the (pinned) bank, not 5n setitems
+        host[:, :n] = np.array([(r.slot, r.depth, r.pos, min(r.first_alias.get(r.depth, r.pos + 1), r.pos + 1),
+                                 f) for r, f in zip(rows, forced)], dtype=np.int32).T
         if self._graphs is None:
             exit_flags, tok, logits = self._core(*self.banks.publish(bank))
         else:
-            bank[:, n:] = torch.tensor(PADDING_ROW, dtype=torch.int32)[:, None]
+            host[:, n:] = np.array(PADDING_ROW, dtype=np.int32)[:, None]
             static = self._static_desc.get(bucket)
             if static is None:
                 static = self._static_desc[bucket] = torch.empty((DESC_ROWS, bucket), dtype=torch.int32,
