@@ -14,6 +14,12 @@ For Ouro-1.4B's attention shape (16 heads, head_dim 128, bf16, block_size 16) an
   flash backends) as an outside yardstick;
 - whether the three layouts gave bitwise-identical outputs.
 
+Extra variants (``--variants``) time the same workload with a scheduling knob changed (``noahead``: the
+routed loop reads the exit map in the iteration that uses it; ``r128``: at most 128 registers per thread)
+or, with ``--baseline FILE``, with another version of the kernel module (``base_*``: e.g. the previous
+commit's ``decode_attention.py``, timed in the same process for a like-for-like before/after). Their
+times relative to this kernel's native go into extra columns; every variant must give native's bits.
+
 Workload: one row per request at query depth 4 of 4; the first-alias position is 60% of the context and
 half of the later tokens exited after loop 3 (their key is read from plane 3 by the alias layouts). The
 native cache is made from the same cache with ``native_fill``, so all three layouts see identical logical KV.
@@ -21,13 +27,15 @@ Block tables are shuffled over the pool. Only planes 3 and 4 own physical blocks
 by a depth-4 query whose keys exited at 3 or 4, so their table entries point at plane 3's blocks).
 
 Usage: ``PYTHONPATH=<repo> python3 kernels/bench_decode_attention.py --out results/decode_attention.md
-[--sweep]``; ``--out`` also gets a ``.csv`` beside it. ``--sweep`` then times a few launch configurations
-of the kernel on a few shapes (to choose the module defaults).
+[--sweep] [--batches ...] [--contexts ...] [--variants ...] [--baseline FILE]``; ``--out`` also gets a
+``.csv`` beside it. ``--sweep`` then times a few launch configurations of the kernel on a few shapes (to
+choose the module defaults).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -107,10 +115,31 @@ def needed_bytes(batch: int, context: int) -> int:
     return kv_bytes(batch, context) + q_out + metadata
 
 
-def calls(work: dict, layout: str, prefix: bool, **kw) -> list:
+def calls(work: dict, layout: str, prefix: bool, fn=decode_attention, **kw) -> list:
     k, v = work[layout]
-    return [lambda meta=meta: decode_attention(work["q"], k, v, **meta, layout=layout, prefix_tiles=prefix,
-                                               **kw) for meta in work["metas"]]
+    return [lambda meta=meta: fn(work["q"], k, v, **meta, layout=layout, prefix_tiles=prefix, **kw)
+            for meta in work["metas"]]
+
+
+# Extra variants: name -> (module key, layout, prefix_tiles, keyword arguments). "new" is this checkout's
+# kernel, "base" the module given with --baseline.
+VARIANTS = {
+    "alias_noahead": ("new", "alias", False, dict(exit_ahead=False)),
+    "prefix_noahead": ("new", "alias", True, dict(exit_ahead=False)),
+    "native_r128": ("new", "native", False, dict(maxnreg=128)),
+    "alias_r128": ("new", "alias", False, dict(maxnreg=128)),
+    "prefix_r128": ("new", "alias", True, dict(maxnreg=128)),
+    "base_native": ("base", "native", False, {}),
+    "base_alias": ("base", "alias", False, {}),
+    "base_prefix": ("base", "alias", True, {}),
+}
+
+
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bench_baseline_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def graph_ms_per_call(fns: list, rep_ms: int = 100) -> float:
@@ -183,7 +212,14 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     parser.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="extra variants to time (base_* need --baseline)")
+    parser.add_argument("--baseline", type=Path, help="another decode_attention.py to time as base_*")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA yardstick")
     args = parser.parse_args(argv)
+    if any(VARIANTS[v][0] == "base" for v in args.variants) and args.baseline is None:
+        parser.error("base_* variants need --baseline")
     if not torch.cuda.is_available():
         print("bench_decode_attention needs a CUDA device", file=sys.stderr)
         return 2
@@ -205,32 +241,42 @@ def main(argv=None) -> int:
          f"tokens aliased. Copy ceiling (read+write) {ceiling / 1e9:.0f} GB/s. Kernel defaults: block_n "
          f"{DEFAULT_BLOCK_N}, min split {MIN_SPLIT_TOKENS} tokens, {cfg}. Times are per call: a CUDA-graph "
          f"replay of `copies` back-to-back calls (do_bench median) divided by `copies`.\n")
+    modules = {"new": decode_attention}
+    if args.baseline is not None:
+        modules["base"] = load_module(args.baseline).decode_attention
+        emit(f"Baseline (`base_*` columns): `{args.baseline.name}`, timed in the same process.\n")
     emit("## Native vs alias vs alias+prefix\n")
     columns = ["batch", "context", "native_us", "alias_us", "prefix_us", "alias_rel", "prefix_rel",
                "sdpa_dense_us", "bytes_read", "native_gb_s", "pct_of_copy_ceiling", "bitwise_equal", "copies"]
+    columns += [f"{name}_rel" for name in args.variants]
     emit("| " + " | ".join(columns) + " |")
     emit("|" + "---|" * len(columns))
     records = []
     for context in args.contexts:
         for batch in args.batches:
             work = make_workload(batch, context)
-            variants = (("native", False), ("alias", False), ("alias", True))
-            outs = [calls(work, layout, prefix)[0]() for layout, prefix in variants]
-            bitwise = all(torch.equal(outs[0], o) for o in outs[1:])
-            native_ms, alias_ms, prefix_ms = (graph_ms_per_call(calls(work, layout, prefix))
-                                              for layout, prefix in variants)
+            variants = {"native": ("new", "native", False, {}), "alias": ("new", "alias", False, {}),
+                        "prefix": ("new", "alias", True, {})}
+            variants.update({name: VARIANTS[name] for name in args.variants})
+            fns = {name: calls(work, layout, prefix, fn=modules[mod], **kw)
+                   for name, (mod, layout, prefix, kw) in variants.items()}
+            outs = {name: f[0]() for name, f in fns.items()}
+            bitwise = all(torch.equal(outs["native"], o) for o in outs.values())
+            ms = {name: graph_ms_per_call(f, rep_ms=args.rep_ms) for name, f in fns.items()}
             copies = work["copies"]
-            del work, outs
+            del work, outs, fns
             torch.cuda.empty_cache()
-            sdpa_ms = dense_sdpa_ms(batch, context)
+            sdpa_ms = float("nan") if args.no_sdpa else dense_sdpa_ms(batch, context)
             torch.cuda.empty_cache()
             nbytes = needed_bytes(batch, context)
+            native_ms = ms["native"]
             gbs = nbytes / (native_ms * 1e-3) / 1e9
-            rec = dict(batch=batch, context=context, native_us=native_ms * 1e3, alias_us=alias_ms * 1e3,
-                       prefix_us=prefix_ms * 1e3, alias_rel=alias_ms / native_ms,
-                       prefix_rel=prefix_ms / native_ms, sdpa_dense_us=sdpa_ms * 1e3, bytes_read=nbytes,
+            rec = dict(batch=batch, context=context, native_us=native_ms * 1e3, alias_us=ms["alias"] * 1e3,
+                       prefix_us=ms["prefix"] * 1e3, alias_rel=ms["alias"] / native_ms,
+                       prefix_rel=ms["prefix"] / native_ms, sdpa_dense_us=sdpa_ms * 1e3, bytes_read=nbytes,
                        native_gb_s=gbs, pct_of_copy_ceiling=gbs * 1e9 / ceiling * 100, bitwise_equal=bitwise,
                        copies=copies)
+            rec.update({f"{name}_rel": ms[name] / native_ms for name in args.variants})
             records.append(rec)
             emit("| " + " | ".join(_fmt(rec[c]) for c in columns) + " |")
     emit("")

@@ -8,9 +8,14 @@ KV plane that the LAST_EXITED rule names (BRIEF section 1, DESIGN.md "Decode-att
 - ``alias`` + ``prefix_tiles``: key tiles of ``tile_size`` positions that end at or before the row's
   first-alias position are read from plane ``d`` directly, the boundary tile and later ones per key.
 
-All three run the *same* kernel body: constexpr ``LAYOUT_ALIAS`` / ``PREFIX`` flags change only the plane
-a key's block-table entry is looked up in, never the tile order, the split of the key range or the
-arithmetic. On identical logical KV the three outputs are therefore bitwise identical.
+All three reduce the same key tiles in the same order with the same code (``_online_softmax_step``); the
+constexpr ``LAYOUT_ALIAS`` / ``PREFIX`` flags change only how a tile's physical blocks are looked up, never
+the tile order, the split of the key range or the arithmetic, so on identical logical KV the three outputs
+are bitwise identical. ``native`` runs one loop with direct lookups (plane ``d``'s block table, nothing
+loaded first); ``alias`` one routed loop (exit map, then the block table of plane ``min(d, e_p)`` per key);
+``alias`` + ``prefix_tiles`` splits the key loop of a split in two: the tiles whose lookups are wholly
+direct run the native loop body unchanged, the remaining tiles the routed one. A tile's path is a scalar
+fact of the row (its first-alias position), so there is no per-key select and no divergence.
 
 Kernel shape (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context inference"): one program
 per (query head, row, split); grouped-query heads of one kv head are adjacent programs, so their shared
@@ -21,15 +26,20 @@ batched with. Within a split each of the ``BLOCK_N`` key lanes keeps its own onl
 Gimelshein 2018, "Online normalizer calculation for softmax") in fp32, so the loop body has no cross-lane
 reduction except the dot product over D; the lanes merge once at the end, and the split writes
 ``(m, l, acc)`` for a second kernel that merges splits in a fixed order. When the cache can hold no more
-than one split's keys the first kernel normalises and writes the output itself. The loop is software-
+than one split's keys the first kernel normalises and writes the output itself. The loops are software-
 pipelined by hand: the next tile's K/V loads and the page lookups two tiles ahead are issued before the
-current tile is reduced, so the alias layout's extra exit-map load is off the critical path.
+current tile is reduced, and the routed loop reads the exit map three tiles ahead, so no lookup waits on a
+load issued in the same iteration.
 
-Measured on an H200 (kernels/results/decode_attention_h200.md, Ouro shape, bf16): native reads K/V at
-69-93% of the device-to-device copy ceiling for B >= 32 and context >= 1024, within 1.1-1.2x of dense
-cuDNN SDPA over contiguous K/V. Alias and alias+prefix are 5-10% slower than native with the defaults:
-the prefix switch only masks the exit-map load, and the direct tiles still run the per-key block-table
-gather of the alias path (a per-tile scalar branch to the native lookup is the next thing to try).
+Measured on an H200 (kernels/results/decode_attention_h200.md, Ouro shape, bf16, B 16-128, context
+128-4096, first alias at 60% of the context): native reads K/V at 68-92% of the device-to-device copy
+ceiling for B >= 32 and context >= 1024, within 1.15-1.2x of dense cuDNN SDPA over contiguous K/V, and is
+unchanged (bitwise and in time) by the split loops. alias+prefix takes 0.98-1.03x native's time and plain
+alias 0.98-1.04x (the previous kernel, with a masked exit-map load on every tile, took 1.04-1.11x); 0.98-1.00x
+at B16/32 with context 256, 1.02-1.03x at context 128, where half of the four tiles are routed. Reading the
+exit map a tile ahead is worth 2.5-6.5% of that. Per tile (ptxas, sm_90), the direct loop is native's
+instruction for instruction; the routed loop has about 8% more instructions (an exit-map load, the plane
+and the block-table address per key), which is what remains of the gap at long contexts.
 
 Scores use ``exp2`` with ``scale * log2(e)`` folded into the query (the FlashAttention-2 formulation).
 The dot products are fp32 elementwise products reduced with ``tl.sum``: decode has one query per head, so
@@ -60,23 +70,93 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_pages(bt_row, exit_row, tile, n_ctx, depth, direct_end, num_planes, stride_btp, stride_btj,
-                stride_emp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT_ALIAS: tl.constexpr):
-    """Physical block of each key of ``tile`` (int64 ``[BLOCK_N]``; 0 for keys at or past ``n_ctx``).
+def _direct_pages(bt_plane, tile, split_end, stride_btj, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Native addressing: physical block of each key of ``tile`` in the plane ``bt_plane`` points at.
 
-    The plane is ``depth`` for keys before ``direct_end`` and, in the alias layout, ``min(depth, e_p)``
-    for the others: where a key is loaded from is the ONLY thing the layout flags change.
+    int64 ``[BLOCK_N]``; 0 for keys at or past ``split_end``. No exit-map access, and the address of the
+    lookup depends on nothing loaded but the row's metadata.
     """
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_ctx
-    plane = tl.zeros([BLOCK_N], tl.int32) + depth
-    if LAYOUT_ALIAS:
-        exit_depth = tl.load(exit_row + offs_n * stride_emp, mask=mask_n & (offs_n >= direct_end),
-                             other=num_planes)
-        plane = tl.maximum(tl.minimum(plane, exit_depth), 1)
-    block = tl.load(bt_row + (plane - 1) * stride_btp + (offs_n // PAGE_SIZE) * stride_btj, mask=mask_n,
-                    other=0)
+    block = tl.load(bt_plane + (offs_n // PAGE_SIZE) * stride_btj, mask=offs_n < split_end, other=0)
     return block.to(tl.int64)
+
+
+@triton.jit
+def _exit_tile(exit_row, tile, split_end, direct_end, num_planes, stride_emp, BLOCK_N: tl.constexpr,
+               MASK_DIRECT: tl.constexpr):
+    """``e_p`` of each key of ``tile``; ``num_planes`` (read from plane ``d``) for keys not looked up:
+    keys at or past ``split_end`` and, with ``MASK_DIRECT``, keys before ``direct_end`` (the exit map is
+    never read there). Without ``MASK_DIRECT`` the caller guarantees the tile starts at or past it."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < split_end
+    if MASK_DIRECT:
+        mask = mask & (offs_n >= direct_end)
+    return tl.load(exit_row + offs_n * stride_emp, mask=mask, other=num_planes)
+
+
+@triton.jit
+def _routed_pages(bt_row, exit_depth, tile, split_end, depth, stride_btp, stride_btj, BLOCK_N: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr):
+    """Alias addressing: block of each key of ``tile`` in plane ``min(depth, e_p)`` (``exit_depth``).
+
+    ``plane - 1`` is an unsigned minimum (one instruction per key): an out-of-range ``e_p <= 0`` wraps to a
+    large value and reads plane ``depth``, so no index leaves the row's block tables.
+    """
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    plane_m1 = tl.minimum((exit_depth - 1).to(tl.uint32, bitcast=True), (depth - 1).to(tl.uint32, bitcast=True))
+    block = tl.load(bt_row + plane_m1.to(tl.int32, bitcast=True) * stride_btp
+                    + (offs_n // PAGE_SIZE) * stride_btj, mask=offs_n < split_end, other=0)
+    return block.to(tl.int64)
+
+
+@triton.jit
+def _tile_pages(bt_row, bt_plane, exit_row, tile, split_end, depth, direct_end, direct_tiles, num_planes,
+                stride_btp, stride_btj, stride_emp, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr):
+    """Blocks of ``tile`` by whichever path the tile takes (a scalar branch; used outside the loops)."""
+    if LAYOUT_ALIAS:
+        if PREFIX:
+            if tile < direct_tiles:
+                block = _direct_pages(bt_plane, tile, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+            else:
+                exit_depth = _exit_tile(exit_row, tile, split_end, direct_end, num_planes, stride_emp,
+                                        BLOCK_N, PREFIX)
+                block = _routed_pages(bt_row, exit_depth, tile, split_end, depth, stride_btp, stride_btj,
+                                      BLOCK_N, PAGE_SIZE)
+        else:
+            exit_depth = _exit_tile(exit_row, tile, split_end, direct_end, num_planes, stride_emp, BLOCK_N,
+                                    PREFIX)
+            block = _routed_pages(bt_row, exit_depth, tile, split_end, depth, stride_btp, stride_btj,
+                                  BLOCK_N, PAGE_SIZE)
+    else:
+        block = _direct_pages(bt_plane, tile, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+    return block
+
+
+@triton.jit
+def _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb, stride_kt, stride_vb,
+             stride_vt, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    offs_n = tile * BLOCK_N + offs_t
+    mask_kv = (offs_n[:, None] < split_end) & mask_d[None, :]
+    in_page = (offs_n % PAGE_SIZE)[:, None]
+    k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
+    v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc, BLOCK_N: tl.constexpr):
+    """One tile of the per-lane online softmax. Every loop of every layout calls exactly this code, in
+    the same tile order, which is what makes native, alias and alias+prefix bitwise equal."""
+    s = tl.sum(q[None, :] * k_cur, axis=1)                               # (N,), log2 units
+    s = tl.where(tile * BLOCK_N + offs_t < split_end, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # a lane with no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_cur
+    return m_new, l_i, acc
 
 
 # Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles.
@@ -98,7 +178,8 @@ def _decode_attention_split_kernel(
     # meta
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
-    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
@@ -122,7 +203,8 @@ def _decode_attention_split_kernel(
     # Keys at or past split_end (the next split's) are masked out of every load.
     split_end = tl.minimum(tile_hi * BLOCK_N, n_ctx)
 
-    # Keys before direct_end are read from plane `depth` without consulting the exit map.
+    # Keys before direct_end are read from plane `depth` without consulting the exit map; the compute
+    # tiles [0, direct_tiles) lie wholly before it and take the native addressing path.
     if LAYOUT_ALIAS:
         if PREFIX:
             first_alias = tl.maximum(tl.load(row_first_alias_ptr + row), 0)
@@ -131,6 +213,13 @@ def _decode_attention_split_kernel(
             direct_end = 0
     else:
         direct_end = n_ctx
+    direct_tiles = direct_end // BLOCK_N
+    # Page lookups run two tiles ahead of the reduction, so the loop over tiles [tile_lo, routed_from)
+    # looks up direct tiles only (native code), the loop over [routed_from, tile_hi) routed ones only.
+    if LAYOUT_ALIAS:
+        routed_from = tl.minimum(tl.maximum(direct_tiles - 2, tile_lo), tile_hi)
+    else:
+        routed_from = tile_hi
 
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_t = tl.arange(0, BLOCK_N)
@@ -139,48 +228,79 @@ def _decode_attention_split_kernel(
     q = q.to(tl.float32) * qk_scale_log2                                     # (D,)
 
     bt_row = block_tables_ptr + slot * stride_bts
+    bt_plane = bt_row + (depth - 1) * stride_btp                              # plane d's block table
     exit_row = exit_map_ptr + slot * stride_ems
     k_head = k_cache_ptr + kv_head * stride_kh + offs_d[None, :] * stride_kd
     v_head = v_cache_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
 
     # Software pipeline, by hand so it does not depend on the compiler's: K/V of the next tile are in
-    # flight while this one is reduced, and the block-table (and exit-map) lookups run two tiles ahead,
-    # so the alias layout's extra dependent load never sits on the path to the K/V loads.
-    block = _tile_pages(bt_row, exit_row, tile_lo, split_end, depth, direct_end, num_planes, stride_btp,
-                        stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS)
-    offs_n = tile_lo * BLOCK_N + offs_t
-    mask_kv = (offs_n[:, None] < split_end) & mask_d[None, :]
-    in_page = (offs_n % PAGE_SIZE)[:, None]
-    k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
-    v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
-    block = _tile_pages(bt_row, exit_row, tile_lo + 1, split_end, depth, direct_end, num_planes, stride_btp,
-                        stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS)
+    # flight while this one is reduced, and the block-table lookups run two tiles ahead. In the routed
+    # loop the exit map is read one tile further ahead still (EXIT_AHEAD), so no lookup waits on a load
+    # issued in the same iteration.
+    block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo, split_end, depth, direct_end, direct_tiles,
+                        num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
+                        PREFIX)
+    k, v = _load_kv(k_head, v_head, block, tile_lo, split_end, offs_t, mask_d, stride_kb, stride_kt,
+                    stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+    block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 1, split_end, depth, direct_end, direct_tiles,
+                        num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
+                        PREFIX)
+    if LAYOUT_ALIAS:
+        if EXIT_AHEAD:      # e_p of the first tile the routed loop looks up
+            exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
+                                   BLOCK_N, PREFIX)
 
     # Online softmax kept per key lane (Milakov & Gimelshein 2018, applied to each of the BLOCK_N lanes
     # separately): the loop has no cross-lane reduction but the dot product over D; lanes merge once below.
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        k_cur = k.to(tl.float32)
-        v_cur = v.to(tl.float32)
-        offs_n = (tile + 1) * BLOCK_N + offs_t
-        mask_kv = (offs_n[:, None] < split_end) & mask_d[None, :]
-        in_page = (offs_n % PAGE_SIZE)[:, None]
-        k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
-        v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
-        block = _tile_pages(bt_row, exit_row, tile + 2, split_end, depth, direct_end, num_planes, stride_btp,
-                            stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS)
-
-        s = tl.sum(q[None, :] * k_cur, axis=1)                               # (N,), log2 units
-        s = tl.where(tile * BLOCK_N + offs_t < split_end, s, float("-inf"))
-        m_new = tl.maximum(m_i, s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # a lane with no key yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_cur
-        m_i = m_new
+    if LAYOUT_ALIAS:
+        if PREFIX:
+            # Direct prefix: the native loop, tile for tile.
+            for tile in range(tile_lo, routed_from):
+                k_cur = k.to(tl.float32)
+                v_cur = v.to(tl.float32)
+                k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                     BLOCK_N)
+            # The routed loop's first K/V pages, looked up afresh (an L1 hit) instead of taken from the loop
+            # above: same values, but carrying them across made Triton 3.6 move the routed loop's lookups to
+            # another register layout, with a shared-memory exchange and two barriers per tile.
+            block = _tile_pages(bt_row, bt_plane, exit_row, routed_from + 1, split_end, depth, direct_end,
+                                direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE,
+                                LAYOUT_ALIAS, PREFIX)
+        # Routed tiles: key p from plane min(d, e_p). Of the tiles looked up here only the first, tile
+        # direct_tiles, can hold keys before direct_end (when that is not a multiple of BLOCK_N); with
+        # EXIT_AHEAD its exit map was read above, masked, so the loop needs no such mask (MASK_ROUTED).
+        for tile in range(routed_from, tile_hi):
+            k_cur = k.to(tl.float32)
+            v_cur = v.to(tl.float32)
+            k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+            if EXIT_AHEAD:
+                block = _routed_pages(bt_row, exit_next, tile + 2, split_end, depth, stride_btp, stride_btj,
+                                      BLOCK_N, PAGE_SIZE)
+                exit_next = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
+                                       BLOCK_N, MASK_ROUTED)
+            else:
+                exit_depth = _exit_tile(exit_row, tile + 2, split_end, direct_end, num_planes, stride_emp,
+                                        BLOCK_N, MASK_ROUTED)
+                block = _routed_pages(bt_row, exit_depth, tile + 2, split_end, depth, stride_btp, stride_btj,
+                                      BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                 BLOCK_N)
+    else:
+        for tile in range(tile_lo, tile_hi):
+            k_cur = k.to(tl.float32)
+            v_cur = v.to(tl.float32)
+            k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+            block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                 BLOCK_N)
 
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)                            # an empty split
@@ -285,7 +405,14 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N) -> dict:
     per 1024 tile elements (4 for Ouro's 32 x 128); one stage, since the loop pipelines itself (2 stages
     measured the same). On the H200 (kernels/results/decode_attention_h200.md) this default is the best
     swept setting for short contexts (B16/ctx256); for contexts >= 1024, block_n=16 with one warp was
-    6-10% faster and brought alias+prefix from 6-10% to about 3% over native.
+    6-10% faster and brought alias+prefix from 6-10% to about 3% over native (measured on the previous
+    kernel, results/decode_attention_h200_991a154.md).
+
+    No register cap: native needs 134-136 registers per thread (3 programs of 4 warps per SM); with
+    ``maxnreg=128`` it fits without spilling, 4 programs per SM, and ran 2.5-18% faster on the H200 (most
+    at B32, context 128-256: one wave instead of two), but alias and alias+prefix (151-161 registers)
+    spill at 128 and got slower. A cap for native alone would change the native-vs-alias comparison, so it
+    is left to the engine's owners; results/decode_attention_h200.md has the numbers (``*_r128``).
     """
     tile = block_n * triton.next_power_of_2(head_dim)
     return {"num_warps": max(1, min(8, tile // 1024)), "num_stages": 1}
@@ -297,7 +424,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      layout: str = "native", prefix_tiles: bool = False, tile_size: int = 32,
                      scale: float | None = None, *, block_n: int = DEFAULT_BLOCK_N,
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     maxnreg: int | None = None, exit_ahead: bool = True) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -314,8 +442,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         layout: ``"native"`` or ``"alias"``; ``prefix_tiles`` is ignored for ``native``.
         tile_size: granularity (positions) of the prefix switch.
         scale: softmax scale, default ``1/sqrt(D)``.
-        block_n, min_split_tokens, max_splits, num_warps, num_stages: tuning knobs (benchmarks only);
-            bitwise equality between layouts holds for equal knobs.
+        block_n, min_split_tokens, max_splits, num_warps, num_stages, maxnreg: tuning knobs (benchmarks
+            only; ``maxnreg`` caps registers per thread); bitwise equality between layouts holds for equal
+            knobs, and ``num_stages`` and ``maxnreg`` change no result at all.
+        exit_ahead: alias layout only: read the exit map one tile ahead of the block-table lookup that
+            uses it (default) instead of in the same iteration. Changes no value, only the schedule.
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -354,7 +485,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cfg["num_warps"] = num_warps
     if num_stages is not None:
         cfg["num_stages"] = num_stages
+    if maxnreg is not None:
+        cfg["maxnreg"] = maxnreg
 
+    alias = layout == "alias"
+    prefix = alias and bool(prefix_tiles)
     _decode_attention_split_kernel[(h, n, num_splits)](
         q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         exit_map, row_first_alias, out, part_m, part_l, part_acc,
@@ -363,8 +498,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *out.stride(), h * num_splits, num_splits, 1,
         PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
-        LAYOUT_ALIAS=layout == "alias", PREFIX=bool(prefix_tiles) and layout == "alias",
-        DIRECT_OUT=num_splits == 1, **cfg)
+        LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
+        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,
@@ -381,7 +516,8 @@ def key_planes_ref(block_tables: torch.Tensor, slot: int, depth: int, n_ctx: int
     if layout == "alias":
         e = exit_map[slot, :n_ctx].long().cpu()
         per_key = torch.arange(n_ctx) >= ((max(first_alias, 0) // tile_size) * tile_size if prefix_tiles else 0)
-        planes = torch.where(per_key, torch.clamp(torch.minimum(planes, e), min=1), planes)
+        # An out-of-range e_p <= 0 reads plane d (as the kernel's unsigned clamp does); valid maps never hold one.
+        planes = torch.where(per_key & (e >= 1), torch.minimum(planes, e), planes)
     return planes
 
 

@@ -45,12 +45,12 @@ def alternate_depths(slot: int) -> tuple[int, ...]:
 
 def make_case(seed: int, device: str, dtype: torch.dtype, contexts: list[int], exits: str,
               heads: int = 1, kv_heads: int = 1, head_dim: int = 16, padding_rows: int = 2,
-              fill_with_kernel: bool = False, depths=alternate_depths) -> dict:
+              fill_with_kernel: bool = False, depths=alternate_depths, boundaries=BOUNDARIES) -> dict:
     """One request per slot (context ``contexts[s]``), rows at ``depths(slot)``, two cache layouts.
 
     ``exits``: ``none`` (every token ran all loops), ``all`` (every earlier token exited after loop 1),
     ``mixed`` (random exit depths) or ``boundary`` (no exits before a first-alias position taken from
-    BOUNDARIES, which exits after loop 1; random exits after it).
+    ``boundaries``, which exits after loop 1; random exits after it).
     """
     gen = torch.Generator().manual_seed(seed)
     num_slots = len(contexts)
@@ -70,7 +70,7 @@ def make_case(seed: int, device: str, dtype: torch.dtype, contexts: list[int], e
         elif exits == "mixed":
             e = torch.randint(1, NUM_PLANES + 1, (pos,), generator=gen)
         elif exits == "boundary":
-            first = min(BOUNDARIES[(s + seed) % len(BOUNDARIES)], pos)
+            first = min(boundaries[(s + seed) % len(boundaries)], pos)
             e = torch.full((pos,), NUM_PLANES)
             e[first:] = torch.randint(1, NUM_PLANES + 1, (pos - first,), generator=gen)
             if first < pos:
@@ -130,7 +130,7 @@ def run_variants(case: dict, fn=decode_attention, **kw) -> dict:
 
 def check_case(case: dict, **kw) -> None:
     outs = run_variants(case, **kw)
-    refs = run_variants(case, fn=decode_attention_ref)
+    refs = run_variants(case, fn=decode_attention_ref, **{k: v for k, v in kw.items() if k == "tile_size"})
     n = case["num_real_rows"]
     for key, out in outs.items():
         assert torch.isfinite(out.float()).all(), f"{key}: non-finite output (padding rows included)"
@@ -157,6 +157,31 @@ def test_split_key_range(device, exits):
     if exits == "mixed":
         # max_splits=2 forces splits longer than the minimum (tiles_per_split from the context length).
         check_case(case, min_split_tokens=16, max_splits=2, block_n=16)
+
+
+# Long direct prefixes: first-alias positions that leave 3..8 whole 32-key tiles before them, so the
+# direct loop runs, hands over to the routed loop mid-split, or covers whole splits.
+LONG_CONTEXTS = [97, 130, 161, 200, 256]
+LATE_BOUNDARIES = [96, 100, 127, 128, 129, 160, 199, 255]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("exit_ahead", [True, False])
+def test_long_direct_prefix(device, exit_ahead):
+    case = make_case(10, device, sweep_dtype(device), LONG_CONTEXTS, "boundary", boundaries=LATE_BOUNDARIES,
+                     depths=lambda s: (2, 4) if s % 2 == 0 else (1, 3, 4))
+    check_case(case, exit_ahead=exit_ahead)                             # one split per row
+    check_case(case, exit_ahead=exit_ahead, min_split_tokens=64)         # splits of two tiles
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tile_size", [16, 48, 64])
+def test_prefix_granularity(device, tile_size):
+    # tile_size not a multiple of block_n (16, 48): the routed loop masks keys before the direct end.
+    case = make_case(11, device, sweep_dtype(device), [40, 130, 200], "boundary",
+                     boundaries=[17, 33, 47, 100, 130, 150], depths=lambda s: (2, 3, 4))
+    check_case(case, tile_size=tile_size)
+    check_case(case, tile_size=tile_size, exit_ahead=False, min_split_tokens=64)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,23 +255,47 @@ def test_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefix_tiles_skip_the_exit_map(device):
+@pytest.mark.parametrize("contexts,boundaries,tile_size,kw", [
+    ([40, 65, 66], BOUNDARIES, 32, {}),
+    ([130, 200, 161], LATE_BOUNDARIES, 32, {}),                          # the direct loop runs
+    ([130, 200, 161], LATE_BOUNDARIES, 32, dict(exit_ahead=False, min_split_tokens=64)),
+    # direct end inside a compute tile (144 with tile_size 48, 112 with 16)
+    ([130, 200, 161], [150, 160, 199], 48, {}),
+    ([130, 200, 161], [150, 160, 199], 48, dict(exit_ahead=False)),
+    ([130, 200, 161], LATE_BOUNDARIES, 16, dict(exit_ahead=False)),
+])
+def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size, kw):
     # Keys in tiles that end at or before the first-alias position must be read from plane d without
     # consulting the exit map: overwrite those entries with depth 1 and the output must not move.
-    case = make_case(9, device, sweep_dtype(device), [40, 65, 66], "boundary", padding_rows=0,
-                     depths=lambda s: (2, 3, 4))
+    case = make_case(9, device, sweep_dtype(device), contexts, "boundary", padding_rows=0,
+                     depths=lambda s: (2, 3, 4), boundaries=boundaries)
     k, v = case["alias"]
     meta = case["meta"]
-    before = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=True)
+    kw = dict(kw, tile_size=tile_size)
+    before = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=True, **kw)
     tampered = meta["exit_map"].clone()
     direct_end = {}                                  # per slot: the direct prefix shared by all its rows
     for slot, first_alias in zip(meta["row_slot"].tolist(), meta["row_first_alias"].tolist()):
-        direct_end[slot] = min(direct_end.get(slot, first_alias), first_alias) // 32 * 32
+        direct_end[slot] = min(direct_end.get(slot, first_alias), first_alias) // tile_size * tile_size
     for slot, end in direct_end.items():
         tampered[slot, :end] = 1
     assert not torch.equal(tampered, meta["exit_map"]), "case has no direct tiles"
     meta = dict(meta, exit_map=tampered)
-    after = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=True)
+    after = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=True, **kw)
     assert torch.equal(before, after)
-    plain = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=False)
+    plain = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=False, **kw)
     assert not torch.equal(before, plain), "the tampered exit map should change the per-key reader"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("kw", [dict(maxnreg=128), dict(exit_ahead=False)])
+def test_schedule_knobs_change_no_bit(kw):
+    # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
+    case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,
+                     head_dim=128, boundaries=LATE_BOUNDARIES + BOUNDARIES, depths=lambda s: (1, 2, 3, 4))
+    default = run_variants(case)
+    knobbed = run_variants(case, **kw)
+    for key in VARIANTS:
+        assert torch.equal(default[key], knobbed[key]), f"{key} with {kw}"
+    check_case(case, **kw)
