@@ -63,8 +63,14 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
         for p in sorted((root / folder).rglob("*.py")):
             h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
             h.update(p.read_bytes())
-    return {"git_sha": sha or "unknown", "git_dirty": bool(status) if status is not None else None,
-            "code_sha256": h.hexdigest()}
+    if sha is None:
+        # A copied tree without history (e.g. a lent GPU host): the caller may name the commit it copied;
+        # the dirty flag is unknowable there, and code_sha256 is what ties the run to the source.
+        return {"git_sha": os.environ.get("LOOPBENCH_GIT_SHA", "unknown"), "git_dirty": None,
+                "git_sha_source": "LOOPBENCH_GIT_SHA" if "LOOPBENCH_GIT_SHA" in os.environ else None,
+                "code_sha256": h.hexdigest()}
+    return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None,
+            "git_sha_source": "git", "code_sha256": h.hexdigest()}
 
 
 # ------------------------------------------------------------------------------------------ inputs
