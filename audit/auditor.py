@@ -356,8 +356,7 @@ class Audit:
     # --------------------------------------------------------------------------------- numbers
     def check_numbers(self, plan: dict, summary: dict, tables: dict[str, pd.DataFrame], records: list[dict],
                       complete: bool, checks_ok: bool) -> None:
-        cfg, vd = plan["config"], plan["config"]["verdict"]
-        rec = {(r["job"], r["seq"]): r for r in records}
+        vd = plan["config"]["verdict"]
         pairs: dict[tuple, dict] = {}
         for r in records:
             pairs.setdefault((r["job"], r["point"], r["comparison"], r["pair"]), {})[r["position"]] = r

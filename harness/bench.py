@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import conf, evidence
+from . import conf, report
 
 _EXIT_CODES: list[int] = []
 
@@ -38,7 +38,7 @@ def task(cfg) -> int:
     code = audit(result.bundle)
     summary = result.summary
     print()
-    print(evidence.result_tables(summary))
+    print(report.result_tables(summary))
     print(f"status: {summary['status']}"
           + (f" ({'; '.join(summary['incomplete_reasons'])})" if summary["incomplete_reasons"] else "")
           + f"; checks {'passed' if summary['checks']['ok'] else 'FAILED'}"

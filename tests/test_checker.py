@@ -3,7 +3,7 @@ import copy
 
 import pytest
 
-from loopbench.harness import checker, evidence
+from loopbench.harness import checker, evidence, report
 
 ARM = {"kv_layout": "native", "prefix_tiles": False, "attention_backend": "torch", "cuda_graphs": False,
        "graph_cache_size": 16, "descriptor_mode": "h2d", "block_size": 16, "tile_size": 32}
@@ -89,13 +89,13 @@ def test_planted_mismatch_bars_every_verdict():
     assert clean["status"] == "complete" and clean["verdicts_published"]
     assert clean["results"][0]["verdict"] == "faster"
     recs[7]["measured"]["outputs"]["r0000"]["token_ids"][0] = 6
-    report = checker.check(recs, {"B2C2": reference()})
-    summary = evidence.summarize(plan, "x", evidence.build_tables(recs), report.to_dict(), children)
+    findings = checker.check(recs, {"B2C2": reference()})
+    summary = evidence.summarize(plan, "x", evidence.build_tables(recs), findings.to_dict(), children)
     assert summary["status"] == "complete" and not summary["verdicts_published"]
     assert summary["verdicts_barred_by"] == "checks failed"
     assert [r["verdict"] for r in summary["results"]] == [None]
     assert summary["results"][0]["stats"]["verdict"] == "faster"     # the rule's outcome is kept, not published
-    text = evidence.render_report({**plan, "code": {"git_sha": "x", "git_dirty": False},
+    text = report.render_report({**plan, "code": {"git_sha": "x", "git_dirty": False},
                                    "checkpoint": {"description": "d", "sha256": "s"}, "prompts": {"sha256": "p"},
                                    "reference_arm": "native",
                                    "config": {**plan["config"], "workload": {"prompt_len": 1, "output_len": 3,

@@ -4,7 +4,7 @@ import json
 import pandas as pd
 import pyarrow.parquet as pq
 
-from loopbench.harness import evidence
+from loopbench.harness import evidence, report
 
 
 def test_atomic_writes_leave_no_temporaries(tmp_path):
@@ -45,9 +45,9 @@ def test_seed_style_row():
     res = {"device": "5090 #0", "max_num_seqs": 16, "num_requests": 32, "baseline_tokens_per_s": 387.054,
            "candidate_tokens_per_s": 380.449, "verdict": "slower",
            "stats": {"speedup": 0.98254, "ci": [0.97904, 0.98371]}}
-    assert evidence.table_row(res) == \
+    assert report.table_row(res) == \
         "| 5090 #0 | 16 / 32 | 387.05 | 380.45 | 0.9825× [0.9790, 0.9837] | -1.75% | slower |"
-    assert evidence.table_row({**res, "verdict": None, "stats": {"speedup": 1.0, "ci": None}}).endswith(
+    assert report.table_row({**res, "verdict": None, "stats": {"speedup": 1.0, "ci": None}}).endswith(
         "| 1.0000× [n/a] | +0.00% | none |")
 
 
@@ -66,6 +66,6 @@ def test_plot_writes_a_png(tmp_path):
     summary = {"status": "complete", "results": [{"job": "g", "point": "B1C1", "comparison": "c", "device": "cpu",
                                                   "max_num_seqs": 1, "num_requests": 1,
                                                   "stats": {"speedup": 1.0, "ci": [0.9, 1.1]}}]}
-    evidence.plot_ratios(summary, pairs, tmp_path / "r.png")
+    report.plot_ratios(summary, pairs, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["r.png"]

@@ -1,7 +1,6 @@
 """The runtime on the CPU: engine == naive reference, native == alias == alias+prefix bitwise,
 schedule capture/replay, aborts and slot reuse, checkpoint round trip, the 1.4B preset's size."""
 import dataclasses
-import itertools
 
 import pytest
 import torch
