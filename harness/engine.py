@@ -16,6 +16,8 @@ natural policies read the exit flags once per step.
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +26,7 @@ import torch
 from .attention import LAYOUTS, get_backend, prefill_attention_torch
 from .exit_policy import exit_step, validate_policy
 from .graphs import GraphCache, bucket_for
-from .kv_cache import DepthKVCache
+from .kv_cache import DepthKVCache, OutOfBlocksError
 from .model import OuroModel
 from .schedule import Schedule, ScheduledRequest, prompt_sha256
 
@@ -51,9 +53,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+            _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
+        if self.num_blocks is not None:
+            _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
+        for name in ("prefix_tiles", "cuda_graphs", "keep_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.eos_token_id is not None:
+            _check_int("EngineConfig.eos_token_id", self.eos_token_id, 0)
         if self.kv_layout not in LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}; expected one of {LAYOUTS}")
         if self.prefix_tiles and self.kv_layout != "alias":
@@ -81,7 +88,30 @@ class Request:
     ignore_eos: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise TypeError(f"Request.request_id must be a non-empty string, got {self.request_id!r}")
+        where = f"request {self.request_id!r}"
+        if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__iter__"):
+            raise TypeError(f"{where}: prompt_token_ids must be a sequence of ints, got {self.prompt_token_ids!r}")
+        ids = tuple(self.prompt_token_ids)
+        for t in ids:
+            _check_int(f"{where}: prompt token id", t, 0)
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
+        for name in ("max_tokens", "min_loops", "max_loops"):
+            _check_int(f"{where}: {name}", getattr(self, name), 1)
+        thr = self.exit_threshold
+        if isinstance(thr, bool) or not isinstance(thr, numbers.Real) or not 0.0 < float(thr) <= 1.0:
+            raise ValueError(f"{where}: exit_threshold must be a number in (0, 1], got {thr!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"{where}: ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    """TypeError unless ``value`` is an integer (not a bool); ValueError if it is below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -111,7 +141,8 @@ class EngineStats:
     peak_kv_blocks: int = 0
 
     def as_dict(self) -> dict:
-        return dict(vars(self))
+        """A snapshot: the per-depth list is copied, so later steps do not change it."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in vars(self).items()}
 
 
 @dataclass
@@ -138,6 +169,11 @@ class LoopEngine:
         self.model, self.config = model, config
         cfg, dev = model.cfg, model.device
         self.num_planes = cfg.total_ut_steps
+        positions = min(cfg.max_position_embeddings, model.cos.shape[0])
+        if config.max_model_len > positions:
+            raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+                             f"{positions} rotary positions (max_position_embeddings="
+                             f"{cfg.max_position_embeddings}, rope_len={model.cos.shape[0]})")
         self.backend = get_backend(config.attention_backend)
         S = config.max_num_seqs
         max_blocks = -(-config.max_model_len // config.block_size)
@@ -190,13 +226,9 @@ class LoopEngine:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"request {req.request_id!r}: token id {bad[0]} outside [0, {cfg.vocab_size})")
-        if req.max_tokens < 1:
-            raise ValueError(f"request {req.request_id!r}: max_tokens must be >= 1, got {req.max_tokens}")
         if not 1 <= req.min_loops <= req.max_loops <= self.num_planes:
             raise ValueError(f"request {req.request_id!r}: need 1 <= min_loops ({req.min_loops}) <= max_loops "
                              f"({req.max_loops}) <= total_ut_steps ({self.num_planes})")
-        if not 0.0 < req.exit_threshold <= 1.0:
-            raise ValueError(f"request {req.request_id!r}: exit_threshold must be in (0, 1], got {req.exit_threshold}")
         need = len(req.prompt_token_ids) + req.max_tokens - 1
         if need > self.config.max_model_len:
             raise ValueError(f"request {req.request_id!r}: prompt + max_tokens - 1 = {need} positions exceed "
@@ -246,9 +278,21 @@ class LoopEngine:
         return self.outputs()
 
     def step(self) -> None:
+        """One engine step: grow KV for decode rows, admit, one prefill loop per prefilling request,
+        one recurrent-core loop for all decode rows. Raises OutOfBlocksError before doing any work
+        when the pool cannot hold the running requests' next positions."""
+        decode_rows = [r for r in self._slots if r is not None and r.phase == "decode"]
+        growing = [r for r in decode_rows if r.depth == 1]
+        need = sum(self.kv.new_blocks_needed(r.slot, r.pos + 1) for r in growing)
+        if need > self.kv.allocator.num_free:
+            raise OutOfBlocksError(
+                f"the running requests {[r.req.request_id for r in growing]} need {need} more KV blocks, "
+                f"{self.kv.allocator.num_free} of {self.kv.allocator.num_blocks} are free: raise "
+                f"EngineConfig.num_blocks or lower max_num_seqs")
+        for r in growing:
+            self.kv.ensure_capacity(r.slot, r.pos + 1)
         self._admit()
         live = [r for r in self._slots if r is not None]
-        decode_rows = [r for r in live if r.phase == "decode"]
         for r in live:
             if r.phase == "prefill":
                 self._prefill_loop(r)
@@ -262,11 +306,20 @@ class LoopEngine:
             if not self._queue:
                 return
             if self._slots[slot] is None:
-                req = self._queue.pop(0)
+                req = self._queue[0]
+                T = len(req.prompt_token_ids)
+                need = self.kv.blocks_for(T) * req.max_loops
+                if need > self.kv.allocator.num_free:
+                    if any(r is not None for r in self._slots):
+                        return              # FIFO: wait until a running request frees blocks
+                    raise OutOfBlocksError(
+                        f"request {req.request_id!r} needs {need} KV blocks for its {T}-token prompt, the pool "
+                        f"has {self.kv.allocator.num_free} free of {self.kv.allocator.num_blocks}: raise "
+                        f"EngineConfig.num_blocks")
+                self._queue.pop(0)
                 entry = self.config.schedule.check_fits(req) if self.config.schedule else None
                 run = _Running(req=req, slot=slot, entry=entry)
-                T = len(req.prompt_token_ids)
-                self.kv.open_slot(slot, self.num_planes, T, prompt_exit_depth=req.max_loops)
+                self.kv.open_slot(slot, req.max_loops, T, prompt_exit_depth=req.max_loops)
                 ids = torch.tensor(req.prompt_token_ids, dtype=torch.long).to(self.model.device)
                 self.min_loops[slot], self.max_loops[slot] = req.min_loops, req.max_loops
                 self.threshold[slot] = req.exit_threshold
@@ -274,7 +327,7 @@ class LoopEngine:
                 self._slots[slot] = run
                 self._admitted.append(req.request_id)
                 self.stats.prefill_tokens += T
-                self._trace.update(f"A{slot}:{req.request_id};".encode())
+                self._trace.update(f"A{slot}:{req.request_id!r};".encode())
 
     def _prefill_loop(self, run: _Running) -> None:
         """One full-depth loop over the whole prompt at depth ``run.depth``; KV into that plane."""
@@ -331,9 +384,6 @@ class LoopEngine:
     def _decode_loop(self, rows: list[_Running]) -> None:
         """Write the step descriptor, run one resident loop (graph or eager), update host state."""
         cfg, n = self.config, len(rows)
-        for r in rows:
-            if r.depth == 1:
-                self.kv.ensure_capacity(r.slot, r.pos + 1)
         replay = cfg.exit_policy == "replay"
         forced = [r.depth == r.entry.exit_depths[r.n_out] for r in rows] if replay else [False] * n
         bucket = n if self._graphs is None else bucket_for(n, cfg.max_num_seqs)

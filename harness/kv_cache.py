@@ -29,6 +29,10 @@ class BlockAllocator:
         self.peak_used = 0
 
     @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - 1 - len(self._free)
 
@@ -72,9 +76,22 @@ class DepthKVCache:
         reset (stale entries of the slot's previous request must never be read) and the prompt
         positions marked as exited at ``prompt_exit_depth``."""
         self._blocks[slot] = [[] for _ in range(num_planes)]
-        self.ensure_capacity(slot, prompt_len)
+        try:
+            self.ensure_capacity(slot, prompt_len)
+        except Exception:
+            self.close_slot(slot)
+            raise
         self.exit_map[slot].fill_(self.num_planes)
         self.exit_map[slot, :prompt_len] = prompt_exit_depth
+
+    def blocks_for(self, num_positions: int) -> int:
+        """Blocks one plane needs for positions 0..num_positions-1."""
+        return -(-num_positions // self.block_size)
+
+    def new_blocks_needed(self, slot: int, num_positions: int) -> int:
+        """Blocks ``ensure_capacity(slot, num_positions)`` would allocate (all planes of the slot)."""
+        planes = self._blocks[slot]
+        return max(0, self.blocks_for(num_positions) - len(planes[0])) * len(planes)
 
     def ensure_capacity(self, slot: int, num_positions: int) -> None:
         """Give every plane of ``slot`` enough blocks for positions 0..num_positions-1."""

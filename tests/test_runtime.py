@@ -50,7 +50,8 @@ def make_requests(n, max_tokens, policy, seed=0, lens=PROMPT_LENS):
 
 
 def run_engine(model, requests, **cfg):
-    eng = LoopEngine(model, EngineConfig(max_model_len=128, **cfg))
+    cfg.setdefault("max_model_len", 128)
+    eng = LoopEngine(model, EngineConfig(**cfg))
     for r in requests:
         eng.add_request(r)
     return eng, eng.run()
@@ -260,3 +261,69 @@ def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckp
     for r in reqs:
         assert (list(outs[r.request_id].token_ids), list(outs[r.request_id].exit_depths)) == \
             reference(naive, r, "ouro_delayed")
+
+
+def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
+    from loopbench.harness.kv_cache import OutOfBlocksError
+    a, b = make_requests(2, 3, "fixed", seed=12, lens=[5, 5])
+    # 2 prompt blocks x 4 planes each; 9 blocks (8 usable) hold one request at a time: b waits for a
+    eng, outs = run_engine(model64, [a, b], max_num_seqs=2, block_size=4, num_blocks=9, max_model_len=64,
+                           exit_policy="fixed")
+    for r in (a, b):
+        _, fresh = run_engine(model64, [r], max_num_seqs=2, block_size=4, max_model_len=64, exit_policy="fixed")
+        assert outs[r.request_id] == fresh[r.request_id]
+    # a prompt that can never fit fails naming the request and stays queued (so it can be aborted)
+    big = dataclasses.replace(a, request_id="big", prompt_token_ids=tuple(range(40)))
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=9, max_model_len=64,
+                                           exit_policy="fixed"))
+    eng.add_request(big)
+    with pytest.raises(OutOfBlocksError, match="request 'big' needs 40 KV blocks"):
+        eng.step()
+    eng.abort("big")
+    assert eng.outputs()["big"].finish_reason == "abort" and not eng.has_unfinished()
+    # running requests that outgrow the pool fail before any work of the step, naming them
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=9, max_model_len=64,
+                                           exit_policy="fixed"))
+    eng.add_request(dataclasses.replace(a, max_tokens=20))
+    with pytest.raises(OutOfBlocksError, match=r"running requests \['r0'\] need 4 more KV blocks"):
+        eng.run()
+    steps = eng.stats.steps
+    with pytest.raises(OutOfBlocksError):
+        eng.step()
+    assert eng.stats.steps == steps
+
+
+def test_stats_snapshot_is_not_aliased(model64):
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64, exit_policy="fixed"))
+    before = eng.stats.as_dict()
+    eng.add_request(make_requests(1, 3, "fixed")[0])
+    eng.run()
+    assert before["rows_per_depth"] == [0, 0, 0, 0] and sum(eng.stats.as_dict()["rows_per_depth"]) > 0
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("prompt_token_ids", [1.7, 2.2], TypeError), ("prompt_token_ids", "123", TypeError),
+    ("prompt_token_ids", [True], TypeError), ("prompt_token_ids", [-1], ValueError),
+    ("max_tokens", 2.5, TypeError), ("max_tokens", True, TypeError), ("max_tokens", 0, ValueError),
+    ("min_loops", 1.5, TypeError), ("max_loops", "4", TypeError), ("exit_threshold", "0.5", ValueError),
+    ("exit_threshold", float("nan"), ValueError), ("ignore_eos", "no", TypeError), ("request_id", None, TypeError),
+])
+def test_request_fields_are_type_checked(field, value, error):
+    kw = dict(request_id="x", prompt_token_ids=[1, 2], max_tokens=2)
+    kw[field] = value
+    with pytest.raises(error, match=field.replace("prompt_token_ids", "prompt token id|prompt_token_ids")):
+        Request(**kw)
+
+
+@pytest.mark.parametrize("field,value", [("num_blocks", 0), ("num_blocks", 2.5), ("prefix_tiles", "yes"),
+                                         ("eos_token_id", -1), ("max_num_seqs", True)])
+def test_engine_config_fields_are_type_checked(field, value):
+    with pytest.raises((TypeError, ValueError), match=f"EngineConfig.{field}"):
+        EngineConfig(**{field: value})
+
+
+def test_max_model_len_beyond_rotary_positions_is_refused(tiny_ckpt):
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32)
+    with pytest.raises(ValueError, match="max_model_len=2048 exceeds the model's 1024 rotary positions"):
+        LoopEngine(model, EngineConfig(max_model_len=2048))
