@@ -1,6 +1,9 @@
-"""Quick single-arm throughput probe (not the paired benchmark): one engine, one warmup, a few timed
-runs of the same workload, printed as tokens/s with graph counters. For iterating on the runtime;
-published figures come from ``make bench`` and its audited bundle.
+"""Quick single-arm throughput probe, not the paired benchmark.
+
+One natural run is captured as a schedule, then one engine replays it: a warmup and a few timed runs,
+each printed as tokens/s, ms per engine step and that run's own work and graph counters. For iterating
+on the runtime; published figures come from ``make bench`` and its audited bundle. On a machine
+without CUDA it runs the torch backend on the CPU (slowly).
 
     python -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs 16 --num-requests 32
 """
@@ -20,21 +23,23 @@ from .synthetic import write_calibrated_checkpoint
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (overrides --preset)")
-    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/loopbench/checkpoints"))
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"])
-    ap.add_argument("--backend", default="triton")
-    ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = Path(args.checkpoint) if args.checkpoint else Path(args.cache) / f"{args.preset}-seed0-bf16"
+    cache = os.path.join(os.path.expanduser(os.environ.get("LOOPBENCH_CACHE", "~/.cache/loopbench")), "checkpoints")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny", help="synthetic model preset (tiny, ouro-1.4b)")
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (overrides --preset)")
+    ap.add_argument("--cache", default=cache, help="where synthetic checkpoints are written and reused")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="B: batch capacity")
+    ap.add_argument("--num-requests", type=int, default=32, help="C: requests submitted at once")
+    ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt tokens (seeded random ids)")
+    ap.add_argument("--output-len", type=int, default=128, help="D: output tokens per request")
+    ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"])
+    ap.add_argument("--backend", default="triton" if device == "cuda" else "torch", choices=["torch", "triton"],
+                    help="attention backend (default: triton on CUDA, torch on the CPU)")
+    ap.add_argument("--no-graphs", action="store_true", help="run eagerly (graphs need CUDA and triton)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warmup")
+    args = ap.parse_args(argv)
+    path = Path(args.checkpoint) if args.checkpoint else Path(args.cache) / f"{args.preset}-seed0-bfloat16-calibrated"
     if not (path / "config.json").exists():
         t0 = time.perf_counter()
         write_calibrated_checkpoint(path, args.preset, seed=0, dtype=torch.bfloat16, device=device)
@@ -50,7 +55,8 @@ def main(argv=None) -> int:
             for i in range(args.num_requests)]
     arm = dict(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix")
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.output_len,
-                  attention_backend=args.backend, cuda_graphs=not args.no_graphs and device == "cuda")
+                  attention_backend=args.backend,
+                  cuda_graphs=not args.no_graphs and device == "cuda" and args.backend == "triton")
     natural = LoopEngine(model, EngineConfig(exit_policy="ouro_delayed", **common, **arm))
     for r in reqs:
         natural.add_request(r)
@@ -60,6 +66,7 @@ def main(argv=None) -> int:
     for i in range(args.repeats + 1):
         if i:
             eng.reset_run()
+        before = eng.stats.as_dict()
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -70,10 +77,13 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         el = time.perf_counter() - t0
         schedule.verify(outs)
+        after = eng.stats.as_dict()
+        delta = {k: [a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k]
+                 for k, v in after.items() if not k.startswith("peak_")}
         n = sum(len(o.token_ids) for o in outs.values())
         exits = [e for o in outs.values() for e in o.exit_depths[1:]]
-        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  {el / eng.stats.steps * 1e3 * (i + 1):.2f} "
-              f"ms/step  three-loop share {exits.count(3) / max(1, len(exits)):.3f}  stats {eng.stats.as_dict()}")
+        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  {el / delta['steps'] * 1e3:.2f} "
+              f"ms/step  three-loop share {exits.count(3) / max(1, len(exits)):.3f}  this run: {delta}")
     return 0
 
 
