@@ -1,32 +1,39 @@
 """The independent auditor: re-derive everything a bundle claims from the bundle alone.
 
-It reads files (JSON, parquet, markdown) and imports nothing from ``loopbench.harness``: every formula
-it needs is re-implemented here from the documented bundle format, so a bug in the harness cannot
-vouch for itself. What it verifies, each failure becoming one named discrepancy:
+It reads files (JSON, parquet, markdown) and imports nothing from ``loopbench.harness``: what each
+table, summary field and report line must be is re-derived by :mod:`.derive` and :mod:`.render` from
+the raw arm records and the plan, so a bug in the harness cannot vouch for itself. Each failure below
+becomes one named discrepancy; a file that cannot be read is one too, never a crash.
 
-1. manifest: every listed file exists with its sha256 and size, and no unlisted file exists;
-2. plan: the config's sha256, the prompts' sha256, the references' sha256s, the summary's plan hash;
-   every frozen reference fits the prompts (prompt sha256 per request, D tokens, depths in bounds);
-3. order: the measurement order is the seeded balanced order (first arm ceil/floor per comparison,
-   the same numpy permutation), every record sits at its planned place, measured in that order;
-4. children: exit codes; a run with a failed child or a missing arm must say incomplete and publish
-   no verdict;
-5. data: raw records vs the parquet tables (arms, pairs, requests, tokens), counts in the summary;
-6. references: every warmup and measured arm reproduces its frozen reference token for token and exit
-   for exit, with the reference's work counters and zero measured Graph captures;
-7. numbers: every tokens/s (C * D / elapsed_s), pair ratio, arm median, speedup, percentile and BCa CI
-   (scipy.stats.bootstrap, same seed), distinct-resample count, exact Wilcoxon p (where the summary
-   used the exact method) and verdict, and every row of the report's result tables.
+1. files: every file of the documented layout (``harness/evidence.py``) is present; the manifest
+   lists every file in the bundle (dotfiles included) with its sha256 and size, and nothing else;
+2. raw records: each parses, has the record's fields, and sits at ``raw/<job>/<seq>-...json``;
+3. plan: the config's, prompts' and references' sha256s; every frozen reference fits the prompts;
+4. order: the seeded balanced order (first arm ceil/floor per comparison, the same numpy
+   permutation); every record at its planned place with its planned arm, point and workload, measured
+   in that order;
+5. devices: each record's device is its session's device in the plan and in children.json;
+6. tables: every column of every row of arms, pairs, requests, tokens and telemetry equals what the
+   raw records give, and no row is missing or extra; tokens/s = C * D / elapsed_s;
+7. references: every warmup and measured arm reproduces its frozen reference token for token and
+   exit for exit, with the reference's work counters and row trace, zero measured Graph captures and
+   equal Graph coverage within a pair;
+8. summary: every field re-derived (status, reasons, counts, checks, children, verdict rule, and per
+   comparison the names, pairs, tokens/s, ratios, speedup, CIs, Wilcoxon p, verdict and its reason);
+9. report: ``report.md`` equals, line for line, the auditor's own rendering of the re-derived figures
+   (no extra, hidden or edited line; no raw HTML).
 
 The verdict goes to ``audit.json`` in the bundle (outside the manifest by design) and the exit status:
 0 pass, 1 discrepancies, 3 consistent but incomplete (an honest partial run: nothing to vouch for).
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,16 +42,30 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import scipy
-import scipy.stats
 
-AUDITOR_VERSION = 1
-SCHEMA_VERSION = 1
+from . import derive, render
+
+AUDITOR_VERSION = 2
 UNMANIFESTED = ("manifest.json", "audit.json")
 TABLES = ("arms", "pairs", "requests", "tokens", "telemetry")
 WORK_KEYS = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
+TOP_FILES = ("plan.json", "environment.json", "children.json", "summary.json", "report.md", "pair_ratios.png",
+             "manifest.json")
 REL_TOL = 1e-9
 MAX_PER_KIND = 20
+HTML = re.compile(r"<\s*[A-Za-z!/?]")
+ABSENT = object()
 
+# A raw arm record's fields and their JSON types (``session.py`` writes them; bool is never an int here).
+RECORD_FIELDS = {"job": str, "seq": int, "point": str, "comparison": str, "pair": int, "position": str, "slot": int,
+                 "arm": str, "arm_config": dict, "device": dict, "max_num_seqs": int, "num_requests": int,
+                 "output_len": int, "tokens_per_s": (int, float), "measured": dict}
+PHASE_FIELDS = {"elapsed_s": (int, float), "graphs": dict, "memory": dict, "outputs": dict, "work": dict,
+                "kv_blocks_used": int}
+OUTPUT_FIELDS = {"token_ids": list, "exit_depths": list, "finish_reason": str}
+
+
+# ------------------------------------------------------------------------------------------ values
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -63,14 +84,119 @@ def _prompt_sha256(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()
 
 
-def _close(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return math.isclose(float(a), float(b), rel_tol=REL_TOL, abs_tol=0.0)
+def _plain(value: Any) -> Any:
+    """A parquet or JSON value as plain Python: numpy scalars and arrays unwrapped, NaN and NA as None."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Equal as data: ints exactly, floats to REL_TOL, bools only to bools, lists and dicts item by item."""
+    got, want = _plain(got), _plain(want)
+    if isinstance(got, bool) or isinstance(want, bool):
+        return isinstance(got, bool) and isinstance(want, bool) and got == want
+    if isinstance(got, (int, float)) and isinstance(want, (int, float)):
+        if isinstance(got, int) and isinstance(want, int):
+            return got == want
+        return math.isclose(got, want, rel_tol=REL_TOL, abs_tol=0.0)
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
+
+
+def _field_diffs(got: Any, want: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """(path, got, want) for every leaf where two JSON documents differ; ABSENT marks a missing key."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = []
+        for key in list(want) + [k for k in got if k not in want]:
+            out += _field_diffs(got.get(key, ABSENT), want.get(key, ABSENT), f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _field_diffs(g, w, f"{path}[{i}]")]
+    if got is ABSENT or want is ABSENT or not _same(got, want):
+        return [(path, got, want)]
+    return []
+
+
+def _line_diffs(got: list[str], want: list[str]):
+    """(index in ``got``, got line or None, wanted line or None) for each line that differs."""
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=got, b=want, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        for k in range(max(i2 - i1, j2 - j1)):
+            g = got[i1 + k] if i1 + k < i2 else None
+            w = want[j1 + k] if j1 + k < j2 else None
+            yield (i1 + k if g is not None else min(i2, len(got) - 1)), g, w
+
+
+def _where(keys: tuple, values: tuple) -> str:
+    """A table row's key in words: 'cpu0 seq 3 measured request r0001 position 2'."""
+    labels = {"seq": "seq ", "pair": "pair ", "request_id": "request ", "position": "position "}
+    return " ".join(f"{labels.get(k, '')}{_plain(v)}" for k, v in zip(keys, values))
+
+
+def _fields_problem(data: dict, fields: dict, where: str) -> str | None:
+    for key, kind in fields.items():
+        value = data.get(key, ABSENT)
+        if value is ABSENT:
+            return f"{where}{key} is missing"
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"{where}{key} is {value!r}"
+    return None
+
+
+def _phase_problem(data: Any, phase: str) -> str | None:
+    if not isinstance(data, dict):
+        return f"{phase} is {data!r}"
+    problem = _fields_problem(data, PHASE_FIELDS, f"{phase}.")
+    if problem is not None:
+        return problem
+    if not data["elapsed_s"] > 0:
+        return f"{phase}.elapsed_s is {data['elapsed_s']!r}"
+    for rid, out in data["outputs"].items():
+        if not isinstance(out, dict):
+            return f"{phase}.outputs.{rid} is {out!r}"
+        problem = _fields_problem(out, OUTPUT_FIELDS, f"{phase}.outputs.{rid}.")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _record_problem(rec: Any) -> str | None:
+    """Why ``rec`` is not a raw arm record (a field missing or of the wrong JSON type), or None."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    problem = _fields_problem(rec, RECORD_FIELDS, "")
+    if problem is not None:
+        return problem
+    if rec["position"] not in ("baseline", "candidate"):
+        return f"position is {rec['position']!r}"
+    if not isinstance(rec["device"].get("label"), str):
+        return "device.label is missing"
+    for phase in derive.PHASES:
+        if phase == "warmup" and rec.get(phase) is None:  # a run without warmup
+            continue
+        problem = _phase_problem(rec.get(phase), phase)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _record_file_name(rec: dict) -> str:
+    return f"{rec['seq']:05d}-{rec['point']}-{rec['comparison']}-p{rec['pair']}-{rec['position']}.json"
 
 
 class Audit:
-    """Collects discrepancies; each check section runs even when an earlier one failed."""
+    """Collects discrepancies; each check runs even when an earlier one failed."""
 
     def __init__(self, bundle: Path):
         self.bundle = Path(bundle)
@@ -96,14 +222,88 @@ class Audit:
             self.fail(name, f"could not be checked: {type(exc).__name__}: {exc}")
             return None
 
-    def load_json(self, rel: str) -> Any:
-        return json.loads((self.bundle / rel).read_text())
+    # ------------------------------------------------------------------------------------ loading
+    def read_json(self, rel: str, kind: str = "files") -> Any:
+        """The parsed file, or None: a missing file is named by :meth:`check_required_files`, an unreadable
+        one here."""
+        path = self.bundle / rel
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except Exception as exc:
+            self.fail(kind, f"{rel} could not be read: {type(exc).__name__}: {exc}")
+            return None
 
-    # ---------------------------------------------------------------------------------- manifest
+    def load_records(self) -> list[dict]:
+        """Every file under raw/ must be one arm record at
+        raw/<job>/<seq>-<point>-<comparison>-p<pair>-<position>.json (dotfiles included)."""
+        raw = self.bundle / "raw"
+        records, seen = [], {}
+        for path in sorted(raw.rglob("*")) if raw.is_dir() else []:
+            if not path.is_file():
+                continue
+            rel, parts = path.relative_to(self.bundle).as_posix(), path.relative_to(raw).parts
+            if len(parts) != 2 or path.suffix != ".json":
+                self.fail("raw", f"{rel} is not a raw/<job>/<arm>.json record file")
+                continue
+            try:
+                rec = json.loads(path.read_text())
+            except Exception as exc:
+                self.fail("raw", f"{rel} could not be read: {type(exc).__name__}: {exc}")
+                continue
+            problem = _record_problem(rec)
+            if problem is not None:
+                self.fail("raw", f"{rel} is not an arm record: {problem}")
+                continue
+            if parts != (rec["job"], _record_file_name(rec)):
+                self.fail("raw", f"{rel} holds {rec['job']} seq {rec['seq']}, whose file is "
+                                 f"raw/{rec['job']}/{_record_file_name(rec)}")
+            key = (rec["job"], rec["seq"])
+            if key in seen:
+                self.fail("raw", f"{rel} repeats {rec['job']} seq {rec['seq']} of {seen[key]}")
+                continue
+            seen[key] = rel
+            records.append(rec)
+        return sorted(records, key=lambda r: (r["job"], r["seq"]))
+
+    def load_references(self, plan: dict) -> dict[str, dict]:
+        refs = {}
+        for pt in plan["points"]:
+            ref = pt.get("reference")
+            if not ref:
+                continue
+            schedule, meta = self.read_json(ref["file"], "reference"), self.read_json(ref["meta_file"], "reference")
+            if isinstance(schedule, dict) and isinstance(meta, dict):
+                refs[pt["key"]] = {"schedule": schedule, "work": meta["work"]}
+        return refs
+
+    def load_tables(self) -> dict[str, pd.DataFrame]:
+        tables = {}
+        for name in TABLES:
+            rel = f"tables/{name}.parquet"
+            if not (self.bundle / rel).is_file():
+                continue
+            try:
+                meta = pq.read_schema(self.bundle / rel).metadata or {}
+                tables[name] = pd.read_parquet(self.bundle / rel)
+            except Exception as exc:
+                self.fail("tables", f"{rel} could not be read: {type(exc).__name__}: {exc}")
+                continue
+            if meta.get(b"loopbench_schema_version") != str(derive.SCHEMA_VERSION).encode():
+                self.fail("tables", f"{rel} schema version {meta.get(b'loopbench_schema_version')!r}")
+        return tables
+
+    # -------------------------------------------------------------------------------------- files
     def check_manifest(self) -> None:
-        manifest = self.load_json("manifest.json")
+        manifest = self.read_json("manifest.json")
+        if manifest is None:
+            return
         listed = manifest["files"]
         for rel, entry in sorted(listed.items()):
+            if Path(rel).is_absolute() or ".." in Path(rel).parts or rel in UNMANIFESTED:
+                self.fail("manifest", f"lists {rel!r}, which cannot be a file of the bundle")
+                continue
             p = self.bundle / rel
             if not p.is_file():
                 self.fail("manifest", f"{rel} is listed but missing")
@@ -114,34 +314,47 @@ class Audit:
             self.count("files")
         for p in sorted(self.bundle.rglob("*")):
             rel = p.relative_to(self.bundle).as_posix()
-            if p.is_file() and rel not in UNMANIFESTED and not p.name.startswith(".") and rel not in listed:
+            if p.is_file() and rel not in UNMANIFESTED and rel not in listed:
                 self.fail("manifest", f"{rel} is in the bundle but not in the manifest")
 
-    # -------------------------------------------------------------------------------------- plan
-    def check_plan(self, plan: dict, summary: dict) -> None:
+    def check_required_files(self, plan: dict, children: list, records: list[dict]) -> None:
+        """The layout of harness/evidence.py: what every bundle holds, and what each child and point adds."""
+        required = list(TOP_FILES) + [f"tables/{t}.parquet" for t in TABLES]
+        required.append((plan.get("prompts") or {}).get("file", "prompts.json"))
+        for pt in plan.get("points", []):
+            if pt.get("reference"):
+                required += [pt["reference"]["file"], pt["reference"]["meta_file"]]
+        devices = plan.get("devices", [])
+        if devices:
+            required += [f"jobs/reference-{devices[0]['name']}.json", "logs/reference.log"]
+        ran = {c.get("name") for c in children if isinstance(c, dict)} | {r["job"] for r in records}
+        for d in devices:
+            if d["name"] in ran:
+                required += [f"jobs/session-{d['name']}.json", f"logs/{d['name']}.log"]
+        for rel in required:
+            if not (self.bundle / rel).is_file():
+                self.fail("files", f"required file {rel} is missing")
+            self.count("required_files")
+
+    # --------------------------------------------------------------------------------------- plan
+    def check_plan(self, plan: dict) -> None:
         cfg_sha = hashlib.sha256(_canonical(plan["config"])).hexdigest()
         if cfg_sha != plan["config_sha256"]:
             self.fail("plan", f"config sha256 is {cfg_sha}, plan.json says {plan['config_sha256']}")
         got = _sha256_file(self.bundle / plan["prompts"]["file"])
         if got != plan["prompts"]["sha256"]:
             self.fail("plan", f"prompts sha256 is {got}, plan.json says {plan['prompts']['sha256']}")
-        plan_sha = _sha256_file(self.bundle / "plan.json")
-        if summary.get("plan_sha256") != plan_sha:
-            self.fail("plan", f"summary.json names plan sha256 {summary.get('plan_sha256')}, plan.json is {plan_sha}")
         for pt in plan["points"]:
             ref = pt.get("reference")
-            if ref is None:
-                if summary.get("status") == "complete":  # an incomplete run may have failed to capture it
-                    self.fail("plan", f"point {pt['key']} has no frozen reference, yet the run says complete")
+            if not ref:  # an incomplete run may have failed to capture it; the summary check says so
                 continue
             for f, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
-                got = _sha256_file(self.bundle / f)
-                if got != want:
-                    self.fail("plan", f"{f} sha256 is {got}, plan.json says {want}")
+                if (self.bundle / f).is_file() and _sha256_file(self.bundle / f) != want:
+                    self.fail("plan", f"{f} sha256 is {_sha256_file(self.bundle / f)}, plan.json says {want}")
 
     def check_references(self, plan: dict, refs: dict) -> None:
         cfg = plan["config"]
-        prompts = self.load_json(plan["prompts"]["file"])
+        prompts = json.loads((self.bundle / plan["prompts"]["file"]).read_text())
         D, ex = cfg["workload"]["output_len"], cfg["exit"]
         for pt in plan["points"]:
             sched = refs.get(pt["key"], {}).get("schedule")
@@ -158,14 +371,16 @@ class Audit:
                     self.fail("reference", f"{pt['key']} request {r['request_id']}: {len(r['token_ids'])} tokens, "
                                            f"{len(r['exit_depths'])} depths, expected {D}")
                 if any(not 1 <= d <= ex["max_loops"] for d in r["exit_depths"]):
-                    self.fail("reference", f"{pt['key']} request {r['request_id']}: exit depth outside 1..{ex['max_loops']}")
+                    self.fail("reference", f"{pt['key']} request {r['request_id']}: exit depth outside "
+                                           f"1..{ex['max_loops']}")
                 self.count("reference_requests")
 
-    # ------------------------------------------------------------------------------------- order
-    def check_order(self, plan: dict, records: list[dict]) -> None:
+    # -------------------------------------------------------------------------------------- order
+    @staticmethod
+    def _balanced_order(plan: dict) -> list[dict]:
+        """The seeded balanced order: per point, pair i of every comparison, first arm ceil/floor balanced."""
         cfg = plan["config"]
-        n = cfg["pairs"]
-        comps = cfg["comparisons"]
+        n, comps = cfg["pairs"], cfg["comparisons"]
         expected, seq = [], 0
         for pi, pt in enumerate(plan["points"]):
             firsts = []
@@ -180,29 +395,33 @@ class Audit:
                         expected.append({"seq": seq, "point": pt["key"], "comparison": comp["name"], "pair": pair,
                                          "position": p, "slot": slot, "arm": comp[p]})
                         seq += 1
+        return expected
+
+    def check_order(self, plan: dict, records: list[dict]) -> None:
+        cfg = plan["config"]
+        expected = self._balanced_order(plan)
         for dev in plan["devices"]:
-            order = plan["order"].get(dev["name"])
-            if order != expected:
+            if plan["order"].get(dev["name"]) != expected:
                 self.fail("order", f"{dev['name']}: plan.json's measurement order is not the seeded balanced order")
-                continue
-            counts: dict[tuple, list[int]] = {}
-            for item in order:
-                if item["slot"] == 0:
-                    c = counts.setdefault((item["point"], item["comparison"]), [0, 0])
-                    c[0 if item["position"] == "baseline" else 1] += 1
-            for key, (b, c) in counts.items():
-                if (b, c) != (math.ceil(n / 2), n // 2):
-                    self.fail("order", f"{dev['name']} {key}: baseline first {b}x, candidate first {c}x")
+        if set(plan["order"]) != {d["name"] for d in plan["devices"]}:
+            self.fail("order", f"plan.json orders sessions {sorted(plan['order'])}, its devices are "
+                               f"{sorted(d['name'] for d in plan['devices'])}")
         by_seq = {(d["name"], it["seq"]): it for d in plan["devices"] for it in plan["order"].get(d["name"], [])}
+        points = {pt["key"]: pt for pt in plan["points"]}
         last: dict[str, tuple[int, float]] = {}
         for r in records:
             item = by_seq.get((r["job"], r["seq"]))
-            fields = ("point", "comparison", "pair", "position", "slot", "arm")
-            if item is None or any(r[f] != item[f] for f in fields):
+            if item is None or any(r[f] != item[f] for f in ("point", "comparison", "pair", "position", "slot", "arm")):
                 self.fail("order", f"record {r['job']} seq {r['seq']} ({r['arm']}) is not at its planned place")
             if r["arm_config"] != cfg["arms"].get(r["arm"]):
-                self.fail("order", f"record {r['job']} seq {r['seq']}: arm {r['arm']!r} ran a config other than planned")
-            start = r.get("wall_clock", {}).get("measured_start_unix_s")
+                self.fail("order", f"record {r['job']} seq {r['seq']}: arm {r['arm']!r} ran a config other than "
+                                   "planned")
+            pt = points.get(r["point"], {})
+            planned = (pt.get("max_num_seqs"), pt.get("num_requests"), cfg["workload"]["output_len"])
+            if (r["max_num_seqs"], r["num_requests"], r["output_len"]) != planned:
+                self.fail("order", f"record {r['job']} seq {r['seq']}: B{r['max_num_seqs']}/C{r['num_requests']}/"
+                                   f"D{r['output_len']}, the plan says B{planned[0]}/C{planned[1]}/D{planned[2]}")
+            start = (r.get("wall_clock") or {}).get("measured_start_unix_s")
             prev = last.get(r["job"])
             if prev is not None and start is not None and start < prev[1]:
                 self.fail("order", f"{r['job']} seq {r['seq']} was measured before seq {prev[0]}")
@@ -210,97 +429,97 @@ class Audit:
                 last[r["job"]] = (r["seq"], start)
             self.count("records_in_order")
 
-    # ------------------------------------------------------------------------------ completeness
-    def check_completeness(self, plan: dict, summary: dict, records: list[dict], children: list[dict]) -> bool:
-        planned = sum(len(v) for v in plan["order"].values())
-        failed = [c for c in children if c["exit_code"] != 0]
-        complete = not failed and len(records) == planned and {"reference"} <= {c["name"] for c in children} \
-            and all(d["name"] in {c["name"] for c in children} for d in plan["devices"])
-        for c in failed:
-            self.count("failed_children")
-        status = summary.get("status")
-        if complete and status != "complete":
-            self.fail("status", f"every arm and child is present and exited 0, but summary says {status!r}")
-        if not complete:
-            if status != "incomplete":
-                self.fail("status", f"{len(records)} of {planned} arms, failed children "
-                                    f"{[(c['name'], c['exit_code']) for c in failed]}, but summary says {status!r}")
-            if summary.get("verdicts_published") or any(r.get("verdict") is not None for r in summary.get("results", [])):
-                self.fail("status", "an incomplete run publishes a verdict")
-        c = summary.get("counts", {})
-        if c.get("arms_planned") != planned or c.get("arms_recorded") != len(records):
-            self.fail("counts", f"summary counts {c.get('arms_recorded')}/{c.get('arms_planned')} arms, the bundle "
-                                f"has {len(records)}/{planned}")
-        return complete
-
-    # ------------------------------------------------------------------------------ data tables
-    def check_tables(self, records: list[dict], tables: dict[str, pd.DataFrame], summary: dict) -> None:
-        for name, df in tables.items():
-            meta = pq.read_schema(self.bundle / "tables" / f"{name}.parquet").metadata or {}
-            if meta.get(b"loopbench_schema_version") != str(SCHEMA_VERSION).encode():
-                self.fail("tables", f"{name}.parquet schema version {meta.get(b'loopbench_schema_version')!r}")
-        arms = tables["arms"].set_index(["job", "seq"]) if len(tables["arms"]) else None
-        if len(tables["arms"]) != len(records):
-            self.fail("tables", f"arms.parquet has {len(tables['arms'])} rows, raw records {len(records)}")
-        tok_rows, req_rows = [], 0
+    # ------------------------------------------------------------------------------------ devices
+    def check_devices(self, plan: dict, records: list[dict], children: list[dict]) -> None:
+        """Children run on the plan's devices; each record was measured on its session's planned device."""
+        devices = {d["name"]: d for d in plan["devices"]}
+        child = {c["name"]: c for c in children}
+        first = plan["devices"][0]["label"] if plan["devices"] else None
+        for c in children:
+            label = first if c["name"] == "reference" else devices.get(c["name"], {}).get("label")
+            if label is None:
+                self.fail("devices", f"children.json lists child {c['name']!r}, which the plan does not run")
+            elif c["device"] != label:
+                self.fail("devices", f"children.json: child {c['name']} ran on {c['device']!r}, the plan says "
+                                     f"{label!r}")
+            if c.get("log") != f"{c['name']}.log":
+                self.fail("devices", f"children.json: child {c['name']} logs to {c.get('log')!r}, not {c['name']}.log")
+        session_device: dict[str, dict] = {}
         for r in records:
-            C, D = r["num_requests"], r["output_len"]
-            tps = C * D / r["measured"]["elapsed_s"]
-            if not _close(tps, r["tokens_per_s"]):
+            where, dev, d = f"record {r['job']} seq {r['seq']}", r["device"], devices.get(r["job"])
+            if d is None:
+                self.fail("devices", f"{where}: job {r['job']!r} is not a device of the plan")
+                continue
+            if r["job"] not in child:
+                self.fail("devices", f"{where}: written by {r['job']}, which children.json does not list")
+            # A Slurm GPU job learns its GPU only when it starts; every other session is pinned by the plan.
+            pinned = not (d["kind"] == "cuda" and d["gpu_index"] is None)
+            got = (dev.get("kind"), dev.get("label"), dev.get("gpu_index")) if pinned else (dev.get("kind"),)
+            want = (d["kind"], d["label"], d["gpu_index"]) if pinned else (d["kind"],)
+            if got != want:
+                self.fail("devices", f"{where}: device (kind, label, gpu_index) {got} is not the plan's {want} "
+                                     f"for {r['job']}")
+            if session_device.setdefault(r["job"], dev) != dev:
+                self.fail("devices", f"{where}: device {dev} differs from the session's earlier arms")
+
+    # ------------------------------------------------------------------------------------- tables
+    def check_timing(self, records: list[dict]) -> None:
+        for r in records:
+            tps = derive.tokens_per_s(r)
+            if not math.isclose(tps, r["tokens_per_s"], rel_tol=REL_TOL):
                 self.fail("timing", f"record {r['job']} seq {r['seq']} ({r['arm']}): tokens_per_s {r['tokens_per_s']} "
                                     f"!= C*D/elapsed_s = {tps}")
-            if arms is not None and (r["job"], r["seq"]) in arms.index:
-                row = arms.loc[(r["job"], r["seq"])]
-                for col, want in (("elapsed_s", r["measured"]["elapsed_s"]), ("tokens_per_s", tps),
-                                  ("warmup_elapsed_s", (r.get("warmup") or {}).get("elapsed_s"))):
-                    got = row[col]
-                    got = None if got is None or (isinstance(got, float) and math.isnan(got)) else got
-                    if not _close(got, want):
-                        self.fail("timing", f"arms.parquet {col} of {r['job']} seq {r['seq']} ({r['arm']}) is {got}, "
-                                            f"the raw record gives {want}")
-                for col in ("arm", "point", "comparison", "position"):
-                    if row[col] != r[col]:
-                        self.fail("tables", f"arms.parquet {col} of {r['job']} seq {r['seq']} is {row[col]!r}, raw {r[col]!r}")
-                for key, n in r["measured"]["graphs"].items():
-                    if key in row.index and int(row[key]) != n:
-                        self.fail("tables", f"arms.parquet {key} of {r['job']} seq {r['seq']} is {row[key]}, the "
-                                            f"raw record has {n}")
-            elif arms is not None:
-                self.fail("tables", f"arms.parquet has no row for {r['job']} seq {r['seq']}")
-            for phase in ("warmup", "measured"):
-                data = r.get(phase)
-                if data is None:
-                    continue
-                for rid, out in data["outputs"].items():
-                    req_rows += 1
-                    for pos, (t, d) in enumerate(zip(out["token_ids"], out["exit_depths"])):
-                        tok_rows.append((r["job"], r["seq"], phase, rid, pos, t, d))
-        raw_tok = pd.DataFrame(tok_rows, columns=["job", "seq", "phase", "request_id", "position", "token_id", "exit_depth"])
-        self.count("tokens_compared", len(raw_tok))
-        tok = tables["tokens"]
-        keys = ["job", "seq", "phase", "request_id", "position"]
-        merged = raw_tok.merge(tok, on=keys, how="outer", suffixes=("_raw", "_table"), indicator=True)
-        for _, m in merged[merged["_merge"] != "both"].iterrows():
-            where = "raw records only" if m["_merge"] == "left_only" else "tokens.parquet only"
-            self.fail("tokens", f"{m['job']} seq {m['seq']} {m['phase']} request {m['request_id']} position "
-                                f"{m['position']}: in {where}")
-        both = merged[merged["_merge"] == "both"]
-        for field, kind in (("token_id", "tokens"), ("exit_depth", "exit_depths")):
-            bad = both[both[f"{field}_raw"] != both[f"{field}_table"]]
-            for _, m in bad.iterrows():
-                self.fail(kind, f"tokens.parquet {field} of {m['job']} seq {m['seq']} {m['phase']} request "
-                                f"{m['request_id']} position {int(m['position'])} is {int(m[f'{field}_table'])}, "
-                                f"the raw record has {int(m[f'{field}_raw'])}")
-        if len(tables["requests"]) != req_rows:
-            self.fail("tables", f"requests.parquet has {len(tables['requests'])} rows, raw records {req_rows}")
-        c = summary.get("counts", {})
-        if c.get("tokens") != len(tok) or c.get("requests") != len(tables["requests"]):
-            self.fail("counts", f"summary counts {c.get('requests')} requests / {c.get('tokens')} tokens, tables hold "
-                                f"{len(tables['requests'])} / {len(tok)}")
 
-    # ------------------------------------------------------------------------------ references
-    def check_against_references(self, plan: dict, records: list[dict], refs: dict,
-                                 tokens: pd.DataFrame) -> bool:
+    def check_table(self, name: str, got: pd.DataFrame, want: pd.DataFrame) -> None:
+        """Every row and column of ``tables/<name>.parquet`` against the rows the raw records give."""
+        kind, keys = f"{name}.parquet", list(derive.TABLE_KEYS[name])
+        if len(want) == 0 or len(got) == 0:
+            if len(want) != len(got):
+                self.fail(kind, f"has {len(got)} rows, the raw records give {len(want)}")
+            return
+        for col in [c for c in want.columns if c not in got.columns]:
+            self.fail(kind, f"lacks column {col!r}")
+        for col in [c for c in got.columns if c not in want.columns]:
+            self.fail(kind, f"has column {col!r}, which the raw records do not give")
+        if any(k not in got.columns for k in keys):
+            return
+        dup = got[got.duplicated(keys, keep="first")]
+        for values in dup[keys].itertuples(index=False):
+            self.fail(kind, f"repeats the row of {_where(tuple(keys), tuple(values))}")
+        m = want.merge(got.drop_duplicates(keys), on=keys, how="outer", suffixes=("_raw", "_table"), indicator=True)
+        for values, side in zip(m[keys].itertuples(index=False), m["_merge"]):
+            if side == "left_only":
+                self.fail(kind, f"lacks the row of {_where(tuple(keys), tuple(values))}")
+            elif side == "right_only":
+                self.fail(kind, f"has a row for {_where(tuple(keys), tuple(values))} that the raw records do not give")
+        both = m[m["_merge"] == "both"]
+        for col in [c for c in want.columns if c in got.columns and c not in keys]:
+            table, raw = both[f"{col}_table"], both[f"{col}_raw"]
+            for i in np.flatnonzero(self._mismatches(table, raw)):
+                where = _where(tuple(keys), tuple(both[keys].iloc[i]))
+                self.fail(kind, f"{col} of {where} is {_plain(table.iloc[i])!r}, the raw records give "
+                                f"{_plain(raw.iloc[i])!r}")
+        self.count(f"{name}_cells", len(both) * len(want.columns))
+
+    @staticmethod
+    def _mismatches(table: pd.Series, raw: pd.Series) -> np.ndarray:
+        """Boolean mask of differing cells: vectorised for plain number columns, item by item otherwise."""
+        types = pd.api.types
+        if types.is_integer_dtype(table) and types.is_integer_dtype(raw):
+            return table.to_numpy() != raw.to_numpy()
+        numeric = all(types.is_numeric_dtype(s) and not types.is_bool_dtype(s) for s in (table, raw))
+        if numeric:
+            a, b = table.to_numpy(dtype=float), raw.to_numpy(dtype=float)
+            return ~(np.isclose(a, b, rtol=REL_TOL, atol=0.0) | (np.isnan(a) & np.isnan(b)))
+        return np.array([not _same(a, b) for a, b in zip(table, raw)], dtype=bool)
+
+    def check_tables(self, records: list[dict], tables: dict[str, pd.DataFrame]) -> None:
+        expected = derive.expected_tables(records)
+        for name, got in tables.items():
+            self.section(f"{name}.parquet", self.check_table, name, got, expected[name])
+
+    # --------------------------------------------------------------------------------- references
+    def check_against_references(self, plan: dict, records: list[dict], refs: dict) -> bool:
         before = len(self.discrepancies)
         warmup = plan["config"]["warmup"]
         for r in records:
@@ -308,210 +527,157 @@ class Audit:
             if ref is None:
                 self.fail("reference", f"{r['job']} seq {r['seq']}: no frozen reference for {r['point']}")
                 continue
-            frozen = {q["request_id"]: q for q in ref["schedule"]["requests"]}
-            for phase in ("warmup", "measured"):
+            for phase in derive.PHASES:
                 data = r.get(phase)
                 if data is None:
                     if phase == "measured" or warmup:
                         self.fail("reference", f"{r['job']} seq {r['seq']} {r['arm']}: no {phase} run")
                     continue
-                where = f"{r['job']} seq {r['seq']} {r['point']} {r['comparison']} pair {r['pair']} arm {r['arm']!r} {phase}"
-                if set(data["outputs"]) != set(frozen):
-                    self.fail("reference", f"{where}: requests {sorted(data['outputs'])} != frozen {sorted(frozen)}")
-                for rid in sorted(set(data["outputs"]) & set(frozen)):
-                    for field, kind in (("token_ids", "tokens"), ("exit_depths", "exit_depths")):
-                        got, want = data["outputs"][rid][field], frozen[rid][field]
-                        if got != want:
-                            i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                            self.fail(kind, f"{where} request {rid!r} position {i}: "
-                                            f"{got[i] if i < len(got) else '<end>'} != frozen "
-                                            f"{want[i] if i < len(want) else '<end>'}")
-                    self.count("requests_vs_reference")
-                for key in WORK_KEYS:
-                    if key in ref["work"] and data["work"].get(key) != ref["work"][key]:
-                        self.fail("work", f"{where}: {key} {data['work'].get(key)} != reference {ref['work'][key]}")
-                trace = ref["schedule"].get("trace_sha256")
-                if data.get("trace_sha256") is not None and trace is not None and data["trace_sha256"] != trace:
-                    self.fail("trace", f"{where}: row trace differs from the frozen schedule")
+                self._check_phase(r, phase, data, ref)
             new_captures = {k: n for k, n in r["measured"]["graphs"].items() if k.endswith("captures") and n}
             if warmup and new_captures:
                 self.fail("captures", f"{r['job']} seq {r['seq']} {r['arm']}: {new_captures} in the measured run")
-        # The tokens table against the references too (a table edit that also rewrote the raw record).
-        expected = []
-        seq_point = {(r["job"], r["seq"]): r["point"] for r in records}
-        for (job, seq), point in seq_point.items():
-            for q in refs.get(point, {}).get("schedule", {}).get("requests", []):
-                for pos, (t, d) in enumerate(zip(q["token_ids"], q["exit_depths"])):
-                    expected.append((job, seq, q["request_id"], pos, t, d))
-        exp = pd.DataFrame(expected, columns=["job", "seq", "request_id", "position", "token_ref", "depth_ref"])
-        m = tokens.merge(exp, on=["job", "seq", "request_id", "position"], how="left")
-        for field, ref_col, kind in (("token_id", "token_ref", "tokens"), ("exit_depth", "depth_ref", "exit_depths")):
-            bad = m[m[field] != m[ref_col]]
-            for _, b in bad.iterrows():
-                self.fail(kind, f"tokens.parquet {b['job']} seq {b['seq']} {b['phase']} request {b['request_id']} "
-                                f"position {int(b['position'])}: {field} {int(b[field])} != frozen reference "
-                                f"{b[ref_col]}")
+        self._check_graph_coverage(records)
         return len(self.discrepancies) == before
 
-    # --------------------------------------------------------------------------------- numbers
-    def check_numbers(self, plan: dict, summary: dict, tables: dict[str, pd.DataFrame], records: list[dict],
-                      complete: bool, checks_ok: bool) -> None:
-        vd = plan["config"]["verdict"]
-        pairs: dict[tuple, dict] = {}
-        for r in records:
-            pairs.setdefault((r["job"], r["point"], r["comparison"], r["pair"]), {})[r["position"]] = r
-        expected_pairs = []
-        for key, pr in sorted(pairs.items()):
-            if set(pr) == {"baseline", "candidate"}:
-                b, c = pr["baseline"], pr["candidate"]
-                expected_pairs.append((*key, b["measured"]["elapsed_s"], c["measured"]["elapsed_s"],
-                                       b["measured"]["elapsed_s"] / c["measured"]["elapsed_s"], b, c))
-        pt = tables["pairs"]
-        if len(pt) != len(expected_pairs):
-            self.fail("pairs", f"pairs.parquet has {len(pt)} rows, the records make {len(expected_pairs)} complete pairs")
-        pt_idx = pt.set_index(["job", "point", "comparison", "pair"]) if len(pt) else None
-        for job, point, comp, pair, bs, cs, ratio, *_ in expected_pairs:
-            if pt_idx is None or (job, point, comp, pair) not in pt_idx.index:
-                self.fail("pairs", f"pairs.parquet lacks {job} {point} {comp} pair {pair}")
-                continue
-            row = pt_idx.loc[(job, point, comp, pair)]
-            for col, want in (("baseline_s", bs), ("candidate_s", cs), ("ratio", ratio)):
-                if not _close(row[col], want):
-                    self.fail("timing", f"pairs.parquet {col} of {job} {point} {comp} pair {pair} is {row[col]}, "
-                                        f"the raw records give {want}")
-            self.count("ratios")
-        publish = complete and checks_ok
-        if bool(summary.get("verdicts_published")) != publish:
-            self.fail("verdict", f"summary publishes verdicts: {summary.get('verdicts_published')}, the audit "
-                                 f"finds complete={complete}, checks ok={checks_ok}")
-        groups: dict[tuple, list] = {}
-        for item in expected_pairs:
-            groups.setdefault(item[:3], []).append(item)
-        results = {(x["job"], x["point"], x["comparison"]): x for x in summary.get("results", [])}
-        if set(results) != set(groups):
-            self.fail("summary", f"summary has results for {sorted(results)}, the records for {sorted(groups)}")
-        report = (self.bundle / "report.md").read_text()
-        for key, items in groups.items():
-            res = results.get(key)
-            if res is None:
-                continue
-            items = sorted(items, key=lambda x: x[3])
-            ratios = np.array([x[6] for x in items])
-            st = res["stats"]
-            where = f"{key[0]} {key[1]} {key[2]}"
-            if len(st["ratios"]) != len(ratios) or not all(_close(a, b) for a, b in zip(st["ratios"], ratios)):
-                self.fail("summary", f"{where}: ratios {st['ratios']} != recomputed {ratios.tolist()}")
-            speedup = float(np.median(ratios))
-            if not _close(st["speedup"], speedup):
-                self.fail("summary", f"{where}: speedup {st['speedup']} != recomputed median {speedup}")
-            ci = _bootstrap(ratios, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "percentile")
-            bca = _bootstrap(ratios, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "BCa")
-            for name, got, want in (("CI", st["ci"], ci), ("BCa CI", st["bca_ci"], bca)):
-                if (got is None) != (want is None) or (got is not None and not all(_close(a, b) for a, b in zip(got, want))):
-                    self.fail("summary", f"{where}: {name} {got} != recomputed {want}")
-            if st["distinct_resamples"] != math.comb(2 * len(ratios) - 1, len(ratios)):
-                self.fail("summary", f"{where}: distinct resamples {st['distinct_resamples']}")
-            if st["wilcoxon_method"] == "exact":
-                p = float(scipy.stats.wilcoxon(np.log(ratios), method="exact").pvalue)
-                if not _close(p, st["wilcoxon_p"]):
-                    self.fail("summary", f"{where}: Wilcoxon p {st['wilcoxon_p']} != recomputed {p}")
-            for role, col in (("baseline", "baseline_tokens_per_s"), ("candidate", "candidate_tokens_per_s")):
-                tps = float(np.median([x[7 if role == "baseline" else 8]["tokens_per_s"] for x in items]))
-                recomputed = float(np.median([x[7 if role == "baseline" else 8]["num_requests"]
-                                              * x[7 if role == "baseline" else 8]["output_len"]
-                                              / x[4 if role == "baseline" else 5] for x in items]))
-                if not _close(res[col], tps) or not _close(res[col], recomputed):
-                    self.fail("summary", f"{where}: {col} {res[col]} != recomputed median {recomputed}")
-            rule = _verdict(speedup, ci, vd["min_effect"], len(ratios), vd.get("min_pairs", 1))
-            if st["verdict"] != rule:
-                self.fail("verdict", f"{where}: rule outcome {st['verdict']!r}, recomputed {rule!r}")
-            want_verdict = rule if publish else None
-            if res.get("verdict") != want_verdict:
-                self.fail("verdict", f"{where}: published verdict {res.get('verdict')!r}, expected {want_verdict!r}")
-            row = _table_row(res["device"], res["max_num_seqs"], res["num_requests"],
-                             float(np.median([x[7]["num_requests"] * x[7]["output_len"] / x[4] for x in items])),
-                             float(np.median([x[8]["num_requests"] * x[8]["output_len"] / x[5] for x in items])),
-                             speedup, ci, want_verdict)
-            if row not in report.splitlines():
-                self.fail("report", f"report.md lacks the recomputed row for {where}: {row}")
-            self.count("results")
+    def _check_phase(self, r: dict, phase: str, data: dict, ref: dict) -> None:
+        frozen = {q["request_id"]: q for q in ref["schedule"]["requests"]}
+        where = f"{r['job']} seq {r['seq']} {r['point']} {r['comparison']} pair {r['pair']} arm {r['arm']!r} {phase}"
+        if set(data["outputs"]) != set(frozen):
+            self.fail("reference", f"{where}: requests {sorted(data['outputs'])} != frozen {sorted(frozen)}")
+        for rid in sorted(set(data["outputs"]) & set(frozen)):
+            for field, kind in (("token_ids", "tokens"), ("exit_depths", "exit_depths")):
+                got, want = data["outputs"][rid][field], frozen[rid][field]
+                if got != want:
+                    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    self.fail(kind, f"{where} request {rid!r} position {i}: {got[i] if i < len(got) else '<end>'} "
+                                    f"!= frozen {want[i] if i < len(want) else '<end>'}")
+            self.count("requests_vs_reference")
+        for key in WORK_KEYS:
+            if key in ref["work"] and data["work"].get(key) != ref["work"][key]:
+                self.fail("work", f"{where}: {key} {data['work'].get(key)} != reference {ref['work'][key]}")
+        trace = ref["schedule"].get("trace_sha256")
+        if data.get("trace_sha256") is not None and trace is not None and data["trace_sha256"] != trace:
+            self.fail("trace", f"{where}: row trace differs from the frozen schedule")
 
-    # ------------------------------------------------------------------------------------- run
+    def _check_graph_coverage(self, records: list[dict]) -> None:
+        """Both arms of a pair with the same Graph settings replay and fall back equally often."""
+        pairs: dict[tuple, list[dict]] = {}
+        for r in records:
+            pairs.setdefault((r["job"], r["point"], r["comparison"], r["pair"]), []).append(r)
+        for (job, point, comp, pair), members in pairs.items():
+            if len(members) != 2:
+                continue
+            a, b = members
+            if any(a["arm_config"].get(k) != b["arm_config"].get(k) for k in ("cuda_graphs", "graph_cache_size")):
+                continue
+            ga, gb = a["measured"]["graphs"], b["measured"]["graphs"]
+            for key in sorted(k for k in set(ga) | set(gb) if k.endswith(("replays", "fallbacks"))):
+                if ga.get(key) != gb.get(key):
+                    self.fail("graph_coverage", f"{job} {point} {comp} pair {pair}: {key} {a['arm']} "
+                                                f"{ga.get(key)} != {b['arm']} {gb.get(key)}")
+
+    # ------------------------------------------------------------------------------------ summary
+    @staticmethod
+    def interruption(plan: dict, children: list[dict], claimed: dict) -> str | None:
+        """Why the controller stopped early: a failed reference capture is visible in the bundle; a user's
+        Ctrl-C is not, and is accepted only as the claim of an incomplete run."""
+        ref = next((c for c in children if c["name"] == "reference"), None)
+        if ref is None or ref["exit_code"] != 0 or any(not pt.get("reference") for pt in plan["points"]):
+            return derive.REFERENCE_FAILED
+        reasons = claimed.get("incomplete_reasons") or []
+        return derive.USER_INTERRUPT if reasons[:1] == [derive.USER_INTERRUPT] else None
+
+    @staticmethod
+    def is_complete(plan: dict, records: list[dict], children: list[dict], interrupted: str | None) -> bool:
+        names = {c["name"] for c in children}
+        return (interrupted is None and all(c["exit_code"] == 0 for c in children) and "reference" in names
+                and all(d["name"] in names for d in plan["devices"]) and len(records) == derive.planned_arms(plan))
+
+    def check_summary(self, claimed: dict, expected: dict) -> None:
+        for path, got, want in _field_diffs(claimed, expected, ""):
+            if got is ABSENT:
+                self.fail("summary.json", f"lacks {path} (the audit derives {want!r})")
+            elif want is ABSENT:
+                self.fail("summary.json", f"has {path} = {got!r}, which the bundle format does not define")
+            elif isinstance(got, list) and isinstance(want, list) and len(got) != len(want):
+                self.fail("summary.json", f"{path} has {len(got)} entries, the audit derives {len(want)}")
+            else:
+                self.fail("summary.json", f"{path} is {_plain(got)!r}, the audit derives {want!r}")
+        self.count("results", len(expected["results"]))
+        self.count("ratios", sum(len(r["pairs"]) for r in expected["results"]))
+
+    # ------------------------------------------------------------------------------------- report
+    def check_report(self, want: str) -> None:
+        """report.md must be exactly the re-derived report: each differing line is named with its section."""
+        got_lines, want_lines = (self.bundle / "report.md").read_text().split("\n"), want.split("\n")
+
+        def at(j: int) -> str:
+            heading = next((line for line in reversed(got_lines[:j + 1]) if line.startswith("## ")), "header")
+            return f"line {j + 1} ({heading})"
+
+        for j, line in enumerate(got_lines):
+            if HTML.search(line):
+                self.fail("report.md", f"{at(j)} holds raw HTML, which can hide or forge what the page shows: {line!r}")
+        for j, got, wanted in _line_diffs(got_lines, want_lines):
+            if wanted is None:
+                self.fail("report.md", f"{at(j)} is not in the re-derived report: {got!r}")
+            elif got is None:
+                self.fail("report.md", f"lacks the re-derived line {wanted!r} before {at(j)}")
+            else:
+                self.fail("report.md", f"{at(j)} reads {got!r}, re-derived {wanted!r}")
+        self.count("report_lines", len(want_lines))
+
+    # ---------------------------------------------------------------------------------------- run
     def run(self) -> dict:
-        b = self.bundle
         self.section("manifest", self.check_manifest)
-        plan = self.section("plan", self.load_json, "plan.json") or {}
-        summary = self.section("summary", self.load_json, "summary.json") or {}
-        children = self.section("children", self.load_json, "children.json") or []
-        records = sorted((json.loads(p.read_text()) for p in sorted((b / "raw").glob("*/*.json"))),
-                         key=lambda r: (r["job"], r["seq"]))
+        plan, summary = self.read_json("plan.json"), self.read_json("summary.json")
+        children, environment = self.read_json("children.json"), self.read_json("environment.json")
+        records = self.section("raw", self.load_records) or []
         self.count("records", len(records))
-        refs = {}
-        for pt in plan.get("points", []):
-            ref = pt.get("reference")
-            if ref:
-                refs[pt["key"]] = {"schedule": json.loads((b / ref["file"]).read_text()),
-                                   "work": json.loads((b / ref["meta_file"]).read_text())["work"]}
-        tables = {}
-        for name in TABLES:
-            tables[name] = self.section("tables", pd.read_parquet, b / "tables" / f"{name}.parquet")
-        if not plan or not summary or any(t is None for t in tables.values()):
-            self.fail("bundle", "plan.json, summary.json or a table is missing or unreadable; nothing else is checked")
-            return self._verdict(False)
-        self.section("plan", self.check_plan, plan, summary)
+        self.section("files", self.check_required_files, plan if isinstance(plan, dict) else {},
+                     children if isinstance(children, list) else [], records)
+        if not (isinstance(plan, dict) and isinstance(summary, dict) and isinstance(children, list)):
+            self.fail("bundle", "plan.json, summary.json or children.json is missing or unreadable; "
+                                "nothing else is checked")
+            return self.verdict(False)
+        refs = self.section("reference", self.load_references, plan) or {}
+        tables = self.load_tables()
+        self.section("plan", self.check_plan, plan)
         self.section("reference", self.check_references, plan, refs)
         self.section("order", self.check_order, plan, records)
-        complete = self.section("status", self.check_completeness, plan, summary, records, children)
-        self.section("tables", self.check_tables, records, tables, summary)
-        checks_ok = self.section("reference", self.check_against_references, plan, records, refs, tables["tokens"])
-        if bool(summary.get("checks", {}).get("ok")) != bool(checks_ok):
-            self.fail("checks", f"summary says checks ok = {summary.get('checks', {}).get('ok')}, the audit finds "
-                                f"{bool(checks_ok)}")
-        self.section("summary", self.check_numbers, plan, summary, tables, records, bool(complete), bool(checks_ok))
-        return self._verdict(bool(complete))
+        self.section("devices", self.check_devices, plan, records, children)
+        self.section("timing", self.check_timing, records)
+        self.section("tables", self.check_tables, records, tables)
+        checks_ok = bool(self.section("reference", self.check_against_references, plan, records, refs))
+        interrupted = self.section("status", self.interruption, plan, children, summary)
+        complete = bool(self.section("status", self.is_complete, plan, records, children, interrupted))
+        expected = self.section("summary.json", self.expected_summary, plan, summary, records, children, refs,
+                                complete, checks_ok, interrupted)
+        if expected is not None:
+            self.section("summary.json", self.check_summary, summary, expected)
+            if isinstance(environment, dict) and (self.bundle / "report.md").is_file():
+                self.section("report.md", self.check_report, self.expected_report(plan, expected, records, environment))
+        return self.verdict(complete)
 
-    def _verdict(self, complete: bool) -> dict:
+    def expected_summary(self, plan: dict, claimed: dict, records: list[dict], children: list[dict], refs: dict,
+                         complete: bool, checks_ok: bool, interrupted: str | None) -> dict:
+        # The checker's finding messages cannot be re-derived; a failed check is a discrepancy of its own.
+        findings = [] if checks_ok else (claimed.get("checks") or {}).get("findings")
+        return derive.summary(plan, _sha256_file(self.bundle / "plan.json"), records, children, complete=complete,
+                              checks_ok=checks_ok, reference_points=set(refs), findings=findings,
+                              interrupted=interrupted)
+
+    def expected_report(self, plan: dict, summary: dict, records: list[dict], environment: dict) -> str:
+        prompts_sha = _sha256_file(self.bundle / plan["prompts"]["file"])
+        return render.report(plan, summary["plan_sha256"], prompts_sha, summary,
+                             [derive.arm_row(r) for r in records], environment)
+
+    def verdict(self, complete: bool) -> dict:
         status = "fail" if self.discrepancies else ("pass" if complete else "incomplete")
         return {"auditor_version": AUDITOR_VERSION, "status": status, "discrepancies": self.discrepancies,
                 "checked": self.checked, "scipy": scipy.__version__, "numpy": np.__version__,
                 "note": "audit.json is written after manifest.json and is not listed in it"}
-
-
-def _rng_kwargs(seed: int) -> dict:
-    import inspect
-
-    rng = np.random.default_rng(seed)
-    return {"rng": rng} if "rng" in inspect.signature(scipy.stats.bootstrap).parameters else {"random_state": rng}
-
-
-def _bootstrap(ratios: np.ndarray, confidence: float, n_resamples: int, seed: int, method: str):
-    """scipy.stats.bootstrap of the median, fresh default_rng(seed) per call; None if undefined."""
-    import warnings
-
-    if ratios.size < 2:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = scipy.stats.bootstrap((ratios,), np.median, n_resamples=n_resamples, confidence_level=confidence,
-                                    method=method, vectorized=True, **_rng_kwargs(seed))
-    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    return [low, high] if math.isfinite(low) and math.isfinite(high) else None
-
-
-def _verdict(speedup: float, ci, min_effect: float, n: int, min_pairs: int) -> str:
-    if n < min_pairs or ci is None:
-        return "inconclusive"
-    if ci[0] > 1 and speedup - 1 >= min_effect:
-        return "faster"
-    if ci[1] < 1 and 1 - speedup >= min_effect:
-        return "slower"
-    return "inconclusive"
-
-
-def _table_row(device: str, b: int, c: int, base_tps: float, cand_tps: float, speedup: float, ci, verdict) -> str:
-    ci_text = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "[n/a]"
-    return (f"| {device} | {b} / {c} | {base_tps:.2f} | {cand_tps:.2f} | {speedup:.4f}× {ci_text} | "
-            f"{100 * (speedup - 1):+.2f}% | {verdict if verdict is not None else 'none'} |")
 
 
 def write_verdict(bundle: Path, verdict: dict) -> Path:
@@ -527,4 +693,10 @@ def write_verdict(bundle: Path, verdict: dict) -> Path:
 
 
 def audit(bundle: Path) -> dict:
-    return Audit(Path(bundle)).run()
+    """The verdict on one bundle; an error the checks did not foresee is a discrepancy too, never a crash."""
+    a = Audit(Path(bundle))
+    try:
+        return a.run()
+    except Exception as exc:
+        a.fail("auditor", f"stopped early: {type(exc).__name__}: {exc}")
+        return a.verdict(False)
