@@ -5,7 +5,8 @@ is declared here with its type, so Hydra rejects a misspelt key or a wrong type 
 naming the key, before anything is built or measured. Choices are Enums, so a misspelt value
 (``model.dtype=bf61``) fails the same way. Cross-key rules that a type cannot express (a comparison
 naming an unknown arm, ``min_loops > max_loops``...) are checked by :func:`validate`, which raises a
-``ValueError`` naming the key and value; the controller calls it before it freezes the plan.
+``ValueError`` naming the key and value; the controller calls it before it freezes the plan, and
+:func:`check_fits_model` (exit depths and positions against the model's config) before it writes anything.
 
 Nothing downstream sees Hydra objects: :func:`to_plain` turns a validated config into plain JSON data
 (the frozen plan's ``config``), and the sessions rebuild runtime configs from that.
@@ -242,8 +243,17 @@ def validate(cfg: DictConfig | dict) -> dict:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
 
+    def seed(key: str, value: Any) -> None:
+        # numpy's default_rng takes non-negative integers only; fail here, not in a child or the summary
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} must be a non-negative integer seed, got {value!r}")
+
     if not plain["name"] or any(c in plain["name"] for c in "/\\ "):
         raise ValueError(f"name must be a non-empty token without '/', '\\' or spaces, got {plain['name']!r}")
+    seed("model.seed", plain["model"]["seed"])
+    seed("workload.prompt_seed", plain["workload"]["prompt_seed"])
+    seed("order_seed", plain["order_seed"])
+    seed("verdict.bootstrap_seed", plain["verdict"]["bootstrap_seed"])
     wl = plain["workload"]
     positive("workload.output_len", wl["output_len"])
     if wl["prompts_file"] is None:
@@ -310,6 +320,25 @@ def validate(cfg: DictConfig | dict) -> dict:
     if kill is not None and (isinstance(kill, bool) or kill < 0):
         raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")
     return plain
+
+
+def check_fits_model(plain: dict, model_config: dict, max_prompt_len: int) -> None:
+    """The rules that need the model's config (``config.json`` keys): ValueError names key and limit.
+
+    Exit depths run 1..``exit.max_loops`` loops of the model's ``total_ut_steps``; a request of a
+    P-token prompt and D output tokens occupies positions 0..P+D-2, so P + D - 1 must fit in
+    ``max_position_embeddings``. The controller calls this before anything is written or measured.
+    """
+    loops = model_config["total_ut_steps"]
+    if plain["exit"]["max_loops"] > loops:
+        raise ValueError(f"exit.max_loops={plain['exit']['max_loops']} exceeds the model's total_ut_steps={loops}")
+    positions = model_config["max_position_embeddings"]
+    need = max_prompt_len + plain["workload"]["output_len"] - 1
+    if need > positions:
+        prompt_key = ("the longest prompt of workload.prompts_file" if plain["workload"]["prompts_file"]
+                      else "workload.prompt_len")
+        raise ValueError(f"{prompt_key} ({max_prompt_len}) + workload.output_len ({plain['workload']['output_len']}) "
+                         f"- 1 = {need} positions exceed the model's max_position_embeddings={positions}")
 
 
 def _check_keys(data: Any, schema: type, prefix: str) -> None:

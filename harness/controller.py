@@ -2,7 +2,8 @@
 
 Order of work (BRIEF section 2, issue 3):
 
-1. :func:`conf.validate` - a bad key or value fails here, before anything is written or measured.
+1. :func:`conf.validate`, then :func:`conf.check_fits_model` against the model's config (loops,
+   positions) and the prompt pool - a bad key or value fails here, before anything is written or measured.
 2. Inputs: the checkpoint (a synthetic one of the preset, written once into the cache, or a real one),
    the prompt pool, and their sha256s; the code's git SHA, dirty flag and a hash of the runtime sources.
 3. References: one ``reference`` child on the first device runs (or reuses by hash) a natural capture
@@ -74,6 +75,24 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ inputs
+
+def model_config(plain: dict) -> dict:
+    """The model's ``config.json`` keys (vocab, loops, positions) before anything is written: the preset's
+    table entry, or a real checkpoint's own ``config.json``."""
+    from .checkpoint import CONFIG_NAME, config_from_hf_dict
+    from .model import PRESETS
+
+    m = plain["model"]
+    if m["checkpoint"]:
+        path = Path(m["checkpoint"]).expanduser().resolve()
+        if not (path / CONFIG_NAME).is_file():
+            raise ValueError(f"model.checkpoint = {m['checkpoint']!r} is not an HF checkpoint directory "
+                             f"(no {CONFIG_NAME})")
+        return config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text())).to_dict()
+    if m["preset"] not in PRESETS:
+        raise ValueError(f"model.preset = {m['preset']!r} is not a preset; known: {sorted(PRESETS)}")
+    return PRESETS[m["preset"]].to_dict()
+
 
 def prepare_checkpoint(plain: dict, cache: Path) -> dict:
     """The checkpoint directory, its sha256 and model config; a synthetic one is written once, then reused."""
@@ -261,6 +280,9 @@ def _job(bundle: Path, kind: str, dev: dict, **extra) -> Path:
 def run(cfg: DictConfig | dict) -> RunResult:
     """Run one benchmark end to end; returns the bundle and its summary (never a verdict for a partial run)."""
     plain = conf.validate(cfg)
+    model_cfg = model_config(plain)
+    prompts = make_prompts(plain, model_cfg["vocab_size"])
+    conf.check_fits_model(plain, model_cfg, max(len(p) for p in prompts))
     cache = conf.cache_dir(plain)
     devices = [{**d, "cpu_threads": plain["executor"]["cpu_threads"]} for d in resolve_devices(plain)]
     code = code_identity()
@@ -272,10 +294,10 @@ def run(cfg: DictConfig | dict) -> RunResult:
     print(f"loopbench: bundle {bundle}", flush=True)
 
     ckpt = prepare_checkpoint(plain, cache)
-    prompts = make_prompts(plain, ckpt["model_config"]["vocab_size"])
     prompts_text = json.dumps(prompts, separators=(",", ":")) + "\n"
     evidence.atomic_write_text(bundle / "prompts.json", prompts_text)
-    max_model_len = max(len(p) for p in prompts) + plain["workload"]["output_len"]
+    # positions 0..P+D-2: the D-th output token is sampled, never fed back (the engine's admission rule)
+    max_model_len = max(len(p) for p in prompts) + plain["workload"]["output_len"] - 1
     points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
     env = environment(devices)
     evidence.atomic_write_json(bundle / "environment.json", env)

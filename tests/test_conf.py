@@ -55,11 +55,36 @@ def test_misspelt_key_or_wrong_type_fails_at_composition(override, key):
     ("arms.native.prefix_tiles=true", "arms.native.prefix_tiles"),
     ("points=[]", "points"),
     ("reference_arm=nativ", "reference_arm"),
+    ("order_seed=-1", "order_seed"),
+    ("workload.prompt_seed=-1", "workload.prompt_seed"),
+    ("verdict.bootstrap_seed=-1", "verdict.bootstrap_seed"),
+    ("model.seed=-1", "model.seed"),
 ])
 def test_semantic_errors_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ValueError) as err:
         conf.validate(conf.compose("cpu-smoke", [override]))
     assert key in str(err.value)
+
+
+@pytest.mark.parametrize("override, keys", [
+    ("exit.max_loops=5", ("exit.max_loops=5", "total_ut_steps=4")),
+    ("workload.prompt_len=1000", ("workload.prompt_len (1000)", "workload.output_len (32)", "1031 positions",
+                                  "max_position_embeddings=1024")),
+])
+def test_config_that_does_not_fit_the_model_fails_naming_the_keys(override, keys):
+    from loopbench.harness.model import PRESETS
+
+    plain = conf.validate(conf.compose("cpu-smoke", [override]))
+    with pytest.raises(ValueError) as err:
+        conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), plain["workload"]["prompt_len"])
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_config_at_the_model_limits_fits():
+    from loopbench.harness.model import PRESETS
+
+    plain = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=993", "exit.max_loops=4"]))
+    conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), 993)   # 993 + 32 - 1 = 1024 positions
 
 
 def test_overrides_and_list_replacement():
@@ -71,11 +96,17 @@ def test_overrides_and_list_replacement():
     assert plain["arms"]["native"]["block_size"] == 32
 
 
-def test_misspelt_key_fails_before_any_measurement(tmp_path):
+@pytest.mark.parametrize("override, match", [
+    ("+workload.promt_len=3", "workload.promt_len"),
+    ("order_seed=-1", "order_seed"),
+    ("verdict.bootstrap_seed=-1", "verdict.bootstrap_seed"),
+    ("exit.max_loops=5", "exit.max_loops=5 exceeds the model's total_ut_steps=4"),
+    ("workload.prompt_len=1000", r"workload.prompt_len \(1000\) \+ workload.output_len \(32\) - 1 = 1031 positions"),
+])
+def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, override, match):
     from loopbench.harness import controller
 
-    cfg = conf.compose("cpu-smoke", ["+workload.promt_len=3", f"results_dir={tmp_path / 'results'}",
-                                     f"cache_dir={tmp_path / 'cache'}"])
-    with pytest.raises(ValueError, match="workload.promt_len"):
+    cfg = conf.compose("cpu-smoke", [override, f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ValueError, match=match):
         controller.run(cfg)
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()

@@ -67,6 +67,15 @@ def test_plan_is_frozen_with_hashes(tmp_path, cache, monkeypatch):
     assert json.loads((fresh.bundle / "references/B2C3.meta.json").read_text())["reused"] is False
 
 
+def test_longest_request_that_fits_the_model_runs(tmp_path, cache):
+    """P + D - 1 = max_position_embeddings (1024 for the tiny preset) passes validation and measures."""
+    result = run(tmp_path, cache, "workload.prompt_len=1022", "pairs=1")
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    plan = json.loads((result.bundle / "plan.json").read_text())
+    assert plan["max_model_len"] == 1022 + 3 - 1 == plan["checkpoint"]["model_config"]["max_position_embeddings"]
+    assert audit(result.bundle)["status"] == "pass"
+
+
 def test_killed_child_leaves_incomplete_bundle_with_finished_arms_and_no_verdict(tmp_path, cache):
     result = run(tmp_path, cache, "fault.kill_after_arms=3")
     s = result.summary
