@@ -14,8 +14,11 @@ from loopbench.audit.auditor import audit, write_verdict
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
+    if len(argv) != 1:
         print("usage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
+        return 2
+    if not Path(argv[0]).is_dir():
+        print(f"no bundle directory at {argv[0]!r}\nusage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
         return 2
     bundle = Path(argv[0])
     verdict = audit(bundle)

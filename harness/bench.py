@@ -44,6 +44,12 @@ def task(cfg) -> int:
           + f"; checks {'FAILED' if not summary['checks']['ok'] else 'passed' if summary['status'] == 'complete' else 'passed on what was recorded'}"
           + f"; verdicts {'published' if summary['verdicts_published'] else 'barred: ' + str(summary['verdicts_barred_by'])}"
           + f"; audit {'passed' if code == 0 else 'exit ' + str(code)}")
+    for child in summary.get("children", []):
+        if child.get("exit_code") not in (0, None):
+            log = result.bundle / "logs" / f"{child['name']}.log"
+            tail = log.read_text(errors="replace").splitlines()[-12:] if log.is_file() else ["(no log)"]
+            print(f"child {child['name']} exited {child['exit_code']}; last lines of {log}:")
+            print("\n".join("    " + line for line in tail))
     print(f"bundle: {result.bundle}")
     print(f"report: {result.bundle / 'report.md'}")
     rc = 1 if code not in (0, 3) else (3 if summary["status"] != "complete" or code == 3 else 0)

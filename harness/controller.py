@@ -285,6 +285,12 @@ def run(cfg: DictConfig | dict) -> RunResult:
     conf.check_fits_model(plain, model_cfg, max(len(p) for p in prompts))
     cache = conf.cache_dir(plain)
     devices = [{**d, "cpu_threads": plain["executor"]["cpu_threads"]} for d in resolve_devices(plain)]
+    if all(d["kind"] == "cpu" for d in devices):
+        for name, arm in plain["arms"].items():
+            if arm["cuda_graphs"]:
+                raise ValueError(f"arms.{name}.cuda_graphs = true needs a CUDA device, but the sessions would run "
+                                 f"on the CPU (executor.device = {plain['executor']['device']}); use a CUDA host, "
+                                 f"--config-name cpu-smoke, or arms.{name}.cuda_graphs=false")
     code = code_identity()
     short = code["git_sha"][:8] if code["git_sha"] != "unknown" else "nogit"
     results_dir = Path(plain["results_dir"])

@@ -1,6 +1,7 @@
 """The human-readable side of a bundle: the seed-style result table, ``report.md`` and the plot of
 paired ratios. Pure rendering from the summary and the tables that ``evidence.py`` builds; the auditor
-re-derives each table row with its own code and checks that it appears in ``report.md`` verbatim.
+re-renders the whole report from the raw records with its own code (``audit/render.py``) and requires
+``report.md`` to match it line for line, so a wording change here needs the same change there.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def fmt_speedup(speedup: float, ci: list | None) -> str:
 
 
 def table_row(res: dict) -> str:
-    """One seed-style row. The auditor rebuilds this line from the tables and looks for it verbatim."""
+    """One seed-style row (device, B / C, tokens/s of each arm, speedup [CI], change, verdict)."""
     st = res["stats"]
     verdict = res["verdict"] if res["verdict"] is not None else "none"
     return (f"| {res['device']} | {res['max_num_seqs']} / {res['num_requests']} | "

@@ -102,6 +102,7 @@ def test_overrides_and_list_replacement():
     ("verdict.bootstrap_seed=-1", "verdict.bootstrap_seed"),
     ("exit.max_loops=5", "exit.max_loops=5 exceeds the model's total_ut_steps=4"),
     ("workload.prompt_len=1000", r"workload.prompt_len \(1000\) \+ workload.output_len \(32\) - 1 = 1031 positions"),
+    ("arms.alias.cuda_graphs=true", "arms.alias.cuda_graphs = true needs a CUDA device"),
 ])
 def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, override, match):
     from loopbench.harness import controller
