@@ -20,7 +20,7 @@ Layout of ``results/<date>-<name>-<short sha>/`` (schema version :data:`SCHEMA_V
 
 Every file is written atomically (temporary file in the same folder, fsync, rename), so a crash leaves
 either the old file or the new one. A run that lost an arm, a pair or a child is marked incomplete and
-publishes no verdict; its completed arms stay in the bundle. This module formats the report table; the
+publishes no verdict; its completed arms stay in the bundle. report.py renders report.md; the
 auditor re-renders the whole report from the raw records with its own code (audit/render.py) and requires an exact match.
 """
 from __future__ import annotations
