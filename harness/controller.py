@@ -83,15 +83,25 @@ def model_config(plain: dict) -> dict:
     from .model import PRESETS
 
     m = plain["model"]
-    if m["checkpoint"]:
-        path = Path(m["checkpoint"]).expanduser().resolve()
-        if not (path / CONFIG_NAME).is_file():
-            raise ValueError(f"model.checkpoint = {m['checkpoint']!r} is not an HF checkpoint directory "
-                             f"(no {CONFIG_NAME})")
+    path = _checkpoint_path(m)
+    if path is not None:
         return config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text())).to_dict()
     if m["preset"] not in PRESETS:
         raise ValueError(f"model.preset = {m['preset']!r} is not a preset; known: {sorted(PRESETS)}")
     return PRESETS[m["preset"]].to_dict()
+
+
+def _checkpoint_path(m: dict) -> Path | None:
+    """``model.checkpoint`` resolved, or None for a preset; ValueError when it is no HF checkpoint."""
+    from .checkpoint import CONFIG_NAME
+
+    if not m["checkpoint"]:
+        return None
+    path = Path(m["checkpoint"]).expanduser().resolve()
+    if not (path / CONFIG_NAME).is_file():
+        raise ValueError(f"model.checkpoint = {m['checkpoint']!r} is not an HF checkpoint directory "
+                         f"(no {CONFIG_NAME})")
+    return path
 
 
 def prepare_checkpoint(plain: dict, cache: Path) -> dict:
@@ -101,11 +111,8 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
     from .session import _DTYPES
 
     m = plain["model"]
-    if m["checkpoint"]:
-        path = Path(m["checkpoint"]).expanduser().resolve()
-        if not (path / CONFIG_NAME).is_file():
-            raise ValueError(f"model.checkpoint = {m['checkpoint']!r} is not an HF checkpoint directory "
-                             f"(no {CONFIG_NAME})")
+    path = _checkpoint_path(m)
+    if path is not None:
         source, description = "path", f"checkpoint {path}"
     else:
         from .model import PRESETS
