@@ -35,14 +35,21 @@ def gpu_count() -> int:
     return (_try(nv.nvmlDeviceGetCount) or 0) if nv else 0
 
 
-def device_info(index: int) -> dict | None:
-    """Static facts of physical GPU ``index``: name, UUID, memory, max clocks, driver; None without NVML."""
+def _handle(index: int) -> tuple[Any, Any] | None:
+    """(the NVML module, the handle of physical GPU ``index``), or None without NVML or that GPU."""
     nv = _nvml()
     if nv is None:
         return None
     h = _try(lambda: nv.nvmlDeviceGetHandleByIndex(index))
-    if h is None:
+    return None if h is None else (nv, h)
+
+
+def device_info(index: int) -> dict | None:
+    """Static facts of physical GPU ``index``: name, UUID, memory, max clocks, driver; None without NVML."""
+    found = _handle(index)
+    if found is None:
         return None
+    nv, h = found
     mem = _try(lambda: nv.nvmlDeviceGetMemoryInfo(h))
     return {
         "index": index,
@@ -68,14 +75,10 @@ def sample(index: int | None) -> dict | None:
     ``throttle_reasons`` is NVML's bitmask of current clock-event reasons (0 = none; 1 = idle;
     see ``nvmlClocksEventReasons``), kept raw so that a report can decode it.
     """
-    if index is None:
+    found = _handle(index) if index is not None else None
+    if found is None:
         return None
-    nv = _nvml()
-    if nv is None:
-        return None
-    h = _try(lambda: nv.nvmlDeviceGetHandleByIndex(index))
-    if h is None:
-        return None
+    nv, h = found
     reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
         nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
     mem = _try(lambda: nv.nvmlDeviceGetMemoryInfo(h))
