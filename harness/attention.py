@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 LAYOUTS = ("native", "alias")
 BACKENDS = ("torch", "triton")
@@ -137,13 +136,3 @@ def get_backend(name: str) -> AttentionBackend:
         from loopbench.kernels import decode_attention as da, kv_write as kw
         return AttentionBackend("triton", da.decode_attention, kw.write_kv, kw.native_fill, kw.publish_exits)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
-
-
-def prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over one prompt's fresh K/V. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True)
-    return out.transpose(0, 1)

@@ -16,14 +16,15 @@ natural policies read the exit flags once per step.
 from __future__ import annotations
 
 import hashlib
-import math
 import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .attention import LAYOUTS, get_backend, prefill_attention_torch
+from loopbench.kernels.prefill_attention import prefill_attention
+
+from .attention import LAYOUTS, get_backend
 from .exit_policy import exit_step, validate_policy
 from .graphs import GraphCache, bucket_for
 from .kv_cache import DepthKVCache, OutOfBlocksError
@@ -377,7 +378,7 @@ class LoopEngine:
 
         def attend(layer, q, k, v):
             be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
-            return prefill_attention_torch(q, k, v)
+            return prefill_attention(q, k, v)
 
         return (self.model.run_loop(x, positions, attend)[0],)
 
@@ -410,10 +411,11 @@ class LoopEngine:
         exits = forced if replay else exit_flags[:n].tolist()       # natural policies read the gate
         ex = [i for i, e in enumerate(exits) if e]
         exr = [rows[i] for i in ex]
-        if ex and (cfg.keep_logits or any(self._needs_host_tokens(r) for r in exr)):
+        host_tokens = any(self._needs_host_tokens(r) for r in exr)
+        if ex and (cfg.keep_logits or host_tokens):
             idx = torch.tensor(ex, dtype=torch.long, device=self.model.device)
             self._keep_logits(exr, logits[idx])
-            if any(self._needs_host_tokens(r) for r in exr):
+            if host_tokens:
                 for r, t in zip(exr, tok[idx].tolist()):
                     r.host_tokens.append(t)
         for i, r in enumerate(rows):

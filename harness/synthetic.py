@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .attention import prefill_attention_torch
+from loopbench.kernels.prefill_attention import prefill_attention
+
 from .checkpoint import (THREE_LOOP_FRACTION, gate_bias_for_observed_mix, load_checkpoint,
                          write_synthetic_checkpoint)
 from .model import OuroModel
@@ -41,7 +42,7 @@ def measure_gate_dots(model: OuroModel, *, num_prompts: int = 4, prompt_len: int
         ids = torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).to(model.device)
         x = model.embed[ids]
         for r in range(2):
-            x, _ = model.run_loop(x, positions, lambda layer, q, k, v: prefill_attention_torch(q, k, v))
+            x, _ = model.run_loop(x, positions, lambda layer, q, k, v: prefill_attention(q, k, v))
             dots[r].append((x.double() @ model.gate_w[0].double()).cpu())
     return torch.cat(dots[0]), torch.cat(dots[1])
 
