@@ -5,6 +5,9 @@ with ``model.safetensors.index.json`` (``weight_map``: tensor name -> file name)
 the layout of the official Ouro-1.4B upload (tensor names: ``model.tensor_shapes``). The loader checks
 everything the runtime relies on and raises :class:`CheckpointError` (a ``ValueError``) naming the bad
 key, tensor or file; it reads safetensors only and never unpickles anything (``.bin``/``.pt`` refused).
+Releases may store a few tensors in another dtype (fp32 norms and exit gate in a bf16 checkpoint): with
+a requested ``dtype`` the loader casts them, and ``stored_dtypes`` / ``dtype_record`` say what was stored
+(the controller writes that record into the plan); without one, mixed dtypes are refused by name.
 
 Synthetic checkpoints stand in for real weights wherever none are present (BRIEF section 4): they have
 the exact HF layout, are a pure function of (config, seed, dtype), and are initialised so that a
@@ -18,9 +21,11 @@ import functools
 import hashlib
 import json
 import math
+import re
+from collections import Counter
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -248,39 +253,23 @@ def checkpoint_sha256(path: str | Path, *, chunk_bytes: int = 16 << 20) -> str:
 
 # --------------------------------------------------------------------------------------------- loading
 
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu") -> tuple[OuroConfig, dict[str, torch.Tensor]]:
-    """Load and validate an HF-layout Ouro checkpoint directory.
-
-    Args:
-        path: directory with ``config.json`` and ``*.safetensors`` (plus ``model.safetensors.index.json``
-            when sharded; then only the files it names are read).
-        dtype: cast every tensor to this floating dtype after validation; None keeps the stored dtype.
-        device: where the tensors are materialised.
-
-    Returns:
-        ``(cfg, tensors)``; ``tensors`` maps every name of ``tensor_shapes(cfg)`` (in that order) to a
-        tensor of that shape, all of one floating dtype (stored or ``dtype``), on ``device``.
-
-    Raises:
-        CheckpointError: naming the bad config key, index entry, file (missing, truncated, corrupt,
-            pickle-based) or tensor (missing, unexpected, duplicated, wrong shape or dtype).
-    """
-    if dtype is not None and dtype not in _DTYPE_HF_NAMES:
-        raise ValueError(f"dtype must be a floating dtype in {sorted(_HF_DTYPE_NAMES)}, got {dtype}")
-    ckpt = _checkpoint_dir(path)
+def _read_config(ckpt: Path) -> tuple[OuroConfig, dict[str, Any]]:
     config_file = ckpt / CONFIG_NAME
     if not config_file.is_file():
         raise CheckpointError(f"{ckpt}: missing {CONFIG_NAME}")
     raw = _read_json(config_file)
-    cfg = config_from_hf_dict(raw, source=str(config_file))
-    expected = tensor_shapes(cfg)
-    stored_dtype_name = raw.get("torch_dtype") or raw.get("dtype")
-    want_dtype = _HF_DTYPE_NAMES[stored_dtype_name] if stored_dtype_name else None
-    files, weight_map = _weight_layout(ckpt)
+    return config_from_hf_dict(raw, source=str(config_file)), raw
 
-    # Pass 1: headers only (names, shapes, dtypes) -- cheap, and fails before any data is read.
+
+def _read_headers(ckpt: Path, expected: dict[str, tuple[int, ...]], files: list[Path],
+                  weight_map: dict[str, str] | None) -> dict[str, torch.dtype]:
+    """Stored dtype of every expected tensor (in ``expected`` order), from the safetensors headers only.
+
+    Checks names (no duplicate, none unexpected, none missing, each in the file the index names), shapes
+    and that every dtype is floating; whether the dtypes agree is left to the caller.
+    """
     where: dict[str, Path] = {}
+    stored: dict[str, torch.dtype] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as fh:
@@ -303,12 +292,7 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None,
                     if st_dtype not in _SAFETENSORS_DTYPES:
                         raise CheckpointError(f"{file.name}: tensor {name!r} has dtype {st_dtype}, expected a "
                                               f"floating dtype in {sorted(_SAFETENSORS_DTYPES)}")
-                    got = _SAFETENSORS_DTYPES[st_dtype]
-                    if want_dtype is None:
-                        want_dtype = got  # no torch_dtype in the config: the first tensor sets it
-                    if got != want_dtype:
-                        raise CheckpointError(f"{file.name}: tensor {name!r} has dtype {got}, expected "
-                                              f"{want_dtype} (config torch_dtype / the other tensors)")
+                    stored[name] = _SAFETENSORS_DTYPES[st_dtype]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: truncated or corrupt safetensors file: {e}") from None
     if weight_map is not None:
@@ -319,6 +303,118 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None,
     if missing:
         raise CheckpointError(f"{ckpt}: missing tensor {missing[0]!r} (expected shape {expected[missing[0]]})"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    return {name: stored[name] for name in expected}
+
+
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def dtype_record(stored: Mapping[str, torch.dtype]) -> dict[str, list[str]]:
+    """A compact, deterministic record of which tensors are stored in which dtype.
+
+    ``stored``: tensor name -> torch floating dtype (e.g. ``stored_dtypes(path)``). Returns HF dtype name
+    (``"bfloat16"``, ``"float32"``, ...) -> sorted tensor names, keys sorted. A per-layer tensor stored in
+    one dtype in every layer that ``stored`` holds it for is written once as ``model.layers.*.<rest>``;
+    otherwise each layer's name is listed (so pass the map of the whole checkpoint: ``*`` means every
+    layer of what is passed). An Ouro-1.4B release with fp32 norms and gate gives 16 entries in all, not
+    ~270. Raises ValueError naming a tensor whose dtype is not a floating dtype of the table.
+    """
+    layers_of: dict[str, set[int]] = {}       # per-layer suffix -> every layer that holds it
+    per_dtype: dict[str, dict[str, set[int]]] = {}
+    out: dict[str, set[str]] = {}
+    for name, dt in stored.items():
+        if dt not in _DTYPE_HF_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {dt} is not a floating dtype in {sorted(_HF_DTYPE_NAMES)}")
+        key = _DTYPE_HF_NAMES[dt]
+        out.setdefault(key, set())
+        m = _LAYER_TENSOR.fullmatch(name)
+        if m is None:
+            out[key].add(name)
+            continue
+        layer, rest = int(m[1]), m[2]
+        layers_of.setdefault(rest, set()).add(layer)
+        per_dtype.setdefault(key, {}).setdefault(rest, set()).add(layer)
+    for key, suffixes in per_dtype.items():
+        for rest, layers in suffixes.items():
+            if layers == layers_of[rest]:
+                out[key].add(f"model.layers.*.{rest}")
+            else:
+                out[key].update(f"model.layers.{i}.{rest}" for i in layers)
+    return {key: sorted(out[key]) for key in sorted(out)}
+
+
+def stored_dtypes(path: str | Path) -> dict[str, torch.dtype]:
+    """Tensor name -> stored dtype of a checkpoint, validated from its config and headers (no data read).
+
+    Applies every rule of ``load_checkpoint`` (config, index, files, tensor names and shapes, floating
+    dtypes) except that the dtypes may differ from each other and from the config's ``torch_dtype``:
+    that is allowed whenever the caller loads with a ``dtype``. Names in ``tensor_shapes(cfg)`` order.
+    Raises :class:`CheckpointError` like ``load_checkpoint``.
+    """
+    ckpt = _checkpoint_dir(path)
+    cfg, _ = _read_config(ckpt)
+    files, weight_map = _weight_layout(ckpt)
+    return _read_headers(ckpt, tensor_shapes(cfg), files, weight_map)
+
+
+def _check_one_dtype(ckpt: Path, stored: dict[str, torch.dtype], raw_config: dict[str, Any]) -> None:
+    """Without a requested dtype every tensor must be stored in one dtype: the config's ``torch_dtype``
+    when it names one, else the dtype most tensors have (ties: the first in ``tensor_shapes`` order)."""
+    config_name = raw_config.get("torch_dtype") or raw_config.get("dtype")
+    if config_name:
+        want, why = _HF_DTYPE_NAMES[config_name], "config torch_dtype"
+    else:
+        want, why = Counter(stored.values()).most_common(1)[0][0], "the dtype of most tensors"
+    off = {name: dt for name, dt in stored.items() if dt != want}
+    if len(off) == len(stored) and len(set(off.values())) == 1:
+        raise CheckpointError(f"{ckpt}: every tensor is stored in {_DTYPE_HF_NAMES[next(iter(off.values()))]}, "
+                              f"but config torch_dtype says {config_name}. Pass a dtype to load_checkpoint "
+                              "to cast every tensor to it")
+    if off:
+        # the record of every tensor, so that ``model.layers.*`` means every layer of the checkpoint
+        listed = "; ".join(f"{key}: {', '.join(map(repr, names))}" for key, names in dtype_record(stored).items()
+                           if key != _DTYPE_HF_NAMES[want])
+        raise CheckpointError(f"{ckpt}: {len(off)} of {len(stored)} tensors are not stored in "
+                              f"{_DTYPE_HF_NAMES[want]} ({why}): {listed}. Pass a dtype to load_checkpoint "
+                              "to cast every tensor to it")
+
+
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> tuple[OuroConfig, dict[str, torch.Tensor]]:
+    """Load and validate an HF-layout Ouro checkpoint directory.
+
+    Args:
+        path: directory with ``config.json`` and ``*.safetensors`` (plus ``model.safetensors.index.json``
+            when sharded; then only the files it names are read).
+        dtype: cast every tensor to this floating dtype after validation. With a dtype, the stored dtypes
+            may be mixed (e.g. a bf16 release with fp32 norms and exit gate) and need not match the
+            config's ``torch_dtype``; ``stored_dtypes`` / ``dtype_record`` say what was stored. None keeps
+            the stored dtype, which must then be one dtype for every tensor (see Raises).
+        device: where the tensors are materialised.
+
+    Returns:
+        ``(cfg, tensors)``; ``tensors`` maps every name of ``tensor_shapes(cfg)`` (in that order) to a
+        tensor of that shape, all of one floating dtype (the stored one, or ``dtype``), on ``device``.
+        Values are the stored values cast with ``Tensor.to(dtype)`` (round to nearest even).
+
+    Raises:
+        ValueError: ``dtype`` is not a floating dtype of the table.
+        CheckpointError: naming the bad config key, index entry, file (missing, truncated, corrupt,
+            pickle-based) or tensor (missing, unexpected, duplicated, wrong shape, non-floating dtype;
+            and, when ``dtype`` is None, every tensor not stored in the config's ``torch_dtype`` - or
+            in the majority dtype when the config names none - with its dtype).
+    """
+    if dtype is not None and dtype not in _DTYPE_HF_NAMES:
+        raise ValueError(f"dtype must be a floating dtype in {sorted(_HF_DTYPE_NAMES)}, got {dtype}")
+    ckpt = _checkpoint_dir(path)
+    cfg, raw = _read_config(ckpt)
+    expected = tensor_shapes(cfg)
+    files, weight_map = _weight_layout(ckpt)
+
+    # Pass 1: headers only (names, shapes, dtypes) -- cheap, and fails before any data is read.
+    stored = _read_headers(ckpt, expected, files, weight_map)
+    if dtype is None:
+        _check_one_dtype(ckpt, stored, raw)
 
     # Pass 2: data, one file open at a time, each tensor cast as it arrives.
     loaded: dict[str, torch.Tensor] = {}

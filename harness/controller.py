@@ -105,8 +105,14 @@ def _checkpoint_path(m: dict) -> Path | None:
 
 
 def prepare_checkpoint(plain: dict, cache: Path) -> dict:
-    """The checkpoint directory, its sha256 and model config; a synthetic one is written once, then reused."""
-    from .checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict
+    """The checkpoint directory, its sha256 (of the stored bytes), model config and stored dtypes; a
+    synthetic one is written once, then reused.
+
+    ``stored_dtypes`` is ``checkpoint.dtype_record``: HF dtype name -> tensor names as stored, before the
+    sessions cast every tensor to ``model.dtype``; reading it validates every tensor header (names,
+    shapes, floating dtypes), so a broken checkpoint fails here, before anything is measured.
+    """
+    from .checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict, dtype_record, stored_dtypes
     from .synthetic import write_calibrated_checkpoint
     from .session import _DTYPES
 
@@ -133,7 +139,8 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
         source, description = "synthetic", f"synthetic `{m['preset']}` (seed {m['seed']})"
     cfg = config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text()))
     return {"source": source, "path": str(path), "preset": None if m["checkpoint"] else m["preset"],
-            "description": description, "sha256": checkpoint_sha256(path), "model_config": cfg.to_dict()}
+            "description": description, "sha256": checkpoint_sha256(path), "model_config": cfg.to_dict(),
+            "stored_dtypes": dtype_record(stored_dtypes(path))}
 
 
 def read_prompts_file(path: Path) -> list[list[int]]:

@@ -56,6 +56,7 @@ def test_plan_is_frozen_with_hashes(tmp_path, cache, monkeypatch):
     assert plan["devices"] == [{"name": "cpu0", "kind": "cpu", "gpu_index": None, "label": "cpu", "cpu_threads": 1}]
     assert plan["points"][0]["reference"]["file"] == "references/B2C3.schedule.json"
     assert len(plan["order"]["cpu0"]) == 4
+    assert list(plan["checkpoint"]["stored_dtypes"]) == ["float32"]  # the tiny synthetic preset is uniform
     assert result.summary["status"] == "complete" and audit(result.bundle)["status"] == "pass"
     # a second run reuses the frozen reference by hash; reuse_references=false captures it again
     again = run(tmp_path, cache)
@@ -73,6 +74,34 @@ def test_longest_request_that_fits_the_model_runs(tmp_path, cache):
     assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
     plan = json.loads((result.bundle / "plan.json").read_text())
     assert plan["max_model_len"] == 1022 + 3 - 1 == plan["checkpoint"]["model_config"]["max_position_embeddings"]
+    assert audit(result.bundle)["status"] == "pass"
+
+
+def test_mixed_dtype_release_is_cast_measured_and_its_stored_dtypes_planned(tmp_path, cache):
+    """A bf16 checkpoint with fp32 norms and exit gate (how releases ship) runs cast to model.dtype; plan.json
+    records what was stored, and the bundle audits PASS."""
+    import torch
+    from safetensors.torch import save_file
+
+    from loopbench.harness.checkpoint import (CONFIG_NAME, checkpoint_sha256, hf_config_dict, load_checkpoint,
+                                              write_synthetic_checkpoint)
+    from loopbench.harness.model import PRESETS
+
+    _, fp32 = load_checkpoint(write_synthetic_checkpoint(tmp_path / "fp32", "tiny", seed=0, dtype=torch.float32))
+    release = tmp_path / "release"
+    release.mkdir()
+    fp32_names = {n for n in fp32 if "norm" in n.split(".")[-2] or n.startswith("model.early_exit_gate.")}
+    save_file({n: t if n in fp32_names else t.to(torch.bfloat16) for n, t in fp32.items()},
+              release / "model.safetensors", metadata={"format": "pt"})
+    (release / CONFIG_NAME).write_text(json.dumps(hf_config_dict(PRESETS["tiny"], torch.bfloat16)))
+    result = run(tmp_path, cache, f"model.checkpoint={release}", "pairs=1")
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    plan = json.loads((result.bundle / "plan.json").read_text())
+    stored = plan["checkpoint"]["stored_dtypes"]
+    assert sorted(stored) == ["bfloat16", "float32"]
+    assert "model.norm.weight" in stored["float32"] and "model.layers.*.input_layernorm.weight" in stored["float32"]
+    assert "lm_head.weight" in stored["bfloat16"]
+    assert plan["checkpoint"]["sha256"] == checkpoint_sha256(release)
     assert audit(result.bundle)["status"] == "pass"
 
 
