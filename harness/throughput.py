@@ -44,8 +44,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         write_calibrated_checkpoint(path, args.preset, seed=0, dtype=torch.bfloat16, device=device)
         print(f"wrote {path} in {time.perf_counter() - t0:.1f}s")
-    cfg, tensors = load_checkpoint(path)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg, tensors = load_checkpoint(path, dtype=dtype)  # a release may mix dtypes (fp32 norms): cast on load
     model = OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype,
                                    rope_len=args.prompt_len + args.output_len)
     del tensors
