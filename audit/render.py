@@ -53,7 +53,7 @@ def _header(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, en
     dirty = " (dirty tree)" if code["git_dirty"] else ""
     prompt = "file" if wl["prompts_file"] else wl["prompt_len"]
     return lines + [
-        f"- Code: `{code['git_sha']}`{dirty}; plan sha256 `{plan_sha256}`",
+        f"- Code: `{code['git_sha'] or 'unknown'}`{dirty}; plan sha256 `{plan_sha256}`",
         f"- Model: {ckpt['description']}, {cfg['model']['dtype']}, checkpoint sha256 `{ckpt['sha256']}`",
         f"- Workload: P{prompt} / D{wl['output_len']}, prompts sha256 `{prompts_sha256}`; fixed schedule from a "
         f"natural `{plan['reference_arm']}` run "

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -49,27 +50,58 @@ class RunResult:
 
 # ---------------------------------------------------------------------------------------- identity
 
-def code_identity(root: Path = REPO_ROOT) -> dict:
-    """Git SHA and dirty flag (tracked files), and the sha256 of the runtime sources (harness, kernels)."""
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
+GIT_SHA_ENV = "LOOPBENCH_GIT_SHA"
+_HEX_SHA = re.compile(r"[0-9a-f]{7,64}")
 
-    sha = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def own_git_repo(root: Path) -> bool:
+    """Whether ``root`` is the top of its own git work tree (a clone or a ``git worktree``), symlinks resolved.
+
+    A project tree copied into a folder of some other repository has no ``.git`` of its own; git would
+    still answer from the enclosing repository, whose SHA and dirty flag say nothing about this tree.
+    """
+    top = _git(root, "rev-parse", "--show-toplevel")
+    return top is not None and Path(top).resolve() == Path(root).resolve()
+
+
+def _env_git_sha() -> str | None:
+    """``LOOPBENCH_GIT_SHA`` lower-cased, or None when unset; ValueError when it is no hex SHA."""
+    value = os.environ.get(GIT_SHA_ENV)
+    if value is None:
+        return None
+    if not _HEX_SHA.fullmatch(value.strip().lower()):
+        raise ValueError(f"{GIT_SHA_ENV} = {value!r} is not a git commit SHA (7 to 64 hex digits)")
+    return value.strip().lower()
+
+
+def code_identity(root: Path = REPO_ROOT) -> dict:
+    """Which code ran: {git_sha, git_dirty, git_sha_source, code_sha256}.
+
+    ``git_sha``/``git_dirty`` (tracked files) come from git only when ``root`` is its own repository's
+    top level (:func:`own_git_repo`); otherwise from ``LOOPBENCH_GIT_SHA`` (a copied tree, e.g. on a lent
+    GPU host: the caller names the commit it copied, and the dirty flag is unknowable, None), else both
+    None ("unknown"). ``code_sha256`` hashes the runtime sources (harness, kernels) and is what ties the
+    run to its source in every case. Raises ValueError when ``LOOPBENCH_GIT_SHA`` is needed and no hex SHA.
+    """
+    root = Path(root)
     h = hashlib.sha256()
     for folder in ("harness", "kernels"):
         for p in sorted((root / folder).rglob("*.py")):
             h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
             h.update(p.read_bytes())
+    sha = _git(root, "rev-parse", "HEAD") if own_git_repo(root) else None
     if sha is None:
-        # A copied tree without history (e.g. a lent GPU host): the caller may name the commit it copied;
-        # the dirty flag is unknowable there, and code_sha256 is what ties the run to the source.
-        return {"git_sha": os.environ.get("LOOPBENCH_GIT_SHA", "unknown"), "git_dirty": None,
-                "git_sha_source": "LOOPBENCH_GIT_SHA" if "LOOPBENCH_GIT_SHA" in os.environ else None,
+        env_sha = _env_git_sha()
+        return {"git_sha": env_sha, "git_dirty": None, "git_sha_source": GIT_SHA_ENV if env_sha else None,
                 "code_sha256": h.hexdigest()}
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
     return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None,
             "git_sha_source": "git", "code_sha256": h.hexdigest()}
 
@@ -306,7 +338,7 @@ def run(cfg: DictConfig | dict) -> RunResult:
                                  f"on the CPU (executor.device = {plain['executor']['device']}); use a CUDA host, "
                                  f"--config-name cpu-smoke, or arms.{name}.cuda_graphs=false")
     code = code_identity()
-    short = code["git_sha"][:8] if code["git_sha"] != "unknown" else "nogit"
+    short = code["git_sha"][:8] if code["git_sha"] else "nogit"
     results_dir = Path(plain["results_dir"])
     if not results_dir.is_absolute():
         results_dir = REPO_ROOT / results_dir

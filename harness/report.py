@@ -76,7 +76,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
     wl = cfg["workload"]
     ex = cfg["exit"]
     lines += [
-        f"- Code: `{code['git_sha']}`{' (dirty tree)' if code['git_dirty'] else ''}; plan sha256 `{summary['plan_sha256']}`",
+        f"- Code: `{code['git_sha'] or 'unknown'}`{' (dirty tree)' if code['git_dirty'] else ''}; plan sha256 `{summary['plan_sha256']}`",
         f"- Model: {plan['checkpoint']['description']}, {cfg['model']['dtype']}, checkpoint sha256 "
         f"`{plan['checkpoint']['sha256']}`",
         f"- Workload: P{wl['prompt_len'] if not wl['prompts_file'] else 'file'} / D{wl['output_len']}, "

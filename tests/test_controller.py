@@ -1,7 +1,12 @@
 """The controller: frozen plan and order, killed and timed-out children, submitit, reference reuse."""
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -9,6 +14,7 @@ import pytest
 from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller
 
+REPO = Path(__file__).resolve().parent.parent
 MINI = ["name=ctl", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9", "workload.output_len=3",
         "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix}]", "executor.poll_s=0.1"]
 
@@ -166,3 +172,84 @@ def test_failed_reference_capture_measures_nothing_and_is_incomplete(tmp_path, c
     assert s["counts"]["arms_recorded"] == 0 and s["results"] == []
     verdict = audit(result.bundle)
     assert verdict["status"] == "incomplete", verdict["discrepancies"]
+
+
+# ------------------------------------------------------------------------------------- provenance
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _copy_sources(dest: Path, folders=("harness", "kernels")) -> Path:
+    for folder in folders:
+        shutil.copytree(REPO / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def _repo_with_one_commit(path: Path, name: str = "README") -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    _git(path, "init", "-q")
+    (path / name).write_text("outer\n")
+    _git(path, "add", "-A")
+    _git(path, "commit", "-qm", "first")
+    return _git(path, "rev-parse", "HEAD")
+
+
+def test_project_inside_another_repository_does_not_record_that_repositorys_sha(tmp_path):
+    """A copied project tree in a folder of an unrelated (dirty) repository: its own code, run from the copy,
+    records no git SHA or dirty flag at all, not the enclosing repository's."""
+    outer = tmp_path / "outer"
+    outer_sha = _repo_with_one_commit(outer)
+    (outer / "README").write_text("an edit: the enclosing repository is dirty\n")
+    proj = _copy_sources(outer / "vendor" / "loopbench", ("loopbench", "harness", "kernels", "audit"))
+    env = {k: v for k, v in os.environ.items() if k != "LOOPBENCH_GIT_SHA"}
+    env["PYTHONPATH"] = str(proj)
+    proc = subprocess.run([sys.executable, "-c", "import json; from loopbench.harness.controller import code_identity; "
+                           "print(json.dumps(code_identity()))"], cwd=proj, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ident = json.loads(proc.stdout)
+    assert outer_sha not in proc.stdout
+    assert ident["git_sha"] is None and ident["git_dirty"] is None and ident["git_sha_source"] is None
+    assert ident["code_sha256"] == controller.code_identity(REPO)["code_sha256"]   # the same sources, hashed
+
+
+def test_project_in_another_repository_takes_the_named_sha_and_checks_it(tmp_path, monkeypatch):
+    outer = tmp_path / "outer"
+    outer_sha = _repo_with_one_commit(outer)
+    proj = _copy_sources(outer / "sub")
+    named = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("LOOPBENCH_GIT_SHA", named.upper())
+    ident = controller.code_identity(proj)
+    assert ident["git_sha"] == named != outer_sha
+    assert ident["git_dirty"] is None and ident["git_sha_source"] == "LOOPBENCH_GIT_SHA"
+    monkeypatch.setenv("LOOPBENCH_GIT_SHA", "0123abc")     # a short SHA is a SHA
+    assert controller.code_identity(proj)["git_sha"] == "0123abc"
+    for bad in ("", "unknown", "main", "012345", "g123456789", "12345 678"):
+        monkeypatch.setenv("LOOPBENCH_GIT_SHA", bad)
+        with pytest.raises(ValueError, match=f"LOOPBENCH_GIT_SHA = {bad!r} is not a git commit SHA"):
+            controller.code_identity(proj)
+
+
+def test_projects_own_repository_clone_symlink_and_worktree_record_their_sha(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOPBENCH_GIT_SHA", "f" * 40)      # git wins in the project's own repository
+    proj = _copy_sources(tmp_path / "proj")
+    sha = _repo_with_one_commit(proj)
+    ident = controller.code_identity(proj)
+    assert (ident["git_sha"], ident["git_dirty"], ident["git_sha_source"]) == (sha, False, "git")
+    link = tmp_path / "link"
+    link.symlink_to(proj, target_is_directory=True)
+    assert controller.code_identity(link)["git_sha"] == sha
+    (proj / "harness" / "stats.py").write_text("# edited\n")
+    assert controller.code_identity(proj)["git_dirty"] is True
+    _git(proj, "checkout", "-q", "--", "harness/stats.py")
+    # a `git worktree`: .git is a file there, and the worktree's own HEAD is recorded
+    wt = tmp_path / "wt"
+    _git(proj, "worktree", "add", "-q", "-b", "other", str(wt))
+    (wt / "NOTES").write_text("on the other branch\n")
+    _git(wt, "add", "NOTES")
+    _git(wt, "commit", "-qm", "second")
+    assert (wt / ".git").is_file()
+    ident = controller.code_identity(wt)
+    assert ident["git_sha"] == _git(wt, "rev-parse", "HEAD") != sha
+    assert (ident["git_dirty"], ident["git_sha_source"]) == (False, "git")
