@@ -68,6 +68,20 @@ def test_planted_token_mismatch_is_named(phase_name):
     assert f"arm {recs[5]['arm']!r}" in f.message() and "request 'r0001' position 2" in f.message()
 
 
+@pytest.mark.parametrize("phase_name", ["warmup", "measured"])
+def test_planted_exit_depth_difference_is_named_in_either_phase(phase_name):
+    """Equal tokens but one exit one loop early: a warmup that exits differently is as wrong as a measured run."""
+    recs = records()
+    frozen = TOKENS["r0000"][1][1]
+    recs[4][phase_name]["outputs"]["r0000"]["exit_depths"][1] = frozen - 1
+    rep = checker.check(recs, {"B2C2": reference()})
+    assert not rep.ok and len(rep.findings) == 1
+    f = rep.findings[0]
+    assert (f.kind, f.arm, f.pair, f.phase, f.request_id, f.position, f.expected, f.got) == (
+        "exit_depths", recs[4]["arm"], recs[4]["pair"], phase_name, "r0000", 1, frozen, frozen - 1)
+    assert f"{phase_name} request 'r0000' position 1" in f.message()
+
+
 def test_exit_depth_work_capture_trace_and_coverage_findings():
     recs = records()
     recs[0]["measured"]["outputs"]["r0000"]["exit_depths"][1] = 3
