@@ -70,3 +70,127 @@ def test_reference_cache_key_depends_on_device_and_inputs():
     assert a != session.reference_cache_key({"x": 2}, CPU)
     assert a != session.reference_cache_key({"x": 1}, {**CPU, "name": "H200"})
     json.dumps(a)
+
+
+# ----------------------------------------------------------------- what the measured time covers
+
+class _FakeDevice:
+    """A fake clock and an asynchronous fake device: every event is recorded in order.
+
+    Engine construction costs 1000 s of host time; each engine step enqueues 1 s of device work that
+    the clock sees only once the device is synchronised. So a timed region that included construction,
+    or read its stop clock before synchronising, would measure something other than the steps' seconds.
+    """
+
+    CONSTRUCT_S = 1000.0
+    STEP_S = 1.0
+
+    def __init__(self):
+        self.now, self.pending, self.events = 0.0, 0.0, []
+
+    def perf_counter(self) -> float:
+        self.events.append(("clock", self.now))
+        return self.now
+
+    def wall(self) -> float:
+        self.events.append(("wall", self.now))
+        return 1.7e9 + self.now
+
+    def sync(self, *args) -> None:
+        self.now += self.pending
+        self.pending = 0.0
+        self.events.append(("sync", self.now))
+
+
+def _fake_runtime(dev: _FakeDevice):
+    from types import SimpleNamespace
+
+    class LoopEngine:
+        def __init__(self, model, config):
+            dev.now += dev.CONSTRUCT_S
+            dev.events.append(("construct", dev.now))
+            self.queue, self.finished = [], set()
+            self.stats = SimpleNamespace(as_dict=lambda: {"steps": self.steps, "rows_per_depth": [self.steps, 0]})
+            self.steps, self.trace_sha256 = 0, "t"
+
+        def add_request(self, req):
+            dev.events.append(("submit", dev.now))
+            self.queue.append(req)
+
+        def run(self):
+            for _ in range(len(self.queue) + 1):       # prefill, then one decode step per request
+                self.steps += 1
+                dev.pending += dev.STEP_S
+                dev.events.append(("step", dev.now))
+            dev.events.append(("drain", dev.now))
+            out = {r.request_id: SimpleNamespace(token_ids=[1] * r.max_tokens, exit_depths=[3] * r.max_tokens,
+                                                 finish_reason="length") for r in self.queue}
+            self.queue = []
+            return out
+
+        def reset_run(self):
+            dev.events.append(("reset", dev.now))
+
+    engine = SimpleNamespace(LoopEngine=LoopEngine, EngineConfig=lambda **kw: kw,
+                             Request=lambda **kw: SimpleNamespace(**kw))
+    schedule = SimpleNamespace(Schedule=SimpleNamespace(from_json=lambda text: text))
+    return lambda: (None, engine, None, schedule)
+
+
+def _phases(events: list) -> list[list[str]]:
+    """The event names between each pair of perf_counter reads (start clock, stop clock)."""
+    clocks = [i for i, (name, _) in enumerate(events) if name == "clock"]
+    assert len(clocks) % 2 == 0
+    return [[name for name, _ in events[a + 1:b]] for a, b in zip(clocks[::2], clocks[1::2])]
+
+
+def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, monkeypatch):
+    """A slow engine constructor and an asynchronous device (fake, with a recorded call order): each
+    phase's elapsed_s is exactly its steps' device seconds, construction lies outside every timed region,
+    the device is synchronised before the stop clock, and the record's wall-clock span encloses it."""
+    dev = _FakeDevice()
+    monkeypatch.setattr(session, "_runtime", _fake_runtime(dev))
+    monkeypatch.setattr(session, "load_model", lambda *a: None)
+    monkeypatch.setattr(session, "resolve_device", lambda job: {**CPU, "kind": "cuda", "torch": "cuda:0",
+                                                                "gpu_index": 0, "label": "GPU #0"})
+    monkeypatch.setattr(session.telemetry, "sample", lambda index: None)
+    monkeypatch.setattr(session.time, "perf_counter", dev.perf_counter)
+    monkeypatch.setattr(session.time, "time", dev.wall)
+    monkeypatch.setattr(torch.cuda, "synchronize", dev.sync)
+    for name in ("reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    for name in ("max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3]] * 3))
+    (tmp_path / "ref.json").write_text("{}")
+    item = {"seq": 0, "point": "B2C3", "comparison": "c", "pair": 0, "position": "baseline", "slot": 0,
+            "arm": "native"}
+    plan = {"config": {"model": {"dtype": "float32"}, "workload": {"output_len": 4}, "exit": EXIT,
+                       "arms": {"native": ARM}, "warmup": True, "fault": {"kill_after_arms": None}},
+            "prompts": {"file": "prompts.json"}, "max_model_len": 8, "checkpoint": {"path": "unused"},
+            "points": [{"key": "B2C3", "max_num_seqs": 2, "num_requests": 3, "reference": {"file": "ref.json"}}],
+            "order": {"gpu0": [item, {**item, "seq": 1, "position": "candidate", "slot": 1}]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    session.measure({"name": "gpu0", "bundle": str(tmp_path), "device": {"kind": "cuda", "gpu_index": 0}})
+
+    names = [name for name, _ in dev.events]
+    assert names.count("construct") == 2
+    phases = _phases(dev.events)
+    assert len(phases) == 4                       # warmup and measured run of two arms
+    steps_s = (3 + 1) * dev.STEP_S               # 3 requests: prefill + 3 decode steps per phase
+    for inside in phases:
+        assert "construct" not in inside
+        assert inside[:3] == ["submit"] * 3 and set(inside[3:-2]) == {"step"}
+        assert inside[-2:] == ["drain", "sync"]   # drained, then synchronised, then the stop clock
+    clocks = [i for i, name in enumerate(names) if name == "clock"]
+    for start in clocks[::2]:                      # no earlier device work leaks into a timed region
+        assert names[start - 1] == "sync"
+    records = [json.loads(p.read_text()) for p in sorted((tmp_path / "raw" / "gpu0").glob("*.json"))]
+    assert len(records) == 2
+    for rec in records:
+        for phase in ("warmup", "measured"):
+            assert rec[phase]["elapsed_s"] == steps_s
+        span = rec["wall_clock"]["measured_end_unix_s"] - rec["wall_clock"]["measured_start_unix_s"]
+        assert span >= rec["measured"]["elapsed_s"]
+    walls = [i for i, name in enumerate(names) if name == "wall"]
+    assert walls[0] < clocks[2] < clocks[3] < walls[1]   # the first arm's measured run inside its span
