@@ -94,3 +94,23 @@ def test_bad_inputs_name_the_values():
     with pytest.raises(ValueError, match="elapsed_s"):
         stats.tokens_per_s(4, 8, 0.0)
     assert stats.tokens_per_s(32, 128, 2.0) == 2048.0
+
+
+def test_bootstrap_resamples_pairs_not_the_two_series_apart():
+    """Baseline times that vary 64-fold, candidates a steady 1-4% faster: the bootstrap must resample
+    whole pairs. Its CI is then a function of the seven ratios alone, by the hand-computed case above
+    [2nd smallest, 2nd largest] ratio, so it lies inside [min, max] ratio; resampling baseline and candidate
+    independently would mix a 1 s baseline with a 64 s candidate and give a wide interval instead."""
+    ratios = [1.031, 1.012, 1.044, 1.020, 1.003, 1.037, 1.026]
+    baseline = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+    candidate = [b / r for b, r in zip(baseline, ratios)]
+    x = sorted(ratios)
+    for seed in range(4):
+        res = stats.compare(baseline, candidate, n_resamples=10_000, seed=seed)
+        assert res.ratios == pytest.approx(ratios, rel=1e-12)
+        assert res.ci == pytest.approx((x[1], x[5]), rel=1e-12)
+        assert x[0] <= res.bca_ci[0] <= res.bca_ci[1] <= x[-1]
+        assert res.verdict == "faster"
+    # the same ratios from a constant baseline give the same interval: only the pairs' ratios matter
+    flat = stats.compare([2.0] * 7, [2.0 / r for r in ratios], n_resamples=10_000, seed=0)
+    assert flat.ci == pytest.approx(stats.compare(baseline, candidate, n_resamples=10_000, seed=0).ci, rel=1e-12)
