@@ -5,7 +5,8 @@ table, summary field and report line must be is re-derived by :mod:`.derive` and
 the raw arm records and the plan, so a bug in the harness cannot vouch for itself. Each failure below
 becomes one named discrepancy; a file that cannot be read is one too, never a crash.
 
-1. files: every file of the documented layout (``harness/evidence.py``) is present; the manifest
+1. files: the bundle holds only files of the layout contract ``loopbench/bundle_layout.json`` (the
+   version its manifest records; dotfiles included) and every file that contract requires; the manifest
    lists every file in the bundle (dotfiles included) with its sha256 and size, and nothing else;
 2. raw records: each parses, has the record's fields, and sits at ``raw/<job>/<seq>-...json``;
 3. plan: the config's, prompts' and references' sha256s; every frozen reference fits the prompts;
@@ -14,7 +15,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    in that order;
 5. devices: each record's device is its session's device in the plan and in children.json;
 6. tables: every column of every row of arms, pairs, requests, tokens and telemetry equals what the
-   raw records give, and no row is missing or extra; tokens/s = C * D / elapsed_s;
+   raw records give, and no row is missing or extra; tokens/s = C * D / elapsed_s; each measured
+   elapsed_s lies within its record's wall-clock span;
 7. references: every warmup and measured arm reproduces its frozen reference token for token and
    exit for exit, with the reference's work counters and row trace, zero measured Graph captures and
    equal Graph coverage within a pair;
@@ -35,6 +37,7 @@ import math
 import os
 import re
 import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +48,23 @@ import scipy
 
 from . import derive, render
 
-AUDITOR_VERSION = 2
-UNMANIFESTED = ("manifest.json", "audit.json")
-TABLES = ("arms", "pairs", "requests", "tokens", "telemetry")
+
+def _bundle_layout() -> dict:
+    """The bundle layout contract ``loopbench/bundle_layout.json``: the one written list of a bundle's files,
+    which the harness writes by and this auditor checks against (STYLE rule 10)."""
+    return json.loads(resources.files("loopbench").joinpath("bundle_layout.json").read_text())
+
+
+AUDITOR_VERSION = 3
+LAYOUT = _bundle_layout()
+UNMANIFESTED = tuple(LAYOUT["unmanifested"])
+TABLES = tuple(LAYOUT["tables"])
 WORK_KEYS = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
-TOP_FILES = ("plan.json", "environment.json", "children.json", "summary.json", "report.md", "pair_ratios.png",
-             "manifest.json")
+# A measured run is timed by time.perf_counter inside the record's wall-clock span (time.time, read just
+# outside it): honest spans exceed elapsed_s by the set-up between the two reads. The tolerance allows
+# time.time's microsecond reads and NTP slewing (at most 500 ppm on Linux, adjtimex(2)) with a margin.
+WALL_CLOCK_ABS_TOL_S = 1e-3
+WALL_CLOCK_REL_TOL = 1e-3
 REL_TOL = 1e-9
 MAX_PER_KIND = 20
 HTML = re.compile(r"<\s*[A-Za-z!/?]")
@@ -195,6 +209,60 @@ def _record_file_name(rec: dict) -> str:
     return f"{rec['seq']:05d}-{rec['point']}-{rec['comparison']}-p{rec['pair']}-{rec['position']}.json"
 
 
+# ---------------------------------------------------------------------------------- bundle layout
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def layout_domains(plan: dict, ran: set[str]) -> dict[str, dict[str, list[str] | None]]:
+    """Per ``required`` condition of the layout contract, the values each placeholder takes in this bundle
+    (None: any one path segment). ``ran``: the sessions that children.json or a raw record shows ran."""
+    devices = [d["name"] for d in plan.get("devices", [])]
+    anywhere = {"point": [pt["key"] for pt in plan.get("points", [])], "device": devices,
+                "reference_device": devices[:1], "table": list(LAYOUT["tables"]), "record": None}
+    return {"always": anywhere, "optional": anywhere,
+            "point_with_reference": {**anywhere, "point": [pt["key"] for pt in plan.get("points", [])
+                                                           if pt.get("reference")]},
+            "session_ran": {**anywhere, "device": [d for d in devices if d in ran]}}
+
+
+def layout_required(plan: dict, ran: set[str]) -> list[str]:
+    """Every path the layout contract requires of this bundle, in the contract's order."""
+    domains, out = layout_domains(plan, ran), []
+    for entry in LAYOUT["files"]:
+        if entry["required"] == "optional":
+            continue
+        paths = [entry["path"]]
+        for name in _PLACEHOLDER.findall(entry["path"]):
+            values = domains[entry["required"]][name]
+            if values is None:
+                raise ValueError(f"the layout contract requires {entry['path']!r}, whose {{{name}}} has no listed values")
+            paths = [p.replace(f"{{{name}}}", v, 1) for p in paths for v in values]
+        out += paths
+    return out
+
+
+def _layout_pattern(template: str, domain: dict[str, list[str] | None]) -> re.Pattern:
+    rx = ""
+    for part in re.split(r"(\{\w+\})", template):
+        m = _PLACEHOLDER.fullmatch(part)
+        if m is None:
+            rx += re.escape(part)
+        elif domain[m.group(1)] is None:
+            rx += "[^/]+"
+        else:
+            rx += "(?:" + "|".join(re.escape(v) for v in domain[m.group(1)]) + ")" if domain[m.group(1)] else "(?!)"
+    return re.compile(rx)
+
+
+def layout_strays(bundle: Path, plan: dict) -> list[str]:
+    """Every file in ``bundle`` (dotfiles included) that matches no path of the layout contract."""
+    domain = layout_domains(plan, set())["optional"]
+    patterns = [_layout_pattern(entry["path"], domain) for entry in LAYOUT["files"]]
+    rels = [p.relative_to(bundle).as_posix() for p in sorted(Path(bundle).rglob("*")) if p.is_file()]
+    return [rel for rel in rels if not any(rx.fullmatch(rel) for rx in patterns)]
+
+
 class Audit:
     """Collects discrepancies; each check runs even when an earlier one failed."""
 
@@ -299,6 +367,7 @@ class Audit:
         manifest = self.read_json("manifest.json")
         if manifest is None:
             return
+        self.check_layout_version(manifest)
         listed = manifest["files"]
         for rel, entry in sorted(listed.items()):
             if Path(rel).is_absolute() or ".." in Path(rel).parts or rel in UNMANIFESTED:
@@ -318,23 +387,27 @@ class Audit:
                 self.fail("manifest", f"{rel} is in the bundle but not in the manifest")
 
     def check_required_files(self, plan: dict, children: list, records: list[dict]) -> None:
-        """The layout of harness/evidence.py: what every bundle holds, and what each child and point adds."""
-        required = list(TOP_FILES) + [f"tables/{t}.parquet" for t in TABLES]
-        required.append((plan.get("prompts") or {}).get("file", "prompts.json"))
-        for pt in plan.get("points", []):
-            if pt.get("reference"):
-                required += [pt["reference"]["file"], pt["reference"]["meta_file"]]
-        devices = plan.get("devices", [])
-        if devices:
-            required += [f"jobs/reference-{devices[0]['name']}.json", "logs/reference.log"]
+        """The layout contract's required files: what every bundle holds, and what each point and session adds."""
         ran = {c.get("name") for c in children if isinstance(c, dict)} | {r["job"] for r in records}
-        for d in devices:
-            if d["name"] in ran:
-                required += [f"jobs/session-{d['name']}.json", f"logs/{d['name']}.log"]
-        for rel in required:
+        for rel in layout_required(plan, ran):
             if not (self.bundle / rel).is_file():
                 self.fail("files", f"required file {rel} is missing")
             self.count("required_files")
+
+    def check_layout(self, plan: dict) -> None:
+        """No file outside the layout contract, even one the manifest lists: a stray file can carry claims
+        (a table, a report) that no check reads."""
+        where = f"loopbench/bundle_layout.json version {LAYOUT['version']}"
+        for rel in layout_strays(self.bundle, plan):
+            self.fail("layout", f"{rel} is not a file of the bundle layout ({where})")
+        self.count("layout_files", sum(1 for p in self.bundle.rglob("*") if p.is_file()))
+
+    def check_layout_version(self, manifest: dict) -> None:
+        """The manifest follows the contract version this auditor implements."""
+        version = manifest.get("layout_version", 1)   # manifests before the field follow version 1
+        if isinstance(version, bool) or version != LAYOUT["version"]:
+            self.fail("layout", f"manifest.json records bundle layout version {version!r}; this auditor "
+                                f"implements version {LAYOUT['version']} (loopbench/bundle_layout.json)")
 
     # --------------------------------------------------------------------------------------- plan
     def check_plan(self, plan: dict) -> None:
@@ -469,6 +542,24 @@ class Audit:
             if not math.isclose(tps, r["tokens_per_s"], rel_tol=REL_TOL):
                 self.fail("timing", f"record {r['job']} seq {r['seq']} ({r['arm']}): tokens_per_s {r['tokens_per_s']} "
                                     f"!= C*D/elapsed_s = {tps}")
+
+    def check_wall_clock(self, records: list[dict]) -> None:
+        """Each measured elapsed_s (> 0, see the record rules) lies within its record's wall-clock span."""
+        for r in records:
+            where = f"record {r['job']} seq {r['seq']} ({r['arm']})"
+            wall, elapsed = r.get("wall_clock"), r["measured"]["elapsed_s"]
+            start, end = (wall.get("measured_start_unix_s"), wall.get("measured_end_unix_s")) \
+                if isinstance(wall, dict) else (None, None)
+            if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                       for t in (start, end)) or end < start:
+                self.fail("timing", f"{where}: no wall-clock span to bound its measured elapsed_s: wall_clock is "
+                                    f"{wall!r}")
+                continue
+            span = end - start
+            if elapsed > span * (1 + WALL_CLOCK_REL_TOL) + WALL_CLOCK_ABS_TOL_S:
+                self.fail("timing", f"{where}: measured elapsed_s {elapsed!r} is longer than its wall-clock span "
+                                    f"{span!r} s (wall_clock.measured_start_unix_s .. measured_end_unix_s)")
+            self.count("wall_clock_spans")
 
     def check_table(self, name: str, got: pd.DataFrame, want: pd.DataFrame) -> None:
         """Every row and column of ``tables/<name>.parquet`` against the rows the raw records give."""
@@ -637,6 +728,8 @@ class Audit:
         self.count("records", len(records))
         self.section("files", self.check_required_files, plan if isinstance(plan, dict) else {},
                      children if isinstance(children, list) else [], records)
+        if isinstance(plan, dict):
+            self.section("layout", self.check_layout, plan)
         if not (isinstance(plan, dict) and isinstance(summary, dict) and isinstance(children, list)):
             self.fail("bundle", "plan.json, summary.json or children.json is missing or unreadable; "
                                 "nothing else is checked")
@@ -648,6 +741,7 @@ class Audit:
         self.section("order", self.check_order, plan, records)
         self.section("devices", self.check_devices, plan, records, children)
         self.section("timing", self.check_timing, records)
+        self.section("timing", self.check_wall_clock, records)
         self.section("tables", self.check_tables, records, tables)
         checks_ok = bool(self.section("reference", self.check_against_references, plan, records, refs))
         interrupted = self.section("status", self.interruption, plan, children, summary)

@@ -1,22 +1,9 @@
 """The evidence bundle: raw arm records in, parquet tables, summary, report, plot and manifest out.
 
-Layout of ``results/<date>-<name>-<short sha>/`` (schema version :data:`SCHEMA_VERSION`)::
-
-    plan.json              frozen before measuring (controller.py)
-    environment.json       hosts, GPUs, driver, library versions
-    prompts.json           the prompt pool (token ids); requests of a point take the first C
-    references/<point>.schedule.json   frozen natural run, bytes exactly ``Schedule.to_json()``
-    references/<point>.meta.json       its arm, work counters, cache key
-    jobs/*.json            what each child was asked to do
-    raw/<job>/<seq>-....json           one file per completed arm, written by the session as it completes
-    logs/<job>.log         child output
-    children.json          every child's exit code and state
-    tables/{arms,pairs,requests,tokens,telemetry}.parquet   (schema version in the parquet metadata)
-    summary.json           status, counts, checks, statistics, verdicts
-    report.md              the seed-style table and the checks behind it
-    pair_ratios.png        paired ratios with medians and CIs
-    manifest.json          sha256 and size of every file above
-    audit.json             the auditor's verdict (written after the manifest, declared outside it)
+The files of ``results/<date>-<name>-<short sha>/`` are those of the versioned bundle layout contract
+``loopbench/bundle_layout.json`` (:func:`bundle_layout`): every file a bundle may hold, which of them are
+required, and which part writes each; the auditor reads the same file, and ``manifest.json`` records the
+contract's version beside the sha256 and size of every other file. Tables carry :data:`SCHEMA_VERSION`.
 
 Every file is written atomically (temporary file in the same folder, fsync, rename), so a crash leaves
 either the old file or the new one. A run that lost an arm, a pair or a child is marked incomplete and
@@ -30,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +29,17 @@ import pyarrow.parquet as pq
 from . import stats as _stats
 from .report import plot_ratios, render_report
 
+
+def bundle_layout() -> dict:
+    """The bundle layout contract, ``loopbench/bundle_layout.json`` (shared with the auditor, STYLE rule 10)."""
+    return json.loads(resources.files("loopbench").joinpath("bundle_layout.json").read_text())
+
+
 SCHEMA_VERSION = 1
-TABLES = ("arms", "pairs", "requests", "tokens", "telemetry")
-UNMANIFESTED = ("manifest.json", "audit.json")
+LAYOUT = bundle_layout()
+LAYOUT_VERSION = LAYOUT["version"]
+TABLES = tuple(LAYOUT["tables"])
+UNMANIFESTED = tuple(LAYOUT["unmanifested"])
 
 
 # ------------------------------------------------------------------------------------------- atomic IO
@@ -264,14 +260,15 @@ def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], che
 
 
 def write_manifest(bundle: Path) -> dict:
-    """sha256 and size of every file in the bundle except the manifest itself and the audit verdict."""
+    """sha256 and size of every file in the bundle except the manifest itself and the audit verdict, and the
+    version of the layout contract the bundle follows."""
     bundle = Path(bundle)
     files = {}
     for p in sorted(bundle.rglob("*")):
         rel = p.relative_to(bundle).as_posix()
         if p.is_file() and rel not in UNMANIFESTED and not p.name.startswith("."):
             files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-    manifest = {"schema_version": SCHEMA_VERSION, "files": files}
+    manifest = {"schema_version": SCHEMA_VERSION, "layout_version": LAYOUT_VERSION, "files": files}
     atomic_write_json(bundle / "manifest.json", manifest)
     return manifest
 

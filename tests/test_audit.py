@@ -17,6 +17,7 @@ import pytest
 
 from loopbench.audit import derive
 from loopbench.audit.__main__ import main as audit_main
+from loopbench.audit import auditor
 from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller, evidence, stats
 
@@ -496,6 +497,97 @@ def test_file_missing_from_the_manifest_is_named_dotfiles_included(bundle):
     assert "manifest: raw/cpu0/.x.json is in the bundle but not in the manifest" in text
     assert "manifest: .notes is in the bundle but not in the manifest" in text
     assert "raw: raw/cpu0/.x.json could not be read" in text
+
+
+# ------------------------------------------------------------- the layout contract and wall clocks
+
+def _copy(src: str, dest: str):
+    def edit(bundle):
+        (bundle / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(bundle / src, bundle / dest)
+        return dest
+    return edit
+
+
+STRAYS = {
+    "an extra table": _copy("tables/arms.parquet", "tables/arms_best.parquet"),
+    "a second report": _write("report-draft.md", "# loopbench: mini (complete)\n| cpu | 2 / 3 | faster |\n"),
+    "a reference of no planned point": _copy("references/B2C3.schedule.json", "references/B9C9.schedule.json"),
+    "a log of no planned session": _copy("logs/cpu0.log", "logs/gpu7.log"),
+    "a file in a folder the layout lacks": _write("notes/why.txt", "trust me"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRAYS))
+def test_stray_file_listed_in_the_manifest_is_named(bundle, case):
+    """A file outside the layout contract fails the audit even with a true manifest entry: only the layout
+    check can catch it, since no other check reads a file the format does not define."""
+    rel = STRAYS[case](bundle)
+    _rewrite_manifest(bundle)
+    assert rel in json.loads((bundle / "manifest.json").read_text())["files"]
+    verdict = audit(bundle)
+    assert verdict["status"] == "fail"
+    assert verdict["discrepancies"] == [f"layout: {rel} is not a file of the bundle layout "
+                                        f"(loopbench/bundle_layout.json version {auditor.LAYOUT['version']})"]
+
+
+def test_manifest_of_another_layout_version_is_named(bundle):
+    _edit_json(bundle / "manifest.json", lambda m: m.update(layout_version=auditor.LAYOUT["version"] + 1))
+    assert f"layout: manifest.json records bundle layout version {auditor.LAYOUT['version'] + 1}" in _failed(bundle)
+
+
+def test_the_harness_writes_the_layout_contract_and_nothing_else(honest_bundle, tmp_path):
+    """Writer and auditor read one contract file: every file of a real bundle is in it, every required one
+    is there, the manifest records its version, and no entry of the contract is dead."""
+    bundle = tmp_path / "b"
+    shutil.copytree(honest_bundle, bundle)
+    assert audit_main([str(bundle)]) == 0                     # writes audit.json, the last file of the layout
+    assert evidence.bundle_layout() == auditor.LAYOUT
+    assert evidence.TABLES == tuple(auditor.LAYOUT["tables"]) and evidence.UNMANIFESTED == auditor.UNMANIFESTED
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert auditor.layout_strays(bundle, plan) == []
+    assert all((bundle / rel).is_file() for rel in auditor.layout_required(plan, {"cpu0"}))
+    assert json.loads((bundle / "manifest.json").read_text())["layout_version"] == auditor.LAYOUT["version"]
+    files = [p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()]
+    domain = auditor.layout_domains(plan, set())["optional"]
+    for entry in auditor.LAYOUT["files"]:
+        assert any(auditor._layout_pattern(entry["path"], domain).fullmatch(f) for f in files), entry["path"]
+        assert (REPO / entry["writer"]).is_file(), entry["writer"]
+
+
+def _forge_elapsed(bundle: Path, seq: int, fn) -> dict:
+    """Change one measured elapsed_s in its raw record and let the harness re-derive everything from it
+    (tokens/s, tables, summary, report, plot, manifest), as a forger with the harness would."""
+    path = _raw(bundle, seq)
+    rec = json.loads(path.read_text())
+    fn(rec)
+    rec["tokens_per_s"] = stats.tokens_per_s(rec["num_requests"], rec["output_len"], rec["measured"]["elapsed_s"])
+    path.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
+    plan, summary, children, env = (json.loads((bundle / f"{name}.json").read_text())
+                                    for name in ("plan", "summary", "children", "environment"))
+    evidence.finalize(bundle, plan, summary["checks"], children, env)
+    return rec
+
+
+def test_forged_elapsed_longer_than_the_wall_clock_span_is_named(bundle):
+    def stretch(rec):
+        wall = rec["wall_clock"]
+        rec["measured"]["elapsed_s"] = 2 * (wall["measured_end_unix_s"] - wall["measured_start_unix_s"]) + 0.01
+    rec = _forge_elapsed(bundle, 6, stretch)
+    verdict = audit(bundle)
+    assert verdict["status"] == "fail"
+    assert len(verdict["discrepancies"]) == 1, verdict["discrepancies"]   # everything else re-derives
+    assert verdict["discrepancies"][0].startswith(
+        f"timing: record cpu0 seq 6 ({rec['arm']}): measured elapsed_s {rec['measured']['elapsed_s']!r} is longer "
+        "than its wall-clock span")
+
+
+def test_record_without_a_wall_clock_span_is_named(bundle):
+    rec = _forge_elapsed(bundle, 3, lambda r: r.pop("wall_clock"))
+    verdict = audit(bundle)
+    assert verdict["status"] == "fail"
+    assert verdict["discrepancies"] == [f"timing: record cpu0 seq 3 ({rec['arm']}): no wall-clock span to bound "
+                                        "its measured elapsed_s: wall_clock is None"]
 
 
 # -------------------------------------------------------------------------------------- independence
