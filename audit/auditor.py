@@ -61,8 +61,10 @@ UNMANIFESTED = tuple(LAYOUT["unmanifested"])
 TABLES = tuple(LAYOUT["tables"])
 WORK_KEYS = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
 # A measured run is timed by time.perf_counter inside the record's wall-clock span (time.time, read just
-# outside it): honest spans exceed elapsed_s by the set-up between the two reads. The tolerance allows
-# time.time's microsecond reads and NTP slewing (at most 500 ppm on Linux, adjtimex(2)) with a margin.
+# outside it), so an honest span exceeds elapsed_s by the set-up between the reads. On Linux both clocks
+# (CLOCK_MONOTONIC, CLOCK_REALTIME) run at the same NTP-slewed rate; the tolerance covers the rounding of
+# unix-second floats (~2e-7 s) and clock resolution with a wide margin. Only a step of the system clock
+# during a run could trip it honestly, and such a span could not vouch for the timing anyway.
 WALL_CLOCK_ABS_TOL_S = 1e-3
 WALL_CLOCK_REL_TOL = 1e-3
 REL_TOL = 1e-9
