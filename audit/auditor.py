@@ -14,6 +14,9 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    permutation); every record at its planned place with its planned arm, point and workload, measured
    in that order;
 5. devices: each record's device is its session's device in the plan and in children.json;
+   sessions: every child ended (none still ``running``); each record names a session child of its job,
+   a pair is measured by one session, a job's sessions follow each other in its order, and a completed
+   session measured exactly the seqs its job file asked for;
 6. tables: every column of every row of arms, pairs, requests, tokens and telemetry equals what the
    raw records give, and no row is missing or extra; tokens/s = C * D / elapsed_s; each measured
    elapsed_s lies within its record's wall-clock span;
@@ -22,6 +25,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    equal Graph coverage within a pair;
 8. summary: every field re-derived (status, reasons, counts, checks, children, verdict rule, and per
    comparison the names, pairs, tokens/s, ratios, speedup, CIs, Wilcoxon p, verdict and its reason);
+   complete or incomplete follows from children.json's structured fields (the latest entry per child:
+   its state, exit code and ``interrupted_by``) and the records, never from the summary's sentences;
 9. report: ``report.md`` equals, line for line, the auditor's own rendering of the re-derived figures
    (no extra, hidden or edited line; no raw HTML).
 
@@ -216,16 +221,26 @@ def _record_file_name(rec: dict) -> str:
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
+def _device_sessions(devices: list[str], ran: set[str]) -> list[str]:
+    """The ids in ``ran`` of a device's session: its name (a bundle's first run) or ``<name>.r<k>`` (k-th resume)."""
+    def of_device(sid: str) -> bool:
+        name, sep, k = sid.rpartition(".r")
+        return sid in devices or (bool(sep) and name in devices and k.isdigit())
+    return sorted(s for s in ran if of_device(s))
+
+
 def layout_domains(plan: dict, ran: set[str]) -> dict[str, dict[str, list[str] | None]]:
     """Per ``required`` condition of the layout contract, the values each placeholder takes in this bundle
     (None: any one path segment). ``ran``: the sessions that children.json or a raw record shows ran."""
     devices = [d["name"] for d in plan.get("devices", [])]
     anywhere = {"point": [pt["key"] for pt in plan.get("points", [])], "device": devices,
+                "session": sorted(set(devices) | set(_device_sessions(devices, ran))),
                 "reference_device": devices[:1], "table": list(LAYOUT["tables"]), "record": None}
     return {"always": anywhere, "optional": anywhere,
             "point_with_reference": {**anywhere, "point": [pt["key"] for pt in plan.get("points", [])
                                                            if pt.get("reference")]},
-            "session_ran": {**anywhere, "device": [d for d in devices if d in ran]}}
+            "session_ran": {**anywhere, "device": [d for d in devices if d in ran],
+                            "session": _device_sessions(devices, ran)}}
 
 
 def layout_required(plan: dict, ran: set[str]) -> list[str]:
@@ -257,9 +272,10 @@ def _layout_pattern(template: str, domain: dict[str, list[str] | None]) -> re.Pa
     return re.compile(rx)
 
 
-def layout_strays(bundle: Path, plan: dict) -> list[str]:
-    """Every file in ``bundle`` (dotfiles included) that matches no path of the layout contract."""
-    domain = layout_domains(plan, set())["optional"]
+def layout_strays(bundle: Path, plan: dict, sessions: set[str] = frozenset()) -> list[str]:
+    """Every file in ``bundle`` (dotfiles included) that matches no path of the layout contract;
+    ``sessions``: the session ids children.json and the records name (a resume's job and log files)."""
+    domain = layout_domains(plan, set(sessions))["optional"]
     patterns = [_layout_pattern(entry["path"], domain) for entry in LAYOUT["files"]]
     rels = [p.relative_to(bundle).as_posix() for p in sorted(Path(bundle).rglob("*")) if p.is_file()]
     return [rel for rel in rels if not any(rx.fullmatch(rel) for rx in patterns)]
@@ -390,17 +406,16 @@ class Audit:
 
     def check_required_files(self, plan: dict, children: list, records: list[dict]) -> None:
         """The layout contract's required files: what every bundle holds, and what each point and session adds."""
-        ran = {c.get("name") for c in children if isinstance(c, dict)} | {r["job"] for r in records}
-        for rel in layout_required(plan, ran):
+        for rel in layout_required(plan, self.sessions_ran(children, records)):
             if not (self.bundle / rel).is_file():
                 self.fail("files", f"required file {rel} is missing")
             self.count("required_files")
 
-    def check_layout(self, plan: dict) -> None:
+    def check_layout(self, plan: dict, sessions: set[str]) -> None:
         """No file outside the layout contract, even one the manifest lists: a stray file can carry claims
         (a table, a report) that no check reads."""
         where = f"loopbench/bundle_layout.json version {LAYOUT['version']}"
-        for rel in layout_strays(self.bundle, plan):
+        for rel in layout_strays(self.bundle, plan, sessions):
             self.fail("layout", f"{rel} is not a file of the bundle layout ({where})")
         self.count("layout_files", sum(1 for p in self.bundle.rglob("*") if p.is_file()))
 
@@ -410,6 +425,12 @@ class Audit:
         if isinstance(version, bool) or version != LAYOUT["version"]:
             self.fail("layout", f"manifest.json records bundle layout version {version!r}; this auditor "
                                 f"implements version {LAYOUT['version']} (loopbench/bundle_layout.json)")
+
+    @staticmethod
+    def sessions_ran(children: list, records: list[dict]) -> set[str]:
+        """The session ids that children.json or a raw record shows ran (a resume's are ``<device>.r<k>``)."""
+        ran = {derive.child_session(c) for c in children if isinstance(c, dict) and isinstance(c.get("name"), str)}
+        return ran | {derive.record_session(r) for r in records}
 
     # --------------------------------------------------------------------------------------- plan
     def check_plan(self, plan: dict) -> None:
@@ -517,8 +538,9 @@ class Audit:
             elif c["device"] != label:
                 self.fail("devices", f"children.json: child {c['name']} ran on {c['device']!r}, the plan says "
                                      f"{label!r}")
-            if c.get("log") != f"{c['name']}.log":
-                self.fail("devices", f"children.json: child {c['name']} logs to {c.get('log')!r}, not {c['name']}.log")
+            if c.get("log") != f"{derive.child_session(c)}.log":
+                self.fail("devices", f"children.json: child {c['name']} logs to {c.get('log')!r}, not "
+                                     f"{derive.child_session(c)}.log")
         session_device: dict[str, dict] = {}
         for r in records:
             where, dev, d = f"record {r['job']} seq {r['seq']}", r["device"], devices.get(r["job"])
@@ -536,6 +558,60 @@ class Audit:
                                      f"for {r['job']}")
             if session_device.setdefault(r["job"], dev) != dev:
                 self.fail("devices", f"{where}: device {dev} differs from the session's earlier arms")
+
+    # ----------------------------------------------------------------------------------- sessions
+    def check_child_states(self, children: list[dict]) -> None:
+        """A published bundle's children all ended (``finish`` resolves the ``running`` ones of a lost
+        controller); an ``interrupted`` child names what interrupted it, and only such a child does."""
+        for c in children:
+            where = f"children.json: {derive.child_session(c)}"
+            if c.get("state") not in derive.CHILD_STATES:
+                self.fail("sessions", f"{where} is {c.get('state')!r}, not an ended state {derive.CHILD_STATES}")
+            elif (c["state"] == "interrupted") != bool(c.get("interrupted_by")):
+                self.fail("sessions", f"{where} is {c['state']} with interrupted_by {c.get('interrupted_by')!r}")
+
+    def check_sessions(self, plan: dict, records: list[dict], children: list[dict]) -> None:
+        """Which session measured which pair: each record names a session child of its job; both arms of a
+        pair come from one session; a job's sessions measured its order in the order of their runs; a
+        completed session measured exactly the seqs its job file asked for (all of them without a list)."""
+        devices = {d["name"] for d in plan["devices"]}
+        sessions: dict[str, dict] = {}
+        for c in children:
+            sid = derive.child_session(c)
+            if sid in sessions:
+                self.fail("sessions", f"children.json lists session {sid} twice")
+            sessions[sid] = c
+        measured: dict[str, list[int]] = {}
+        pair_sessions: dict[tuple, set] = {}
+        last: dict[str, tuple[int, str, int]] = {}
+        for r in records:
+            sid, where = derive.record_session(r), f"record {r['job']} seq {r['seq']}"
+            c = sessions.get(sid)
+            if c is None or c["name"] != r["job"]:
+                self.fail("sessions", f"{where}: session {sid!r} is not a session of {r['job']} in children.json")
+                continue
+            measured.setdefault(sid, []).append(r["seq"])
+            pair_sessions.setdefault((r["job"], r["point"], r["comparison"], r["pair"]), set()).add(sid)
+            attempt, prev = c.get("attempt", 0), last.get(r["job"])
+            if prev is not None and attempt < prev[0]:
+                self.fail("sessions", f"{where} by {sid} (run {attempt}) follows seq {prev[2]} by {prev[1]} "
+                                      f"(run {prev[0]})")
+            last[r["job"]] = (attempt, sid, r["seq"])
+        for (job, point, comp, pair), sids in sorted(pair_sessions.items()):
+            if len(sids) > 1:
+                self.fail("sessions", f"{job} {point} {comp} pair {pair} was measured by sessions {sorted(sids)}")
+        for sid, c in sessions.items():
+            if c["name"] not in devices or c.get("state") != "completed":
+                continue
+            job = self.read_json(f"jobs/session-{sid}.json", "sessions")
+            if not isinstance(job, dict):
+                continue
+            asked = job.get("seqs")
+            asked = [it["seq"] for it in plan["order"].get(c["name"], [])] if asked is None else asked
+            if sorted(measured.get(sid, [])) != sorted(asked):
+                self.fail("sessions", f"{sid} completed, but measured seqs {sorted(measured.get(sid, []))}, its job "
+                                      f"asked for {sorted(asked)}")
+        self.count("sessions", len(sessions))
 
     # ------------------------------------------------------------------------------------- tables
     def check_timing(self, records: list[dict]) -> None:
@@ -672,20 +748,25 @@ class Audit:
 
     # ------------------------------------------------------------------------------------ summary
     @staticmethod
-    def interruption(plan: dict, children: list[dict], claimed: dict) -> str | None:
-        """Why the controller stopped early: a failed reference capture is visible in the bundle; a user's
-        Ctrl-C is not, and is accepted only as the claim of an incomplete run."""
-        ref = next((c for c in children if c["name"] == "reference"), None)
+    def interruption(plan: dict, children: list[dict]) -> str | None:
+        """A failed reference capture, as the bundle shows it: the reference child did not complete (and was
+        not stopped: a stopped child's ``interrupted_by`` says why instead) or a point has no reference."""
+        current = derive.current_children(children)
+        if any(c.get("interrupted_by") for c in current):
+            return None
+        ref = next((c for c in current if c["name"] == "reference"), None)
         if ref is None or ref["exit_code"] != 0 or any(not pt.get("reference") for pt in plan["points"]):
             return derive.REFERENCE_FAILED
-        reasons = claimed.get("incomplete_reasons") or []
-        return derive.USER_INTERRUPT if reasons[:1] == [derive.USER_INTERRUPT] else None
+        return None
 
     @staticmethod
     def is_complete(plan: dict, records: list[dict], children: list[dict], interrupted: str | None) -> bool:
-        names = {c["name"] for c in children}
-        return (interrupted is None and all(c["exit_code"] == 0 for c in children) and "reference" in names
-                and all(d["name"] in names for d in plan["devices"]) and len(records) == derive.planned_arms(plan))
+        """Every planned arm recorded, and the latest child of each name (reference, every device) completed."""
+        current = derive.current_children(children)
+        names = {c["name"] for c in current}
+        return (interrupted is None and all(c["exit_code"] == 0 and c["state"] == "completed" for c in current)
+                and "reference" in names and all(d["name"] in names for d in plan["devices"])
+                and len(records) == derive.planned_arms(plan))
 
     def check_summary(self, claimed: dict, expected: dict) -> None:
         for path, got, want in _field_diffs(claimed, expected, ""):
@@ -731,7 +812,8 @@ class Audit:
         self.section("files", self.check_required_files, plan if isinstance(plan, dict) else {},
                      children if isinstance(children, list) else [], records)
         if isinstance(plan, dict):
-            self.section("layout", self.check_layout, plan)
+            self.section("layout", self.check_layout, plan,
+                         self.sessions_ran(children if isinstance(children, list) else [], records))
         if not (isinstance(plan, dict) and isinstance(summary, dict) and isinstance(children, list)):
             self.fail("bundle", "plan.json, summary.json or children.json is missing or unreadable; "
                                 "nothing else is checked")
@@ -746,7 +828,9 @@ class Audit:
         self.section("timing", self.check_wall_clock, records)
         self.section("tables", self.check_tables, records, tables)
         checks_ok = bool(self.section("reference", self.check_against_references, plan, records, refs))
-        interrupted = self.section("status", self.interruption, plan, children, summary)
+        self.section("sessions", self.check_child_states, children)
+        self.section("sessions", self.check_sessions, plan, records, children)
+        interrupted = self.section("status", self.interruption, plan, children)
         complete = bool(self.section("status", self.is_complete, plan, records, children, interrupted))
         expected = self.section("summary.json", self.expected_summary, plan, summary, records, children, refs,
                                 complete, checks_ok, interrupted)

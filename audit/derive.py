@@ -29,7 +29,7 @@ PHASES = ("warmup", "measured")
 GRAPH_KEYS = ("captures", "replays", "fallbacks", "prefill_captures", "prefill_replays", "prefill_fallbacks")
 MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes")
 REFERENCE_FAILED = "the reference capture failed; nothing was measured"
-USER_INTERRUPT = "interrupted by the user"
+CHILD_STATES = ("completed", "failed", "killed", "timeout", "interrupted")
 TABLE_KEYS = {
     "arms": ("job", "seq"),
     "pairs": ("job", "point", "comparison", "pair"),
@@ -59,6 +59,8 @@ def arm_row(r: dict) -> dict:
     """One arms.parquet row: identity, the arm's config, timing, Graph and memory counters, work."""
     m = r["measured"]
     row = {k: r[k] for k in ("job", "seq")}
+    if "session" in r:  # bundles before resume (issue 8) have no session ids
+        row["session"] = r["session"]
     row["device"] = r["device"]["label"]
     row.update({k: r[k] for k in ("point", "max_num_seqs", "num_requests", "output_len", "comparison", "pair",
                                   "position", "slot", "arm")})
@@ -267,10 +269,38 @@ def planned_arms(plan: dict) -> int:
     return sum(len(v) for v in plan["order"].values())
 
 
+def child_session(child: dict) -> str:
+    """A child's session id; a bundle from before resume has none, and its child's name is its id."""
+    return child.get("session", child["name"])
+
+
+def record_session(record: dict) -> str:
+    return record.get("session", record["job"])
+
+
+def current_children(children: list[dict]) -> list[dict]:
+    """The latest children.json entry per child name: a resume appends its sessions after earlier ones."""
+    latest: dict[str, dict] = {}
+    for c in children:
+        latest[c["name"]] = c
+    return list(latest.values())
+
+
+def stop_reason(interrupted_by: str) -> str:
+    """The words for a child's structured ``interrupted_by``: a signal the controller got, or ``lost``."""
+    if interrupted_by == "lost":
+        return "the controller ended without publishing; its unfinished children were marked interrupted"
+    return f"the controller received {interrupted_by} and stopped its children"
+
+
 def incomplete_reasons(plan: dict, records: list[dict], children: list[dict], interrupted: str | None) -> list[str]:
-    reasons = [interrupted] if interrupted else []
-    reasons += [f"child {c['name']} ended {c['state']} with exit code {c['exit_code']}"
-                for c in children if c["exit_code"] != 0]
+    """How the controller stopped (from the current children), ``interrupted``, each child that did not
+    complete, and the count of arms."""
+    current = current_children(children)
+    reasons = [stop_reason(by) for by in dict.fromkeys(c.get("interrupted_by") for c in current) if by]
+    reasons += [interrupted] if interrupted else []
+    reasons += [f"child {child_session(c)} ended {c['state']} with exit code {c['exit_code']}"
+                for c in current if c["exit_code"] != 0 or c["state"] != "completed"]
     if len(records) != planned_arms(plan):
         reasons.append(f"{len(records)} of {planned_arms(plan)} planned arms recorded")
     return reasons
@@ -280,8 +310,8 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
             checks_ok: bool, reference_points: set[str], findings: list, interrupted: str | None) -> dict:
     """summary.json as the bundle's records, plan and children make it.
 
-    ``findings`` (the harness checker's messages) and ``interrupted`` (a user's Ctrl-C) cannot be
-    re-derived from files; the caller passes what it can vouch for.
+    ``findings`` (the harness checker's messages) cannot be re-derived from files; the caller passes what
+    it can vouch for, and ``interrupted`` (a failed reference capture) as it derived it.
     """
     vd = plan["config"]["verdict"]
     publish = complete and checks_ok

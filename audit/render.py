@@ -131,9 +131,15 @@ def _graph_memory(arm_rows: list[dict]) -> list[str]:
     return lines
 
 
+def _wall(wall_s: float | None) -> str:
+    return "n/a" if wall_s is None else f"{wall_s:.1f}"   # None: never started, or its controller died
+
+
 def _children(children: list[dict]) -> list[str]:
+    """One row per child of every run of the bundle, named by its session id (its name before resume)."""
     return ["## Children", "", "| child | device | state | exit code | wall s |", "|---|---|---|---|---|"] + [
-        f"| {c['name']} | {c['device']} | {c['state']} | {c['exit_code']} | {c['wall_s']:.1f} |" for c in children]
+        f"| {c.get('session', c['name'])} | {c['device']} | {c['state']} | {c['exit_code']} | {_wall(c['wall_s'])} |"
+        for c in children]
 
 
 def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm_rows: list[dict],
