@@ -7,7 +7,7 @@ NEEDS := import torch, triton, hydra, omegaconf, submitit, pandas, pyarrow, scip
 PYTHON := $(shell if $(PY) -c "$(NEEDS)" >/dev/null 2>&1; then echo $(PY); else echo $(VENV)/bin/python; fi)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: setup test test-gpu bench audit clean
+.PHONY: setup test test-gpu bench audit finish clean
 
 setup:
 ifeq ($(PYTHON),$(VENV)/bin/python)
@@ -33,6 +33,11 @@ bench: setup
 audit: setup
 	@test -n "$(BUNDLE)" || { echo "usage: make audit BUNDLE=results/<bundle-dir>"; exit 2; }
 	@$(PYTHON) -m loopbench.audit $(BUNDLE)
+
+# publish, as incomplete, the bundle of a controller that died without publishing (then audits it)
+finish: setup
+	@test -n "$(BUNDLE)" || { echo "usage: make finish BUNDLE=results/<bundle-dir>"; exit 2; }
+	@$(PYTHON) -m loopbench.harness.bench finish $(BUNDLE)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -8,10 +8,14 @@ otherwise. Any key can be overridden (``pairs=3``, ``model.checkpoint=/path``...
 references, sessions) -> checker -> statistics -> bundle -> ``python -m loopbench.audit BUNDLE`` in a
 separate process (the auditor imports nothing from the harness) -> the seed-style table on stdout.
 
+    python -m loopbench.harness.bench [...] resume=results/<bundle>   # measure the rest of an incomplete bundle
+    python -m loopbench.harness.bench finish results/<bundle>         # publish a bundle whose controller died
+
 Exit status: 0 when every run is complete and its audit passes; 3 when a run is incomplete (no
 verdict) and its audit finds nothing else wrong; 1 when an audit fails or on any error. A configuration
 error (a misspelt key, a wrong type, an unknown arm...) is printed by Hydra before anything is
-measured and exits 1.
+measured and exits 1. SIGTERM or Ctrl-C stops the run's children and publishes an incomplete bundle
+(exit 3), which ``resume=`` can complete.
 """
 from __future__ import annotations
 
@@ -34,7 +38,11 @@ def audit(bundle: Path) -> int:
 def task(cfg) -> int:
     from . import controller
 
-    result = controller.run(cfg)
+    return show(controller.run(cfg))
+
+
+def show(result) -> int:
+    """Audit the run's bundle, print its tables, status and failed children's log tails; the exit status."""
     code = audit(result.bundle)
     summary = result.summary
     print()
@@ -63,10 +71,27 @@ def default_config_name() -> str:
     return "ouro-1.4b" if torch.cuda.is_available() else "cpu-smoke"
 
 
+def finish_main(argv: list[str]) -> int:
+    """``bench finish BUNDLE``: publish the bundle of a controller that died without publishing."""
+    from . import resume
+
+    if len(argv) != 1:
+        print("usage: python -m loopbench.harness.bench finish BUNDLE_DIR", file=sys.stderr)
+        return 2
+    try:
+        result = resume.finish(Path(argv[0]))
+    except ValueError as exc:
+        print(f"loopbench finish: {exc}", file=sys.stderr)
+        return 1
+    return show(result)
+
+
 def main() -> int:
     import hydra
 
     argv = sys.argv[1:]
+    if argv[:1] == ["finish"]:
+        return finish_main(argv[1:])
     named = any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in argv)
     name = None if named else default_config_name()
     if name is not None:

@@ -169,6 +169,7 @@ class ExecutorConf:
     session_timeout_s: float = 3600.0
     reference_timeout_s: float = 1800.0
     poll_s: float = 0.5
+    stop_grace_s: float = 10.0        # on SIGTERM / Ctrl-C: children get SIGTERM, then SIGKILL after this
     slurm: SlurmConf = field(default_factory=SlurmConf)
 
 
@@ -198,6 +199,8 @@ class BenchConf:
     cache_dir: Optional[str] = None      # None = $LOOPBENCH_CACHE or ~/.cache/loopbench
     reuse_references: bool = True
     fault: FaultConf = field(default_factory=FaultConf)
+    # An incomplete bundle to finish measuring: every other key must equal its plan's (README, "Resume").
+    resume: Optional[str] = None
 
 
 def register() -> None:
@@ -309,13 +312,15 @@ def validate(cfg: DictConfig | dict) -> dict:
     positive("verdict.n_resamples", vd["n_resamples"])
     positive("verdict.min_pairs", vd["min_pairs"])
     exe = plain["executor"]
-    for key in ("session_timeout_s", "reference_timeout_s", "poll_s"):
+    for key in ("session_timeout_s", "reference_timeout_s", "poll_s", "stop_grace_s"):
         if not exe[key] > 0:
             raise ValueError(f"executor.{key} must be > 0, got {exe[key]!r}")
     if exe["gpus"] is not None and len(set(exe["gpus"])) != len(exe["gpus"]):
         raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
     positive("executor.slurm.jobs", exe["slurm"]["jobs"])
     positive("executor.cpu_threads", exe["cpu_threads"])
+    if plain["resume"] is not None and not Path(plain["resume"]).expanduser().is_dir():
+        raise ValueError(f"resume = {plain['resume']!r} is not a bundle directory")
     kill = plain["fault"]["kill_after_arms"]
     if kill is not None and (isinstance(kill, bool) or kill < 0):
         raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")

@@ -15,6 +15,12 @@ Order of work (BRIEF section 2, issue 3):
 6. :mod:`checker`, :mod:`stats` and :mod:`evidence` turn whatever was recorded into the bundle; a
    failed, killed, timed-out or interrupted run is marked incomplete and publishes no verdict.
 
+Interruption (issue 8, item 4): while children run, SIGTERM and Ctrl-C only request a stop
+(:class:`StopSignals`); the executor stops the children's process groups (SIGTERM, then SIGKILL after
+``executor.stop_grace_s``), marks them ``interrupted`` and the controller publishes what was recorded.
+``children.json`` is kept current as children start and end, so the bundle of a controller that died
+without publishing can be finished (:func:`resume.finish`) or resumed (:func:`resume.resume`).
+
 The measurement order: per point, the comparisons' pairs interleaved (pair 0 of every comparison,
 then pair 1, ...), each pair's first arm from ``stats.balanced_first`` seeded with
 (order_seed, point index, comparison index); every session runs the same order.
@@ -27,9 +33,11 @@ import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +45,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from . import checker, conf, evidence, stats, telemetry
-from .executors import REPO_ROOT, ChildResult, ChildSpec, LocalExecutor, SubmititExecutor
+from .executors import REPO_ROOT, ChildSpec, LocalExecutor, SubmititExecutor, running_result
 
 PLAN_SCHEMA = 1
 
@@ -314,22 +322,133 @@ def _progress(bundle: Path, total: int):
     return update, bar.close
 
 
-def _job(bundle: Path, kind: str, dev: dict, **extra) -> Path:
+def _job(bundle: Path, kind: str, dev: dict, stem: str | None = None, **extra) -> Path:
+    """Write ``jobs/<kind>-<stem>.json`` (stem: the device's name, or a resumed session's id)."""
     job = {"kind": kind, "name": dev["name"], "bundle": str(bundle),
            "device": {"kind": dev["kind"], "gpu_index": dev["gpu_index"], "cpu_threads": dev["cpu_threads"]},
            **extra}
-    path = bundle / "jobs" / f"{kind}-{dev['name']}.json"
+    path = bundle / "jobs" / f"{kind}-{stem or dev['name']}.json"
     evidence.atomic_write_json(path, job)
     return path
 
 
-def run(cfg: DictConfig | dict) -> RunResult:
-    """Run one benchmark end to end; returns the bundle and its summary (never a verdict for a partial run)."""
-    plain = conf.validate(cfg)
+class StopSignals:
+    """While the controller has children, SIGTERM and SIGINT (Ctrl-C) become a stop request (issue 8, item 4).
+
+    The handler only records the first signal's name; the executors poll it (``stop()``), stop their
+    children, and the controller then publishes an incomplete bundle. Later signals are ignored: the stop
+    is bounded by ``executor.stop_grace_s`` and publishing takes seconds. Outside the main thread (where
+    Python cannot install handlers) it never fires. The previous handlers come back on exit.
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __call__(self) -> str | None:
+        return self.signal
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            print(f"\nloopbench: {self.signal} received: stopping the children, then publishing an incomplete "
+                  "bundle", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def write_children(bundle: Path, children: list[dict]) -> None:
+    """``children.json`` is rewritten at every change (a child starts, ends), so that a controller that
+    dies leaves the list of children it had started for ``finish``."""
+    evidence.atomic_write_json(bundle / "children.json", children)
+
+
+def session_id(name: str, attempt: int) -> str:
+    """A session child's id: its device's name in the first run, ``<name>.r<k>`` in the k-th resume."""
+    return name if attempt == 0 else f"{name}.r{attempt}"
+
+
+def run_sessions(plain: dict, executor, bundle: Path, devices: list[dict], children: list[dict], stop: StopSignals,
+                 attempt: int = 0, seqs: dict[str, list[int]] | None = None) -> list[dict]:
+    """Start one session child per device (measuring ``seqs[name]`` of its order, or all of it), wait for
+    them or for ``stop``; returns their children.json entries."""
+    ex = plain["executor"]
+    specs = []
+    for d in devices:
+        sid = session_id(d["name"], attempt)
+        extra = {"session": sid} if seqs is None else {"session": sid, "seqs": seqs[d["name"]]}
+        specs.append(ChildSpec(d["name"], _job(bundle, "session", d, sid, **extra), bundle / "logs" / f"{sid}.log",
+                               d["gpu_index"], d["label"], ex["session_timeout_s"], sid, attempt))
+    write_children(bundle, children + [running_result(s).to_dict() for s in specs])
+    total = sum(len(v) for v in json.loads((bundle / "plan.json").read_text())["order"].values())
+    update, close = _progress(bundle, total)
+    try:
+        results = executor.run(specs, progress=update, poll_s=ex["poll_s"], stop=stop, grace_s=ex["stop_grace_s"])
+    finally:
+        close()
+    return [r.to_dict() for r in results]
+
+
+REFERENCE_FAILED = "the reference capture failed; nothing was measured"
+
+
+def reference_failure(plan: dict, children: list[dict]) -> str | None:
+    """The one reason ``children.json`` does not word: the reference child failed (not stopped) or left a
+    point without its frozen reference. The auditor derives the same from the bundle."""
+    current = evidence.current_children(children)
+    if any(c.get("interrupted_by") for c in current):
+        return None
+    ref = next((c for c in current if c["name"] == "reference"), None)
+    if ref is None or ref["exit_code"] != 0 or any("reference" not in pt for pt in plan["points"]):
+        return REFERENCE_FAILED
+    return None
+
+
+def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunResult:
+    """Check and bundle whatever the raw records hold: tables, summary, report, plot, manifest (last)."""
+    for rel in evidence.remove_stale_temp_files(bundle):
+        print(f"loopbench: removed {rel}, a temporary file of a writer killed mid-write", flush=True)
+    write_children(bundle, children)
+    references = {}
+    for pt in plan["points"]:
+        if "reference" in pt:
+            references[pt["key"]] = {"schedule": json.loads((bundle / pt["reference"]["file"]).read_text()),
+                                     "work": json.loads((bundle / pt["reference"]["meta_file"]).read_text())["work"]}
+    report = checker.check(evidence.load_records(bundle), references, warmup=plan["config"]["warmup"])
+    summary = evidence.finalize(bundle, plan, report.to_dict(), children, env, reference_failure(plan, children))
+    return RunResult(bundle, summary)
+
+
+def make_plan(plain: dict, code: dict, ckpt: dict, prompts: list[list[int]], prompts_text: str, max_model_len: int,
+              points: list[dict], devices: list[dict]) -> dict:
+    """``plan.json``: everything a measurement depends on, hashed, and the full measurement order."""
+    order = measurement_order(plain, points)
+    return {
+        "schema_version": PLAN_SCHEMA, "name": plain["name"],
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": plain, "config_sha256": evidence.sha256_bytes(evidence.canonical_json(plain).encode()),
+        "code": code, "checkpoint": ckpt,
+        "prompts": {"file": "prompts.json", "sha256": evidence.sha256_bytes(prompts_text.encode()),
+                    "count": len(prompts), "lengths": sorted({len(p) for p in prompts})},
+        "max_model_len": max_model_len, "points": points, "reference_arm": conf.reference_arm(plain),
+        "devices": devices, "order": {d["name"]: order for d in devices},
+    }
+
+
+def inputs(plain: dict) -> dict:
+    """What a plan is made of, before the bundle: model config, prompts, devices, code identity; a value
+    the model or the devices cannot take fails here, before anything is written."""
     model_cfg = model_config(plain)
     prompts = make_prompts(plain, model_cfg["vocab_size"])
     conf.check_fits_model(plain, model_cfg, max(len(p) for p in prompts))
-    cache = conf.cache_dir(plain)
     devices = [{**d, "cpu_threads": plain["executor"]["cpu_threads"]} for d in resolve_devices(plain)]
     if all(d["kind"] == "cpu" for d in devices):
         for name, arm in plain["arms"].items():
@@ -337,80 +456,70 @@ def run(cfg: DictConfig | dict) -> RunResult:
                 raise ValueError(f"arms.{name}.cuda_graphs = true needs a CUDA device, but the sessions would run "
                                  f"on the CPU (executor.device = {plain['executor']['device']}); use a CUDA host, "
                                  f"--config-name cpu-smoke, or arms.{name}.cuda_graphs=false")
-    code = code_identity()
+    prompts_text = json.dumps(prompts, separators=(",", ":")) + "\n"
+    # positions 0..P+D-2: the D-th output token is sampled, never fed back (the engine's admission rule)
+    max_model_len = max(len(p) for p in prompts) + plain["workload"]["output_len"] - 1
+    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
+    return {"prompts": prompts, "prompts_text": prompts_text, "max_model_len": max_model_len, "points": points,
+            "devices": devices, "code": code_identity(), "cache": conf.cache_dir(plain)}
+
+
+def run(cfg: DictConfig | dict) -> RunResult:
+    """Run one benchmark end to end, or resume one (``resume``); returns the bundle and its summary (never a
+    verdict for a partial run). SIGTERM or Ctrl-C stops the children and publishes an incomplete bundle."""
+    plain = conf.validate(cfg)
+    if plain["resume"] is not None:
+        from .resume import resume
+
+        return resume(plain)
+    got = inputs(plain)
+    code, devices, cache, points = got["code"], got["devices"], got["cache"], got["points"]
     short = code["git_sha"][:8] if code["git_sha"] else "nogit"
     results_dir = Path(plain["results_dir"])
     if not results_dir.is_absolute():
         results_dir = REPO_ROOT / results_dir
     bundle = evidence.bundle_dir(results_dir, plain["name"], short)
+    lock = evidence.try_lock(bundle)  # held while this controller lives: finish and resume keep off
     print(f"loopbench: bundle {bundle}", flush=True)
+    try:
+        ckpt = prepare_checkpoint(plain, cache)
+        evidence.atomic_write_text(bundle / "prompts.json", got["prompts_text"])
+        env = environment(devices)
+        evidence.atomic_write_json(bundle / "environment.json", env)
+        executor = _executor(plain, bundle, cache, devices)
+        ex = plain["executor"]
+        with StopSignals() as stop:
+            # --- references (a natural run of the reference arm per point, or the cached one)
+            ref_arm = conf.reference_arm(plain)
+            key_material = {"checkpoint_sha256": ckpt["sha256"],
+                            "prompts_sha256": evidence.sha256_bytes(got["prompts_text"].encode()),
+                            "workload": plain["workload"], "exit": plain["exit"], "arm": plain["arms"][ref_arm],
+                            "dtype": plain["model"]["dtype"], "code_sha256": code["code_sha256"]}
+            ref_job = _job(bundle, "reference", devices[0], spec={
+                "checkpoint_path": ckpt["path"], "dtype": plain["model"]["dtype"], "prompts_file": "prompts.json",
+                "points": points, "output_len": plain["workload"]["output_len"], "exit": plain["exit"],
+                "arm": ref_arm, "arm_config": plain["arms"][ref_arm], "max_model_len": got["max_model_len"],
+                "cache_dir": str(cache), "reuse": plain["reuse_references"], "key_material": key_material})
+            ref_spec = ChildSpec("reference", ref_job, bundle / "logs" / "reference.log", devices[0]["gpu_index"],
+                                 devices[0]["label"], ex["reference_timeout_s"])
+            write_children(bundle, [running_result(ref_spec).to_dict()])
+            children = [c.to_dict() for c in executor.run([ref_spec], poll_s=ex["poll_s"], stop=stop,
+                                                          grace_s=ex["stop_grace_s"])]
+            write_children(bundle, children)
+            for pt in points:
+                f = bundle / "references" / f"{pt['key']}.schedule.json"
+                meta = bundle / "references" / f"{pt['key']}.meta.json"
+                if f.is_file() and meta.is_file():
+                    pt["reference"] = {"file": f.relative_to(bundle).as_posix(), "sha256": evidence.sha256_file(f),
+                                       "meta_file": meta.relative_to(bundle).as_posix(),
+                                       "meta_sha256": evidence.sha256_file(meta)}
 
-    ckpt = prepare_checkpoint(plain, cache)
-    prompts_text = json.dumps(prompts, separators=(",", ":")) + "\n"
-    evidence.atomic_write_text(bundle / "prompts.json", prompts_text)
-    # positions 0..P+D-2: the D-th output token is sampled, never fed back (the engine's admission rule)
-    max_model_len = max(len(p) for p in prompts) + plain["workload"]["output_len"] - 1
-    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
-    env = environment(devices)
-    evidence.atomic_write_json(bundle / "environment.json", env)
-    executor = _executor(plain, bundle, cache, devices)
-    ex = plain["executor"]
-
-    # --- references (a natural run of the reference arm per point, or the cached one)
-    ref_arm = conf.reference_arm(plain)
-    key_material = {"checkpoint_sha256": ckpt["sha256"], "prompts_sha256": evidence.sha256_bytes(prompts_text.encode()),
-                    "workload": plain["workload"], "exit": plain["exit"], "arm": plain["arms"][ref_arm],
-                    "dtype": plain["model"]["dtype"], "code_sha256": code["code_sha256"]}
-    ref_job = _job(bundle, "reference", devices[0], spec={
-        "checkpoint_path": ckpt["path"], "dtype": plain["model"]["dtype"], "prompts_file": "prompts.json",
-        "points": points, "output_len": plain["workload"]["output_len"], "exit": plain["exit"],
-        "arm": ref_arm, "arm_config": plain["arms"][ref_arm], "max_model_len": max_model_len,
-        "cache_dir": str(cache), "reuse": plain["reuse_references"], "key_material": key_material})
-    children: list[ChildResult] = executor.run(
-        [ChildSpec("reference", ref_job, bundle / "logs" / "reference.log", devices[0]["gpu_index"],
-                   devices[0]["label"], ex["reference_timeout_s"])], poll_s=ex["poll_s"])
-    for pt in points:
-        f = bundle / "references" / f"{pt['key']}.schedule.json"
-        meta = bundle / "references" / f"{pt['key']}.meta.json"
-        if f.is_file() and meta.is_file():
-            pt["reference"] = {"file": f.relative_to(bundle).as_posix(), "sha256": evidence.sha256_file(f),
-                               "meta_file": meta.relative_to(bundle).as_posix(),
-                               "meta_sha256": evidence.sha256_file(meta)}
-
-    # --- the frozen plan
-    order = measurement_order(plain, points)
-    plan = {
-        "schema_version": PLAN_SCHEMA, "name": plain["name"],
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "config": plain, "config_sha256": evidence.sha256_bytes(evidence.canonical_json(plain).encode()),
-        "code": code, "checkpoint": ckpt,
-        "prompts": {"file": "prompts.json", "sha256": evidence.sha256_bytes(prompts_text.encode()),
-                    "count": len(prompts), "lengths": sorted({len(p) for p in prompts})},
-        "max_model_len": max_model_len, "points": points, "reference_arm": ref_arm,
-        "devices": devices, "order": {d["name"]: order for d in devices},
-    }
-    evidence.atomic_write_json(bundle / "plan.json", plan)
-    interrupted = None
-    if children[0].exit_code != 0 or any("reference" not in pt for pt in points):
-        interrupted = "the reference capture failed; nothing was measured"
-    else:
-        specs = [ChildSpec(d["name"], _job(bundle, "session", d), bundle / "logs" / f"{d['name']}.log",
-                           d["gpu_index"], d["label"], ex["session_timeout_s"]) for d in devices]
-        update, close = _progress(bundle, len(order) * len(devices))
-        try:
-            children += executor.run(specs, progress=update, poll_s=ex["poll_s"])
-        except KeyboardInterrupt:
-            interrupted = "interrupted by the user"
-        finally:
-            close()
-    child_dicts = [c.to_dict() for c in children]
-    evidence.atomic_write_json(bundle / "children.json", child_dicts)
-
-    references = {}
-    for pt in points:
-        if "reference" in pt:
-            references[pt["key"]] = {"schedule": json.loads((bundle / pt["reference"]["file"]).read_text()),
-                                     "work": json.loads((bundle / pt["reference"]["meta_file"]).read_text())["work"]}
-    report = checker.check(evidence.load_records(bundle), references, warmup=plain["warmup"])
-    summary = evidence.finalize(bundle, plan, report.to_dict(), child_dicts, env, interrupted)
-    return RunResult(bundle, summary)
+            # --- the frozen plan, then the sessions (not after a failed or stopped reference capture)
+            plan = make_plan(plain, code, ckpt, got["prompts"], got["prompts_text"], got["max_model_len"], points,
+                             devices)
+            evidence.atomic_write_json(bundle / "plan.json", plan)
+            if children[0]["state"] == "completed" and all("reference" in pt for pt in points):
+                children += run_sessions(plain, executor, bundle, devices, children, stop)
+            return publish(bundle, plan, children, env)
+    finally:
+        os.close(lock)

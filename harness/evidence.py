@@ -6,9 +6,17 @@ required, and which part writes each; the auditor reads the same file, and ``man
 contract's version beside the sha256 and size of every other file. Tables carry :data:`SCHEMA_VERSION`.
 
 Every file is written atomically (temporary file in the same folder, fsync, rename), so a crash leaves
-either the old file or the new one. A run that lost an arm, a pair or a child is marked incomplete and
-publishes no verdict; its completed arms stay in the bundle. report.py renders report.md; the
-auditor re-renders the whole report from the raw records with its own code (audit/render.py) and requires an exact match.
+either the old file or the new one, and at worst a dot-named ``*.tmp`` that :func:`remove_stale_temp_files`
+sweeps before publishing. A run that lost an arm, a pair or a child is marked incomplete and
+publishes no verdict; its completed arms stay in the bundle.
+
+Bundle states (DESIGN.md, "Bundle states"): *in progress* (no manifest; ``children.json`` lists running
+children), *published* (``manifest.json`` written last by :func:`finalize`): complete, or incomplete
+(failed, killed, timed out, interrupted, or finished after its controller died). An incomplete bundle
+may be resumed: the resume unpublishes it (:func:`unpublish`) and publishes again when done.
+
+report.py renders report.md; the auditor re-renders the whole report from the raw records with its own
+code (audit/render.py) and requires an exact match.
 """
 from __future__ import annotations
 
@@ -40,6 +48,9 @@ LAYOUT = bundle_layout()
 LAYOUT_VERSION = LAYOUT["version"]
 TABLES = tuple(LAYOUT["tables"])
 UNMANIFESTED = tuple(LAYOUT["unmanifested"])
+# what finalize() writes from the records (and the auditor after it); unpublish() removes the manifest first
+PUBLISHED = ("manifest.json", "audit.json", "summary.json", "report.md", "pair_ratios.png",
+             *(f"tables/{t}.parquet" for t in TABLES))
 
 
 # ------------------------------------------------------------------------------------------- atomic IO
@@ -57,6 +68,37 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temp_files(bundle: Path) -> list[str]:
+    """Delete the dot-named ``*.tmp`` files that writers killed mid-write left (this module's and the
+    auditor's); returns their bundle-relative paths. Call it only when no writer of the bundle runs."""
+    bundle = Path(bundle)
+    stale = sorted(p for p in bundle.rglob(".*.tmp") if p.is_file())
+    for p in stale:
+        p.unlink()
+    return [p.relative_to(bundle).as_posix() for p in stale]
+
+
+def try_lock(path: Path, *, shared: bool = False, wait_s: float = 0.0) -> int | None:
+    """An advisory ``flock`` on the file or folder ``path``, held until the returned descriptor is closed
+    or the process ends (however it ends); None when another process holds a conflicting lock for more
+    than ``wait_s`` seconds. The controller holds its bundle folder exclusively, each child ``jobs/``
+    shared, so ``finish`` and a resume can tell that nothing of the bundle still runs."""
+    import fcntl
+    import time
+
+    fd = os.open(path, os.O_RDONLY)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.1)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -135,7 +177,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
     arms, reqs, toks, tele = [], [], [], []
     for r in records:
         m = r["measured"]
-        row = {"job": r["job"], "seq": r["seq"], "device": r["device"]["label"], "point": r["point"],
+        row = {"job": r["job"], "seq": r["seq"], **({"session": r["session"]} if "session" in r else {}),
+               "device": r["device"]["label"], "point": r["point"],
                "max_num_seqs": r["max_num_seqs"], "num_requests": r["num_requests"], "output_len": r["output_len"],
                "comparison": r["comparison"], "pair": r["pair"], "position": r["position"], "slot": r["slot"],
                "arm": r["arm"], **{f"arm_{k}": v for k, v in sorted(r["arm_config"].items())},
@@ -200,19 +243,43 @@ def write_tables(bundle: Path, tables: dict[str, pd.DataFrame]) -> None:
 
 # ------------------------------------------------------------------------------------------- summary
 
+def current_children(children: list[dict]) -> list[dict]:
+    """The latest entry of each child name (a resume appends its sessions after the earlier ones)."""
+    latest: dict[str, dict] = {}
+    for ch in children:
+        latest[ch["name"]] = ch
+    return list(latest.values())
+
+
+def stop_reason(interrupted_by: str) -> str:
+    """The summary's words for a structured ``interrupted_by`` of a child (the auditor words it alike)."""
+    if interrupted_by == "lost":
+        return "the controller ended without publishing; its unfinished children were marked interrupted"
+    return f"the controller received {interrupted_by} and stopped its children"
+
+
+def incomplete_reasons(children: list[dict], interrupted: str | None) -> list[str]:
+    """Why the current children make a run incomplete: how the controller stopped, ``interrupted`` (a reason
+    the children do not show: a failed reference capture), then each child that did not complete."""
+    current = current_children(children)
+    reasons = [stop_reason(by) for by in dict.fromkeys(ch.get("interrupted_by") for ch in current) if by]
+    reasons += [interrupted] if interrupted else []
+    reasons += [f"child {ch.get('session', ch['name'])} ended {ch['state']} with exit code {ch['exit_code']}"
+                for ch in current if ch["exit_code"] != 0 or ch["state"] != "completed"]
+    return reasons
+
+
 def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], checks: dict,
               children: list[dict], interrupted: str | None = None) -> dict:
-    """Status, counts and per (job, point, comparison) statistics; a verdict only for a complete, checked run."""
+    """Status, counts and per (job, point, comparison) statistics; a verdict only for a complete, checked run.
+
+    ``children`` is every child of every run of the bundle; the latest entry per name decides.
+    """
     cfg = plan["config"]
     vd = cfg["verdict"]
     arms, pairs = tables["arms"], tables["pairs"]
     planned = sum(len(v) for v in plan["order"].values())
-    reasons = []
-    if interrupted:
-        reasons.append(interrupted)
-    for ch in children:
-        if ch["exit_code"] != 0:
-            reasons.append(f"child {ch['name']} ended {ch['state']} with exit code {ch['exit_code']}")
+    reasons = incomplete_reasons(children, interrupted)
     if len(arms) != planned:
         reasons.append(f"{len(arms)} of {planned} planned arms recorded")
     status = "incomplete" if reasons else "complete"
@@ -271,6 +338,13 @@ def write_manifest(bundle: Path) -> dict:
     manifest = {"schema_version": SCHEMA_VERSION, "layout_version": LAYOUT_VERSION, "files": files}
     atomic_write_json(bundle / "manifest.json", manifest)
     return manifest
+
+
+def unpublish(bundle: Path) -> None:
+    """Back to *in progress* before a resume measures more: the manifest goes first, so a resume that dies
+    leaves a bundle that reads as unpublished (``finish`` publishes it again), never a stale published one."""
+    for rel in PUBLISHED:
+        (Path(bundle) / rel).unlink(missing_ok=True)
 
 
 def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], environment: dict,

@@ -11,12 +11,20 @@ Both wait with a per-job timeout (a job past it is killed or cancelled and marke
 ``children.json`` and turning the run incomplete. Exit codes: the process's own (negative = killed by
 that signal) where it is known; for a submitit job that is not a local process, 0 on success and 1
 otherwise, with submitit's state beside it.
+
+Stopping (issue 8, item 4): a local child runs in its own session and process group, so a terminal's
+Ctrl-C reaches only the controller, which decides. While waiting, the executor asks ``stop()``; once
+it names a reason (the signal the controller received), every running child's process group gets
+SIGTERM, then SIGKILL after ``grace_s`` seconds (and SIGKILL in any case, for stray grandchildren);
+those children, and any not started yet, are results of state ``interrupted`` with
+``interrupted_by`` = the reason.
 """
 from __future__ import annotations
 
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,20 +43,56 @@ class ChildSpec:
     gpu_index: int | None      # physical GPU for a local job; None: CPU, or whatever Slurm grants
     device_label: str
     timeout_s: float
+    session: str | None = None  # unique id in the bundle (default: ``name``; a resume's are ``<name>.r<k>``)
+    attempt: int = 0            # which controller run of the bundle started it: 0 first, k the k-th resume
+
+    @property
+    def session_id(self) -> str:
+        return self.session or self.name
 
 
 @dataclass(frozen=True)
 class ChildResult:
     name: str
     device: str
-    exit_code: int | None
-    state: str                 # completed | failed | killed | timeout
-    wall_s: float
+    exit_code: int | None      # None: never started, or its end is unknown (the controller died first)
+    state: str                 # completed | failed | killed | timeout | interrupted (| running, unpublished)
+    wall_s: float | None       # None where unknown
     log: str
+    session: str | None = None
+    attempt: int = 0
+    interrupted_by: str | None = None  # SIGTERM / SIGINT (the controller stopped it) or "lost" (controller died)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "exit_code": self.exit_code, "state": self.state,
-                "wall_s": self.wall_s, "log": self.log}
+                "wall_s": self.wall_s, "log": self.log, "session": self.session or self.name,
+                "attempt": self.attempt, "interrupted_by": self.interrupted_by}
+
+
+def _result(spec: ChildSpec, exit_code: int | None, state: str, wall_s: float | None,
+            interrupted_by: str | None = None) -> ChildResult:
+    return ChildResult(spec.name, spec.device_label, exit_code, state, wall_s, spec.log_file.name, spec.session_id,
+                       spec.attempt, interrupted_by)
+
+
+def running_result(spec: ChildSpec) -> ChildResult:
+    """The entry ``children.json`` holds while a child runs, so that ``finish`` can tell it was started."""
+    return _result(spec, None, "running", None)
+
+
+def _not_started(spec: ChildSpec, reason: str) -> ChildResult:
+    spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(spec.log_file, "a") as fh:
+        fh.write(f"[controller] {spec.session_id} not started: the controller received {reason}\n")
+    return _result(spec, None, "interrupted", None, reason)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the child's whole process group (its pid: it was started in a new session)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
 
 
 def child_env(gpu_index: int | None) -> dict:
@@ -71,40 +115,69 @@ def _state(code: int | None) -> str:
 
 
 class LocalExecutor:
-    """One subprocess per job on this host."""
+    """One subprocess per job on this host, each the leader of its own process group."""
 
-    def run(self, specs: list[ChildSpec], progress: Callable[[], None] | None = None,
-            poll_s: float = 0.5) -> list[ChildResult]:
-        procs = []
-        for spec in specs:
-            spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-            log = open(spec.log_file, "ab")
-            proc = subprocess.Popen([sys.executable, "-m", "loopbench.harness.session", str(spec.job_file)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=child_env(spec.gpu_index),
-                                    cwd=str(REPO_ROOT))
-            procs.append((spec, proc, log, time.monotonic()))
-        results: dict[str, ChildResult] = {}
-        while len(results) < len(procs):
-            for spec, proc, log, t0 in procs:
-                if spec.name in results:
+    def run(self, specs: list[ChildSpec], progress: Callable[[], None] | None = None, poll_s: float = 0.5,
+            stop: Callable[[], str | None] | None = None, grace_s: float = 10.0) -> list[ChildResult]:
+        stop = stop or (lambda: None)
+        procs, results = [], {}
+        try:
+            for spec in specs:
+                if stop():
+                    results[spec.session_id] = _not_started(spec, stop())
                     continue
-                code = proc.poll()
-                elapsed = time.monotonic() - t0
-                if code is None and elapsed > spec.timeout_s:
-                    proc.kill()
-                    code = proc.wait()
-                    results[spec.name] = ChildResult(spec.name, spec.device_label, code, "timeout", elapsed,
-                                                     spec.log_file.name)
-                elif code is not None:
-                    results[spec.name] = ChildResult(spec.name, spec.device_label, code, _state(code), elapsed,
-                                                     spec.log_file.name)
-                if spec.name in results:
-                    log.close()
-            if progress:
-                progress()
-            if len(results) < len(procs):
-                time.sleep(poll_s)
-        return [results[spec.name] for spec, *_ in procs]
+                spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+                log = open(spec.log_file, "ab")
+                env = {**child_env(spec.gpu_index), "LOOPBENCH_CONTROLLER_PID": str(os.getpid())}
+                proc = subprocess.Popen([sys.executable, "-m", "loopbench.harness.session", str(spec.job_file)],
+                                        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
+                                        start_new_session=True)
+                procs.append((spec, proc, log, time.monotonic()))
+            while len(results) < len(specs):
+                running = [p for p in procs if p[0].session_id not in results]
+                reason = stop()
+                if reason:
+                    results.update(self._stop(running, reason, grace_s))
+                    break
+                for spec, proc, log, t0 in running:
+                    code = proc.poll()
+                    elapsed = time.monotonic() - t0
+                    if code is None and elapsed > spec.timeout_s:
+                        _signal_group(proc, signal.SIGKILL)
+                        results[spec.session_id] = _result(spec, proc.wait(), "timeout", elapsed)
+                    elif code is not None:
+                        _signal_group(proc, signal.SIGKILL)   # whatever it left behind in its group
+                        results[spec.session_id] = _result(spec, code, _state(code), elapsed)
+                    if spec.session_id in results:
+                        log.close()
+                if progress:
+                    progress()
+                if len(results) < len(specs):
+                    time.sleep(poll_s)
+        except BaseException:
+            # a bug or an unforeseen exception in the controller must not orphan a measuring child
+            self._stop([p for p in procs if p[0].session_id not in results], "an error in the controller", 0.0)
+            raise
+        return [results[spec.session_id] for spec in specs]
+
+    @staticmethod
+    def _stop(running: list[tuple], reason: str, grace_s: float) -> dict[str, ChildResult]:
+        """SIGTERM every running child's group, wait up to ``grace_s`` s, then SIGKILL the groups."""
+        for _, proc, _, _ in running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc, _, _ in running:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+        out = {}
+        for spec, proc, log, t0 in running:
+            _signal_group(proc, signal.SIGKILL)
+            code = proc.wait()
+            log.close()
+            out[spec.session_id] = _result(spec, code, "interrupted", time.monotonic() - t0, reason)
+        return out
 
 
 class SubmititExecutor:
@@ -130,33 +203,37 @@ class SubmititExecutor:
         ex.update_parameters(**params)
         return ex
 
-    def run(self, specs: list[ChildSpec], progress: Callable[[], None] | None = None,
-            poll_s: float = 0.5) -> list[ChildResult]:
+    def run(self, specs: list[ChildSpec], progress: Callable[[], None] | None = None, poll_s: float = 0.5,
+            stop: Callable[[], str | None] | None = None, grace_s: float = 10.0) -> list[ChildResult]:
         from .session import run_job
 
+        stop = stop or (lambda: None)
         os.environ["PYTHONPATH"] = child_env(None)["PYTHONPATH"]   # submitit's local children inherit it
-        jobs = []
+        jobs, results = [], {}
         for spec in specs:
+            if stop():
+                results[spec.session_id] = _not_started(spec, stop())
+                continue
             ex = self._executor(spec.timeout_s)
             jobs.append((spec, ex.submit(run_job, str(spec.job_file)), time.monotonic()))
-        results: dict[str, ChildResult] = {}
-        while len(results) < len(jobs):
+        while len(results) < len(specs):
+            reason = stop()
             for spec, job, t0 in jobs:
-                if spec.name in results:
+                if spec.session_id in results:
                     continue
                 elapsed = time.monotonic() - t0
                 if self.slurm.get("cluster") == "debug" or job.done():
-                    results[spec.name] = self._result(spec, job, elapsed)
-                elif elapsed > spec.timeout_s:
-                    job.cancel(check=False)
-                    results[spec.name] = ChildResult(spec.name, spec.device_label, _exit_code(job, 1), "timeout",
-                                                     elapsed, spec.log_file.name)
+                    results[spec.session_id] = self._result(spec, job, elapsed)
+                elif reason or elapsed > spec.timeout_s:
+                    job.cancel(check=False)  # scancel (Slurm); a local job gets SIGINT
+                    results[spec.session_id] = _result(spec, _exit_code(job, 1), "interrupted" if reason else "timeout",
+                                                       elapsed, reason)
                     self._copy_log(spec, job)
             if progress:
                 progress()
-            if len(results) < len(jobs):
+            if len(results) < len(specs):
                 time.sleep(poll_s)
-        return [results[spec.name] for spec, *_ in jobs]
+        return [results[spec.session_id] for spec in specs]
 
     def _result(self, spec: ChildSpec, job, elapsed: float) -> ChildResult:
         try:
@@ -167,8 +244,7 @@ class SubmititExecutor:
             with open(spec.log_file, "a") as fh:
                 fh.write(f"\n[submitit] job {job.job_id} state {job.state}: {type(exc).__name__}: {exc}\n")
         self._copy_log(spec, job)
-        state = _state(code)
-        return ChildResult(spec.name, spec.device_label, code, state, elapsed, spec.log_file.name)
+        return _result(spec, code, _state(code), elapsed)
 
     @staticmethod
     def _copy_log(spec: ChildSpec, job) -> None:

@@ -5,7 +5,7 @@ re-renders the whole report from the raw records with its own code (``audit/rend
 """
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +118,8 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
     lines += ["", "## Graph counters and memory", ""] + _graph_memory_lines(arms) if len(arms) else []
     lines += ["", "## Children", "", "| child | device | state | exit code | wall s |", "|---|---|---|---|---|"]
     for c in summary["children"]:
-        lines.append(f"| {c['name']} | {c['device']} | {c['state']} | {c['exit_code']} | {c['wall_s']:.1f} |")
+        wall = f"{c['wall_s']:.1f}" if c["wall_s"] is not None else "n/a"   # a child never started, or lost
+        lines.append(f"| {c.get('session', c['name'])} | {c['device']} | {c['state']} | {c['exit_code']} | {wall} |")
     lines += ["", "![paired ratios](pair_ratios.png)", ""]
     return "\n".join(lines)
 
@@ -148,10 +149,12 @@ def plot_ratios(summary: dict, pairs: pd.DataFrame, path: Path) -> None:
     ax.set_xlabel("pair ratio baseline_s / candidate_s (> 1: candidate faster)")
     ax.set_title("Paired ratios, median and 95% CI" + ("" if summary["status"] == "complete" else " (INCOMPLETE)"))
     fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110, metadata={"Software": None})
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)
-    os.replace(tmp, path)
+    from .evidence import atomic_write_bytes  # evidence imports this module
+
+    atomic_write_bytes(Path(path), buf.getvalue())
 
 
 # ------------------------------------------------------------------------------------------ manifest

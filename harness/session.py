@@ -10,7 +10,14 @@ that the controller wrote into the bundle:
 - ``session``: loads the model once, then for each arm of the frozen measurement order builds a fresh
   engine replaying the point's schedule, runs one full untimed warmup of the whole workload, then one
   measured run timed from the first submission to full drain. Each completed arm is written at once as
-  one raw JSON record (atomic), so a killed session leaves every completed arm behind.
+  one raw JSON record (atomic), so a killed session leaves every completed arm behind. A job may name
+  the ``seqs`` of the plan's order it measures (a resumed run's session measures the rest) and its
+  ``session`` id, which every record it writes carries.
+
+Stopping: SIGTERM ends the child at once (an arm in flight is not recorded, and a record being written
+is either whole or absent); on Linux the kernel sends that SIGTERM when the controller dies, even by
+SIGKILL, so no child outlives its controller. While it runs, the child holds a shared lock on the
+bundle's ``jobs/`` folder, by which ``finish`` and a resume tell that no child of the bundle still runs.
 
 Timing: ``time.perf_counter`` around add_request ... run() (whose end synchronises the device and
 copies the tokens to the host, i.e. the drain); on CUDA a ``torch.cuda.synchronize`` precedes both clock
@@ -34,7 +41,7 @@ from pathlib import Path
 import torch
 
 from . import telemetry
-from .evidence import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes
+from .evidence import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
 from .stats import tokens_per_s
 
 RECORD_SCHEMA = 1
@@ -254,7 +261,11 @@ def measure(job: dict) -> None:
     out_dir = bundle / "raw" / job["name"]
     kill_after = cfg["fault"]["kill_after_arms"]
     done = 0
+    seqs = set(job["seqs"]) if job.get("seqs") is not None else None
     for item in plan["order"][job["name"]]:
+        if seqs is not None and item["seq"] not in seqs:
+            continue
+        _exit_if_orphaned()
         if kill_after is not None and done >= kill_after:
             _log(f"fault.kill_after_arms={kill_after}: SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -273,7 +284,8 @@ def measure(job: dict) -> None:
         gc.collect()
         if device["kind"] == "cuda":  # the next arm starts from the same allocator state
             torch.cuda.empty_cache()
-        rec = {"schema": RECORD_SCHEMA, "job": job["name"], "device": device, "seq": item["seq"],
+        rec = {"schema": RECORD_SCHEMA, "job": job["name"], "session": job.get("session", job["name"]),
+               "device": device, "seq": item["seq"],
                "point": item["point"], "max_num_seqs": pt["max_num_seqs"], "num_requests": pt["num_requests"],
                "output_len": cfg["workload"]["output_len"], "comparison": item["comparison"], "pair": item["pair"],
                "position": item["position"], "slot": item["slot"], "arm": item["arm"], "arm_config": arm,
@@ -288,15 +300,51 @@ def measure(job: dict) -> None:
              f"{item['arm']:>14s}: {meas['elapsed_s']:.4f}s {rec['tokens_per_s']:.1f} tok/s")
 
 
+def _exit_with_controller() -> None:
+    """Linux: have the kernel SIGTERM this child when the controller that started it dies (prctl
+    PR_SET_PDEATHSIG), however it dies; elsewhere :func:`_exit_if_orphaned` checks between arms."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    _exit_if_orphaned()  # the controller may have died before the prctl took effect
+
+
+def _exit_if_orphaned() -> None:
+    parent = os.environ.get("LOOPBENCH_CONTROLLER_PID")
+    if parent and parent.isdigit() and os.getppid() != int(parent):
+        _log(f"controller {parent} is gone: stopping")
+        raise SystemExit(128 + int(signal.SIGTERM))
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    # SystemExit unwinds through atomic_write_bytes, which removes its temporary file: no half record.
+    raise SystemExit(128 + signum)
+
+
+def _hold_jobs_lock(bundle: Path) -> int:
+    """A shared lock on ``jobs/`` while the job runs; SystemExit when ``finish`` or a resume holds it."""
+    fd = try_lock(bundle / "jobs", shared=True)
+    if fd is None:
+        _log(f"{bundle} is being finished or resumed by another process: not starting")
+        raise SystemExit(1)
+    return fd
+
+
 def run_job(job_path: str) -> int:
     """Run one job file; returns 0 (an exception propagates, so its exit code is non-zero)."""
     job = json.loads(Path(job_path).read_text())
-    if job["kind"] == "reference":
-        capture_references(job)
-    elif job["kind"] == "session":
-        measure(job)
-    else:
-        raise ValueError(f"unknown job kind {job['kind']!r} in {job_path}")
+    lock = _hold_jobs_lock(Path(job["bundle"]))
+    try:
+        if job["kind"] == "reference":
+            capture_references(job)
+        elif job["kind"] == "session":
+            measure(job)
+        else:
+            raise ValueError(f"unknown job kind {job['kind']!r} in {job_path}")
+    finally:
+        os.close(lock)
     return 0
 
 
@@ -305,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m loopbench.harness.session JOB.json", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    _exit_with_controller()
     return run_job(argv[0])
 
 

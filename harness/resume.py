@@ -1,0 +1,234 @@
+"""Finish or resume an incomplete bundle (issue 8, items 4 and 5).
+
+- :func:`finish`: a bundle whose controller died without publishing (SIGKILL, a lost machine) has a
+  plan, raw records and a ``children.json`` that still lists its children as ``running``. ``finish``
+  marks those children ``interrupted`` (``interrupted_by: "lost"``), sweeps the temporary files of
+  killed writers and publishes the bundle as incomplete, exactly as a controller that was stopped by
+  SIGTERM would have: completed arms intact, no verdict.
+- :func:`resume` (``resume=<bundle>`` in the config): a new run continues an incomplete bundle. Its
+  plan is rebuilt from this run's config, code, checkpoint, prompts and devices and must equal the
+  bundle's frozen plan (every key but the creation time and the config's ``resume`` and ``results_dir``,
+  which only say where bundles lie; the environment's library versions and devices too); any difference is refused, naming it, before anything is changed or
+  measured. Completed pairs are kept; an arm whose partner was not recorded is discarded (a pair is
+  two back-to-back arms of one session), and the rest of each device's planned order is measured by a
+  new session child ``<name>.r<k>``, which reuses the bundle's frozen references (never recaptured)
+  and continues the same seeded order. Every record names the session that measured it and
+  ``children.json`` lists every session of every run. A complete bundle is never resumed.
+
+Both take the bundle's locks first (:func:`evidence.try_lock`): the bundle folder, held by a live
+controller, and ``jobs/``, held by a live child; while either is held they refuse.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from . import evidence
+from .controller import (RunResult, StopSignals, _executor, environment, inputs, make_plan, prepare_checkpoint,
+                         publish, run_sessions, write_children)
+
+# how long finish / resume wait for the children of a dead controller to exit (Linux SIGTERMs them at once)
+CHILD_EXIT_WAIT_S = 30.0
+MAX_LISTED = 6
+
+
+def _differences(old, new, path: str = "") -> list[tuple[str, object, object]]:
+    """(dotted path, bundle's value, this run's value) for every leaf where two JSON documents differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _differences(old.get(key, "<absent>"), new.get(key, "<absent>"), f"{path}.{key}" if path else key)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in _differences(a, b, f"{path}[{i}]")]
+    return [] if type(old) is type(new) and old == new else [(path, old, new)]
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _words(diffs: list[tuple[str, object, object]]) -> str:
+    listed = [f"{p} (bundle {_short(a)}, this run {_short(b)})" for p, a, b in diffs[:MAX_LISTED]]
+    more = f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
+    return "; ".join(listed) + more
+
+
+def _as_json(data):
+    """``data`` as it reads back from its JSON file (tuples as lists, str subclasses such as torch's
+    version as str), so that a difference is one of value, never of Python type."""
+    return json.loads(json.dumps(data))
+
+
+def _as_planned(plain: dict, planned: dict) -> dict:
+    """This run's config with the keys that only say where bundles live (``resume``, ``results_dir``)
+    taken from the bundle's: a bundle may be resumed where it lies now."""
+    ours = {**plain, "resume": None}
+    if "results_dir" in planned:
+        ours["results_dir"] = planned["results_dir"]
+    return ours
+
+
+def _comparable_plan(plan: dict) -> dict:
+    """The plan without what a resume may change: its creation time and the points' frozen references
+    (the resume reuses those, after checking their hashes)."""
+    out = {k: v for k, v in plan.items() if k != "created_utc"}
+    out["points"] = [{k: v for k, v in pt.items() if k != "reference"} for pt in plan.get("points", [])]
+    return out
+
+
+def _environment_identity(env: dict) -> dict:
+    """What a resumed session must share with the first: interpreter, torch, libraries, CPU model, GPUs."""
+    return {"python": (env.get("python") or {}).get("version"), "torch": env.get("torch"),
+            "packages": env.get("packages"), "cpu": (env.get("cpu") or {}).get("model"), "gpus": env.get("gpus")}
+
+
+def _claim(bundle: Path) -> int:
+    """The bundle's exclusive lock, once no controller and no child of it runs; ValueError otherwise."""
+    lock = evidence.try_lock(bundle)
+    if lock is None:
+        raise ValueError(f"{bundle} is held by a running controller; stop it (SIGTERM publishes the bundle) "
+                         "or wait for it")
+    if (bundle / "jobs").is_dir():
+        jobs = evidence.try_lock(bundle / "jobs", wait_s=CHILD_EXIT_WAIT_S)
+        if jobs is None:
+            os.close(lock)
+            raise ValueError(f"a child of {bundle} still runs {CHILD_EXIT_WAIT_S:.0f} s after its controller "
+                             f"ended (it holds {bundle / 'jobs'}); stop it first")
+        os.close(jobs)
+    return lock
+
+
+def _read_children(bundle: Path) -> list[dict]:
+    path = bundle / "children.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def _mark_lost(bundle: Path, children: list[dict]) -> list[dict]:
+    """``running`` entries of a controller that died: interrupted, end unknown (a line in each log says so)."""
+    out = []
+    for c in children:
+        if c["state"] == "running":
+            with open(bundle / "logs" / c["log"], "a") as fh:
+                fh.write(f"[finish] {c.get('session', c['name'])}: its controller ended without publishing; "
+                         "marked interrupted\n")
+            c = {**c, "state": "interrupted", "exit_code": None, "wall_s": None, "interrupted_by": "lost"}
+        out.append(c)
+    return out
+
+
+def _published_status(bundle: Path) -> str | None:
+    """The published summary's status, or None for a bundle without a manifest (in progress, or lost)."""
+    if not (bundle / "manifest.json").is_file():
+        return None
+    try:
+        return json.loads((bundle / "summary.json").read_text())["status"]
+    except (OSError, ValueError, KeyError):
+        return "unreadable"
+
+
+def finish(bundle: Path) -> RunResult:
+    """Publish the bundle of a controller that died without publishing, as incomplete (no verdict)."""
+    bundle = Path(bundle)
+    if not (bundle / "plan.json").is_file():
+        raise ValueError(f"{bundle} has no plan.json: its controller stopped before it planned anything and "
+                         "nothing was measured; delete the folder")
+    lock = _claim(bundle)
+    try:
+        status = _published_status(bundle)
+        if status is not None:
+            raise ValueError(f"{bundle} is published already (status {status}); there is nothing to finish")
+        plan = json.loads((bundle / "plan.json").read_text())
+        env = json.loads((bundle / "environment.json").read_text())
+        return publish(bundle, plan, _mark_lost(bundle, _read_children(bundle)), env)
+    finally:
+        os.close(lock)
+
+
+def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list[Path]]:
+    """Per device, the planned seqs still to measure; and the records to discard (an arm without its
+    partner). ValueError when the kept records are not a prefix of the planned order."""
+    records = {}
+    for path in sorted((bundle / "raw").glob("*/*.json")):
+        rec = json.loads(path.read_text())
+        records[(rec["job"], rec["seq"])] = path
+    todo, discard = {}, []
+    for dev in plan["devices"]:
+        name, order = dev["name"], plan["order"][dev["name"]]
+        pairs: dict[tuple, list[int]] = {}
+        for item in order:
+            pairs.setdefault((item["point"], item["comparison"], item["pair"]), []).append(item["seq"])
+        complete = {s for seqs in pairs.values() if all((name, q) in records for q in seqs) for s in seqs}
+        discard += [records[(name, s)] for seqs in pairs.values() for s in seqs
+                    if (name, s) in records and s not in complete]
+        kept = [item["seq"] for item in order if item["seq"] in complete]
+        if kept != [item["seq"] for item in order[:len(kept)]]:
+            gap = next(item["seq"] for item in order if item["seq"] not in complete)
+            raise ValueError(f"cannot resume {bundle}: the completed pairs of {name} are not a prefix of its "
+                             f"planned order (seq {gap} is missing before seq {kept[-1]}), so the rest cannot be "
+                             "measured in order")
+        todo[name] = [item["seq"] for item in order[len(kept):]]
+    return todo, discard
+
+
+def resume(plain: dict) -> RunResult:
+    """Measure the rest of the incomplete bundle ``plain["resume"]`` (see the module docstring)."""
+    bundle = Path(plain["resume"]).expanduser()
+    bundle = (bundle if bundle.is_absolute() else Path.cwd() / bundle).resolve()
+    if not (bundle / "plan.json").is_file():
+        raise ValueError(f"resume = {plain['resume']!r}: {bundle} has no plan.json, so there is no plan to resume")
+    lock = _claim(bundle)
+    try:
+        plan = json.loads((bundle / "plan.json").read_text())
+        if _published_status(bundle) == "complete":
+            raise ValueError(f"resume = {plain['resume']!r}: the bundle is complete; a complete bundle cannot be "
+                             "resumed (start a new run instead)")
+        # --- this run's plan must be the bundle's: refused, naming the difference, before anything changes
+        ours = _as_planned(plain, plan["config"])
+        got = inputs(ours)
+        ckpt = prepare_checkpoint(ours, got["cache"])
+        fresh = make_plan(ours, got["code"], ckpt, got["prompts"], got["prompts_text"], got["max_model_len"],
+                          got["points"], got["devices"])
+        diffs = _differences(_comparable_plan(plan), _comparable_plan(_as_json(fresh)))
+        if (bundle / plan["prompts"]["file"]).read_text() != got["prompts_text"]:
+            diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
+        env = json.loads((bundle / "environment.json").read_text())
+        diffs += [(f"environment.{p}", a, b) for p, a, b in
+                  _differences(_environment_identity(env), _environment_identity(_as_json(environment(got["devices"]))))]
+        if diffs:
+            raise ValueError(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
+        for pt in plan["points"]:
+            ref = pt.get("reference")
+            if not ref:
+                raise ValueError(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
+                                 "capture did not finish); start a new run")
+            for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
+                if not (bundle / rel).is_file() or evidence.sha256_file(bundle / rel) != want:
+                    raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
+        todo, discard = _kept_and_todo(bundle, plan)
+
+        # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions
+        children = _mark_lost(bundle, _read_children(bundle))
+        current = {c["name"]: c for c in children}
+        devices = [d for d in plan["devices"] if todo[d["name"]] or current.get(d["name"], {}).get("state") != "completed"]
+        evidence.unpublish(bundle)
+        for path in discard:
+            print(f"loopbench: discarding {path.relative_to(bundle)} (its pair's other arm was not recorded; the "
+                  "resume measures the pair again)", flush=True)
+            path.unlink()
+        attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
+        planned = sum(len(v) for v in plan["order"].values())
+        print(f"loopbench: resuming {bundle} (run {attempt}): {planned - sum(len(v) for v in todo.values())} of "
+              f"{planned} arms kept, {sum(len(v) for v in todo.values())} to measure", flush=True)
+        write_children(bundle, children)
+        with StopSignals() as stop:
+            if devices:
+                executor = _executor(plan["config"], bundle, got["cache"], devices)
+                children += run_sessions(plan["config"], executor, bundle, devices, children, stop, attempt,
+                                         {d["name"]: todo[d["name"]] for d in devices})
+            return publish(bundle, plan, children, env)
+    finally:
+        os.close(lock)
+
