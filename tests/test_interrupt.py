@@ -1,0 +1,301 @@
+"""Interrupted runs (issue 8, items 4 and 5): SIGTERM / Ctrl-C publish an incomplete bundle, `finish`
+publishes the bundle of a controller that was SIGKILLed, and a resume completes either one."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loopbench.audit.auditor import audit
+from loopbench.harness import conf, controller
+
+REPO = Path(__file__).resolve().parent.parent
+# 12 arms of a tiny model: long enough that a signal after the second record finds the session measuring
+OVERRIDES = ["name=stop", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9",
+             "workload.output_len=8", "pairs=6", "comparisons=[{baseline:native,candidate:alias_prefix}]",
+             "executor.poll_s=0.1", "executor.stop_grace_s=5"]
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("interrupt")
+    yield {"results": root / "r", "cache": root / "c", "hydra": root / "h"}
+    # a failed test must not leave a benchmark running on the machine
+    for pid in _processes_of(root):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _overrides(dirs) -> list[str]:
+    return OVERRIDES + [f"results_dir={dirs['results']}", f"cache_dir={dirs['cache']}"]
+
+
+def _start(dirs, results: Path) -> subprocess.Popen:
+    # results_dir differs between these runs; a resume need not repeat it (the bundle is named by resume=)
+    args = [sys.executable, "-m", "loopbench.harness.bench", "--config-name", "cpu-smoke", *_overrides(dirs),
+            f"results_dir={results}", f"hydra.run.dir={dirs['hydra']}"]
+    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _processes_of(bundle: Path) -> list[int]:
+    """Processes whose command line names the bundle (its children: `session <bundle>/jobs/...`)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if str(bundle).encode() in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:  # it ended meanwhile
+                pass
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that are not zombies (an orphan's zombie waits for whoever adopts it)."""
+    live = []
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":   # fields: state ppid pgrp ...
+            live.append(int(d.name))
+    return live
+
+
+def _interrupt_after_arms(dirs, results: Path, sig: int) -> tuple[Path, subprocess.Popen, int]:
+    """Start `bench`, wait until three arms are recorded (so that a resume keeps a whole pair and finds a
+    lone arm), send ``sig`` to the controller; (bundle, proc, session child's pid)."""
+    proc = _start(dirs, results)   # its command line names results, so the teardown of `dirs` finds it
+    deadline = time.monotonic() + WAIT_S
+    while len(list(results.glob("*/raw/cpu0/*.json"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    (bundle,) = results.iterdir()
+    (child,) = _processes_of(bundle)
+    # the session child leads its own process group, apart from the controller's
+    assert os.getpgid(child) == child != os.getpgid(proc.pid)
+    proc.send_signal(sig)
+    return bundle, proc, child
+
+
+def _tree(bundle: Path) -> dict[str, str]:
+    return {p.relative_to(bundle).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(bundle.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def stopped(dirs):
+    """A bench run stopped by SIGTERM once three arms are recorded, after its controller exited."""
+    bundle, proc, child = _interrupt_after_arms(dirs, dirs["results"] / "term", signal.SIGTERM)
+    out, _ = proc.communicate(timeout=WAIT_S)
+    return {"bundle": bundle, "rc": proc.returncode, "out": out, "child": child,
+            "left": _processes_of(bundle), "group_alive": _group_alive(child)}
+
+
+def test_sigterm_stops_the_children_and_publishes_an_incomplete_bundle(stopped):
+    bundle = stopped["bundle"]
+    assert stopped["left"] == [] and not stopped["group_alive"], "a process of the run outlived its controller"
+    assert stopped["rc"] == 3, stopped["out"]          # incomplete, and the audit found nothing else wrong
+    summary = json.loads((bundle / "summary.json").read_text())
+    assert summary["status"] == "incomplete" and not summary["verdicts_published"]
+    assert all(r["verdict"] is None for r in summary["results"])
+    assert summary["incomplete_reasons"][0] == "the controller received SIGTERM and stopped its children"
+    children = json.loads((bundle / "children.json").read_text())
+    assert [(c["name"], c["state"], c["interrupted_by"]) for c in children] == \
+        [("reference", "completed", None), ("cpu0", "interrupted", "SIGTERM")]
+    recorded = sorted((bundle / "raw" / "cpu0").glob("*.json"))
+    assert 3 <= len(recorded) < 12 and summary["counts"]["arms_recorded"] == len(recorded)
+    assert all(json.loads(p.read_text())["session"] == "cpu0" for p in recorded)
+    assert (bundle / "manifest.json").is_file() and (bundle / "tables" / "arms.parquet").is_file()
+    assert not [p for p in bundle.rglob(".*")], "a temporary file was left behind"
+    rc = subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], cwd=REPO,
+                        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert rc.returncode == 3, rc.stdout
+    assert audit(bundle)["status"] == "incomplete"
+
+
+def test_sigkill_then_finish_publishes_the_same_incomplete_state(dirs):
+    bundle, proc, child = _interrupt_after_arms(dirs, dirs["results"] / "kill", signal.SIGKILL)
+    proc.communicate(timeout=WAIT_S)
+    deadline = time.monotonic() + 30   # the kernel SIGTERMs the orphan (prctl PR_SET_PDEATHSIG)
+    while _processes_of(bundle) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_of(bundle) == [] and _live_members(child) == []
+    assert not (bundle / "summary.json").exists() and not (bundle / "manifest.json").exists()
+    assert audit(bundle)["status"] == "fail"          # unpublished: broken until finished
+    assert {c["name"]: c["state"] for c in json.loads((bundle / "children.json").read_text())}["cpu0"] == "running"
+    # what a writer killed mid-write leaves: a temporary dotfile beside the records
+    (bundle / "raw" / "cpu0" / ".00011-B2C3-x-p5-baseline.json.k1.tmp").write_text('{"job": "cpu0", "se')
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    fin = subprocess.run([sys.executable, "-m", "loopbench.harness.bench", "finish", str(bundle)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=WAIT_S)
+    assert fin.returncode == 3, fin.stdout + fin.stderr
+    assert audit(bundle)["status"] == "incomplete"
+    summary = json.loads((bundle / "summary.json").read_text())
+    assert summary["status"] == "incomplete" and not summary["verdicts_published"]
+    assert summary["incomplete_reasons"][0] == \
+        "the controller ended without publishing; its unfinished children were marked interrupted"
+    cpu0 = json.loads((bundle / "children.json").read_text())[-1]
+    assert (cpu0["state"], cpu0["interrupted_by"], cpu0["exit_code"]) == ("interrupted", "lost", None)
+    assert not [p for p in bundle.rglob(".*")]
+    again = subprocess.run([sys.executable, "-m", "loopbench.harness.bench", "finish", str(bundle)], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert again.returncode == 1 and "published already" in again.stderr
+
+
+def _copy(bundle: Path, dest: Path) -> Path:
+    shutil.copytree(bundle, dest)
+    (dest / "audit.json").unlink(missing_ok=True)
+    return dest
+
+
+def _resume(dirs, bundle: Path, *extra):
+    return controller.run(conf.compose("cpu-smoke", _overrides(dirs) + [f"resume={bundle}", *extra]))
+
+
+@pytest.fixture(scope="module")
+def resumed(stopped, dirs, tmp_path_factory):
+    """The SIGTERM'd bundle, its last pair cut in half, resumed to the end: (bundle, kept records, facts)."""
+    bundle = _copy(stopped["bundle"], tmp_path_factory.mktemp("resumed") / "b")
+    records = sorted((bundle / "raw" / "cpu0").glob("*.json"))
+    if len(records) % 2 == 0:   # cut the last pair in half: its lone arm is measured again with its partner
+        records.pop().unlink()
+    before = {"lone": json.loads(records[-1].read_text()), "kept": len(records) - 1,
+              "plan": (bundle / "plan.json").read_bytes(),
+              "refs": {p.name: p.read_bytes() for p in (bundle / "references").iterdir()}}
+    return bundle, before, _resume(dirs, bundle)
+
+
+def test_resume_measures_the_rest_in_the_planned_order_and_audits_pass(resumed, dirs):
+    bundle, before, result = resumed
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert (bundle / "plan.json").read_bytes() == before["plan"]   # the frozen plan and references are reused
+    assert {p.name: p.read_bytes() for p in (bundle / "references").iterdir()} == before["refs"]
+    children = json.loads((bundle / "children.json").read_text())
+    assert [(c["session"], c["attempt"], c["state"]) for c in children] == \
+        [("reference", 0, "completed"), ("cpu0", 0, "interrupted"), ("cpu0.r1", 1, "completed")]
+    plan = json.loads(before["plan"])
+    recs = sorted((json.loads(p.read_text()) for p in (bundle / "raw" / "cpu0").glob("*.json")),
+                  key=lambda r: r["seq"])
+    kept = before["kept"]
+    assert [r["seq"] for r in recs] == list(range(12)) and kept % 2 == 0 and kept >= 2
+    assert [r["session"] for r in recs] == ["cpu0"] * kept + ["cpu0.r1"] * (12 - kept)
+    assert recs[before["lone"]["seq"]]["session"] == "cpu0.r1"     # the lone arm was measured again
+    for r, item in zip(recs, plan["order"]["cpu0"]):   # the same seeded balanced order, continued
+        assert (r["pair"], r["position"], r["arm"]) == (item["pair"], item["position"], item["arm"])
+    job = json.loads((bundle / "jobs" / "session-cpu0.r1.json").read_text())
+    assert job["seqs"] == list(range(kept, 12)) and job["session"] == "cpu0.r1"
+    assert "| cpu0.r1 | cpu | completed | 0 |" in (bundle / "report.md").read_text()
+
+    with pytest.raises(ValueError, match="is complete; a complete bundle cannot be resumed"):
+        _resume(dirs, bundle)
+    assert audit(bundle)["status"] == "pass"
+
+
+def _rewrite_manifest(bundle: Path) -> None:
+    """A forger's manifest, so that the auditor's session checks must catch the edit."""
+    from loopbench.harness import evidence
+
+    evidence.write_manifest(bundle)
+
+
+def _edit(path: Path, fn) -> None:
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def _first_resumed(bundle: Path) -> Path:
+    return min((p for p in (bundle / "raw" / "cpu0").glob("*.json")
+                if json.loads(p.read_text())["session"] == "cpu0.r1"), key=lambda p: p.name)
+
+
+TAMPERS = {
+    "record claims the interrupted session": (
+        lambda b: _edit(_first_resumed(b), lambda r: r.update(session="cpu0")), "was measured by sessions"),
+    "record names no session of its job": (
+        lambda b: _edit(_first_resumed(b), lambda r: r.update(session="cpu0.r7")), "is not a session of cpu0"),
+    "session still running": (
+        lambda b: _edit(b / "children.json", lambda ch: ch[2].update(state="running")), "not an ended state"),
+    "sessions out of run order": (
+        lambda b: _edit(b / "children.json", lambda ch: ch[1].update(attempt=2)), "follows seq"),
+    "job asked for other seqs": (
+        lambda b: _edit(b / "jobs" / "session-cpu0.r1.json", lambda j: j["seqs"].pop()), "its job asked for"),
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERS))
+def test_auditor_checks_which_session_measured_which_pair(resumed, tmp_path, tamper):
+    edit, message = TAMPERS[tamper]
+    bundle = _copy(resumed[0], tmp_path / "b")
+    edit(bundle)
+    _rewrite_manifest(bundle)
+    verdict = audit(bundle)
+    assert verdict["status"] == "fail"
+    assert any(d.startswith("sessions: ") and message in d for d in verdict["discrepancies"]), verdict["discrepancies"]
+
+
+def test_signals_become_a_stop_request_while_children_run():
+    before = signal.getsignal(signal.SIGINT)
+    with controller.StopSignals() as stop:
+        assert stop() is None
+        os.kill(os.getpid(), signal.SIGINT)    # Ctrl-C: no KeyboardInterrupt, a request the executor polls
+        os.kill(os.getpid(), signal.SIGTERM)   # a second signal does not replace the first
+        deadline = time.monotonic() + 5
+        while stop() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stop() == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("override, named", [
+    ("pairs=7", "config.pairs (bundle 6, this run 7)"),
+    ("workload.prompt_seed=1", "config.workload.prompt_seed"),
+    ("model.seed=1", "checkpoint.sha256"),
+    (None, "code.code_sha256"),
+])
+def test_resume_refuses_a_different_plan_naming_what_differs(stopped, dirs, tmp_path, monkeypatch, override, named):
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    before = _tree(bundle)
+    if override is None:   # the runtime sources changed since the bundle was planned
+        ident = controller.code_identity()
+        monkeypatch.setattr(controller, "code_identity", lambda: {**ident, "code_sha256": "0" * 64})
+    with pytest.raises(ValueError, match="this run differs from its plan in") as err:
+        _resume(dirs, bundle, *([override] if override else []))
+    assert named in str(err.value)
+    assert _tree(bundle) == before    # refused before anything was changed or measured
+
+
+def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs, tmp_path):
+    from loopbench.harness import evidence
+
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    lock = evidence.try_lock(bundle)   # as a live controller holds it
+    try:
+        with pytest.raises(ValueError, match="held by a running controller"):
+            _resume(dirs, bundle)
+    finally:
+        os.close(lock)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="has no plan.json"):
+        _resume(dirs, empty)
