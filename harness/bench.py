@@ -52,11 +52,13 @@ def show(result) -> int:
           + f"; checks {'FAILED' if not summary['checks']['ok'] else 'passed' if summary['status'] == 'complete' else 'passed on what was recorded'}"
           + f"; verdicts {'published' if summary['verdicts_published'] else 'barred: ' + str(summary['verdicts_barred_by'])}"
           + f"; audit {'passed' if code == 0 else 'exit ' + str(code)}")
-    for child in summary.get("children", []):
+    from .evidence import current_children
+
+    for child in current_children(summary.get("children", [])):   # not the earlier runs of a resumed bundle
         if child.get("exit_code") not in (0, None):
-            log = result.bundle / "logs" / f"{child['name']}.log"
+            log = result.bundle / "logs" / child["log"]
             tail = log.read_text(errors="replace").splitlines()[-12:] if log.is_file() else ["(no log)"]
-            print(f"child {child['name']} exited {child['exit_code']}; last lines of {log}:")
+            print(f"child {child.get('session', child['name'])} exited {child['exit_code']}; last lines of {log}:")
             print("\n".join("    " + line for line in tail))
     print(f"bundle: {result.bundle}")
     print(f"report: {result.bundle / 'report.md'}")

@@ -319,6 +319,7 @@ def _exit_if_orphaned() -> None:
 
 
 def _stop_on_sigterm(signum, frame) -> None:
+    _log(f"{signal.Signals(signum).name}: stopping; an arm in flight is not recorded")
     # SystemExit unwinds through atomic_write_bytes, which removes its temporary file: no half record.
     raise SystemExit(128 + signum)
 
