@@ -199,7 +199,7 @@ class BenchConf:
     cache_dir: Optional[str] = None      # None = $LOOPBENCH_CACHE or ~/.cache/loopbench
     reuse_references: bool = True
     fault: FaultConf = field(default_factory=FaultConf)
-    # An incomplete bundle to finish measuring: every other key must equal its plan's (README, "Resume").
+    # An incomplete bundle to finish measuring: every other key must equal its plan's (README, "Interrupted runs").
     resume: Optional[str] = None
 
 
