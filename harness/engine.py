@@ -51,13 +51,14 @@ class EngineConfig:
     descriptor_mode: str = "h2d"       # h2d | mapped
     eos_token_id: int | None = None
     keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
+    poison_kv: bool = False            # tests/debugging: KV cells without a live value hold NaN
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
             _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
         if self.num_blocks is not None:
             _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
-        for name in ("prefix_tiles", "cuda_graphs", "keep_logits"):
+        for name in ("prefix_tiles", "cuda_graphs", "keep_logits", "poison_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.eos_token_id is not None:
@@ -182,7 +183,7 @@ class LoopEngine:
         self.kv = DepthKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                                head_dim=cfg.head_dim, num_planes=self.num_planes, max_num_seqs=S,
                                max_model_len=config.max_model_len, block_size=config.block_size,
-                               num_blocks=num_blocks, device=dev, dtype=model.dtype)
+                               num_blocks=num_blocks, device=dev, dtype=model.dtype, poison=config.poison_kv)
         acc = model.rope_dtype
         # Resident per-slot state; row S is a scratch slot that padding rows of a bucket read and write.
         self.hidden = torch.zeros((S + 1, cfg.hidden_size), device=dev, dtype=model.dtype)

@@ -52,14 +52,20 @@ class DepthKVCache:
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_planes: int,
                  max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
-                 device, dtype: torch.dtype):
+                 device, dtype: torch.dtype, poison: bool = False):
+        """``poison`` (tests and debugging): every KV cell that holds no live value is NaN, at
+        construction and again whenever a slot's blocks are freed, so a reader that depends on the
+        contents of never-written, recycled or reserved memory produces NaN instead of passing by luck.
+        Off by default: the fast path pays nothing."""
         if block_size <= 0 or max_model_len <= 0:
             raise ValueError(f"block_size and max_model_len must be > 0, got {block_size}, {max_model_len}")
         self.block_size, self.num_planes, self.max_model_len = block_size, num_planes, max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.poison = poison
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        fill = float("nan") if poison else 0.0
+        self.k = torch.full(shape, fill, device=device, dtype=dtype)
+        self.v = torch.full(shape, fill, device=device, dtype=dtype)
         self.block_tables = torch.zeros((max_num_seqs, num_planes, self.max_blocks_per_seq),
                                         dtype=torch.int32, device=device)
         self.exit_map = torch.full((max_num_seqs, max_model_len), num_planes, dtype=torch.int32, device=device)
@@ -109,8 +115,16 @@ class DepthKVCache:
             self.block_tables[slot, p, have:need] = torch.tensor(ids, dtype=torch.int32)
 
     def close_slot(self, slot: int) -> None:
+        """Free the slot's blocks and point its table entries back at the reserved block 0, so no stale
+        entry aliases a block that is reused elsewhere (device writes in stream order, after every read
+        already issued). With ``poison`` the freed blocks are NaN-filled first."""
         planes = self._blocks[slot]
         if planes is not None:
+            self.block_tables[slot].zero_()
+            if self.poison and any(planes):
+                ids = torch.tensor([b for plane in planes for b in plane], dtype=torch.long).to(self.k.device)
+                self.k[:, ids] = float("nan")
+                self.v[:, ids] = float("nan")
             for plane in planes:
                 self.allocator.free(plane)
         self._blocks[slot] = None

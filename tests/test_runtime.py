@@ -51,6 +51,7 @@ def make_requests(n, max_tokens, policy, seed=0, lens=PROMPT_LENS):
 
 def run_engine(model, requests, **cfg):
     cfg.setdefault("max_model_len", 128)
+    cfg.setdefault("poison_kv", True)      # KV cells without a live value are NaN: no reader may touch them
     eng = LoopEngine(model, EngineConfig(**cfg))
     for r in requests:
         eng.add_request(r)
@@ -168,7 +169,8 @@ def test_abort_mid_prefill_and_mid_decode_then_slot_reuse(model64, layout):
     reqs = make_requests(4, 12, "ouro_delayed", seed=9, lens=[33, 17, 34, 20])
     late = make_requests(2, 12, "ouro_delayed", seed=11, lens=[31, 33])
     late = [dataclasses.replace(r, request_id=f"late{i}") for i, r in enumerate(late)]
-    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=128, exit_policy="ouro_delayed", **layout))
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=128, exit_policy="ouro_delayed",
+                                           poison_kv=True, **layout))
     eng.add_request(reqs[0])
     eng.add_request(reqs[1])
     eng.step()                          # both admitted, one prefill loop done (of max_loops)
@@ -275,7 +277,7 @@ def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
     # a prompt that can never fit fails naming the request and stays queued (so it can be aborted)
     big = dataclasses.replace(a, request_id="big", prompt_token_ids=tuple(range(40)))
     eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=9, max_model_len=64,
-                                           exit_policy="fixed"))
+                                           exit_policy="fixed", poison_kv=True))
     eng.add_request(big)
     with pytest.raises(OutOfBlocksError, match="request 'big' needs 40 KV blocks"):
         eng.step()
@@ -283,7 +285,7 @@ def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
     assert eng.outputs()["big"].finish_reason == "abort" and not eng.has_unfinished()
     # running requests that outgrow the pool fail before any work of the step, naming them
     eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=9, max_model_len=64,
-                                           exit_policy="fixed"))
+                                           exit_policy="fixed", poison_kv=True))
     eng.add_request(dataclasses.replace(a, max_tokens=20))
     with pytest.raises(OutOfBlocksError, match=r"running requests \['r0'\] need 4 more KV blocks"):
         eng.run()
@@ -294,7 +296,7 @@ def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
 
 
 def test_stats_snapshot_is_not_aliased(model64):
-    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64, exit_policy="fixed"))
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64, exit_policy="fixed", poison_kv=True))
     before = eng.stats.as_dict()
     eng.add_request(make_requests(1, 3, "fixed")[0])
     eng.run()
