@@ -1,6 +1,12 @@
 """GPU runtime checks (marker ``gpu``; skipped without CUDA): GPU vs CPU reference, bitwise arms with
-graphs on/off and both descriptor modes, aborts and slot reuse, and a descriptor-bank lifetime probe."""
+graphs on/off and both descriptor modes, aborts and slot reuse, a descriptor-bank lifetime probe, and
+CUDA-graph captures on a cold Triton cache (in a child process, tests/gpu_capture_child.py)."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +33,7 @@ def requests(n, max_tokens, lens, seed=0):
 
 
 def run(model, reqs, **cfg):
-    eng = LoopEngine(model, EngineConfig(max_model_len=128, **cfg))
+    eng = LoopEngine(model, EngineConfig(max_model_len=128, poison_kv=True, **cfg))
     for r in reqs:
         eng.add_request(r)
     return eng, eng.run()
@@ -87,7 +93,7 @@ def test_gpu_abort_and_slot_reuse(ckpt):
     late = [dataclasses.replace(r, request_id=f"late{i}") for i, r in enumerate(requests(2, 12, [31, 33], seed=5))]
     kw = dict(max_num_seqs=2, exit_policy="ouro_delayed", attention_backend="triton", cuda_graphs=True,
               kv_layout="alias", prefix_tiles=True)
-    eng = LoopEngine(model, EngineConfig(max_model_len=128, **kw))
+    eng = LoopEngine(model, EngineConfig(max_model_len=128, poison_kv=True, **kw))
     eng.add_request(reqs[0])
     eng.add_request(reqs[1])
     eng.step()
@@ -122,3 +128,54 @@ def test_descriptor_bank_is_not_rewritten_while_the_gpu_may_read_it(mode):
     torch.cuda.synchronize()
     assert torch.all(dst == 7), "the device read a bank the host had already rewritten"
     assert banks.waits == 1
+
+
+# ------------------------------------------------------- CUDA-graph captures with a cold kernel cache
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_capture_child(scenario: str, tmp_path: Path, timeout_s: int) -> dict:
+    """Run tests/gpu_capture_child.py in a fresh process whose Triton cache is an empty directory (a cold
+    machine: every kernel is compiled in that process first); returns its JSON report."""
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / f"{scenario}.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu_capture_child", scenario, str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0 and out.exists(), (
+        f"capture child '{scenario}' exited {proc.returncode}; stderr tail:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def test_cold_kernel_cache_captures_every_policy_layout_and_bucket(tmp_path):
+    """Fresh TRITON_CACHE_DIR, collector on, one fresh engine per run: every capture of every policy x
+    layout succeeds (no compile inside a capture, or GraphCaptureError names it), buckets 8/4/2/1 and
+    every prompt length are captured, nothing falls back, and the layouts give the same tokens."""
+    report = run_capture_child("workload", tmp_path, timeout_s=240)
+    runs = report["runs"]
+    for r in runs:
+        assert "error" not in r, f"{r['policy']} {r['arm']} failed after {r['seconds']}s:\n{r['error']}"
+    assert len(runs) == 12, f"expected 4 policies x 3 layouts, got {[(r['policy'], r['arm']) for r in runs]}"
+    by_policy = {}
+    for r in runs:
+        what, s = f"{r['policy']} {r['arm']}", r["stats"]
+        assert s["graph_captures"] == len(r["decode_buckets"]) >= 3, f"{what}: decode buckets {r['decode_buckets']}"
+        assert s["prefill_graph_captures"] == len(r["prefill_buckets"]) == 7, f"{what}: {r['prefill_buckets']}"
+        assert s["graph_fallbacks"] == 0 and s["prefill_graph_fallbacks"] == 0, f"{what}: eager fallbacks {s}"
+        assert s["graph_replays"] > 0, what
+        by_policy.setdefault(r["policy"], {})[r["arm"]] = r["outputs"]
+    for policy, arms in by_policy.items():
+        for arm, outputs in arms.items():
+            assert outputs == arms["native"], f"{policy}: {arm} tokens/exits differ from native"
+    assert by_policy["replay"]["native"] == by_policy["ouro_delayed"]["native"], "replay differs from its capture"
+
+
+def test_failed_capture_raises_clearly_and_leaves_the_process_usable(tmp_path):
+    report = run_capture_child("failed-capture", tmp_path, timeout_s=120)
+    assert report["error"] is not None, "a capture that launches a new Triton specialisation must fail"
+    assert "graph bucket 4" in report["error"], report["error"]
+    assert "_add_one_kernel" in report["error"] or "capturing" in report["error"], report["error"]
+    assert report["cached_after_failure"] == [], "a failed capture must not be cached"
+    assert report["after"] == [3.0] * 16 and report["matmul"] == 512.0, f"the process is not usable: {report}"
