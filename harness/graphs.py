@@ -44,10 +44,11 @@ class GraphCache:
     capture will use, on inputs that must leave live state unchanged (padding rows, or inputs whose writes
     the replay repeats identically); the capture then records exactly that call on the same tensors.
 
-    What a capture must never do, and how this class keeps it so (CUDA forbids module loads, syncs and
-    allocator calls outside the captured stream while a capture is open, and such a call also invalidates
-    the capture: "operation not permitted when stream is capturing", then "operation failed due to a
-    previous error during capture"):
+    What a capture must never do, and how this class keeps it so. While a capture is open CUDA refuses
+    calls that may synchronise or load code (module loads, synchronous copies, event or stream queries,
+    from any thread of the process in torch's default "global" mode), and the refused call invalidates the
+    capture: "operation not permitted when stream is capturing", then "operation failed due to a previous
+    error during capture".
 
     - compile or load a kernel: the warm-up launches every kernel of ``fn`` with the same arguments as the
       capture (same static tensors, same shapes and strides, so the same Triton specialisations: integer
