@@ -23,11 +23,13 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
 7. references: every warmup and measured arm reproduces its frozen reference token for token and
    exit for exit, with the reference's work counters and row trace, zero measured Graph captures and
    equal Graph coverage within a pair;
-8. summary: every field re-derived (status, reasons, counts, checks, children, verdict rule, and per
+8. coverage: each record of schema 2 carries the coverage counts that the auditor derives itself from
+   the frozen schedule and the arm's config (:mod:`.coverage`), whose row trace must be the frozen one;
+9. summary: every field re-derived (status, reasons, counts, checks, children, verdict rule, and per
    comparison the names, pairs, tokens/s, ratios, speedup, CIs, Wilcoxon p, verdict and its reason);
    complete or incomplete follows from children.json's structured fields (the latest entry per child:
    its state, exit code and ``interrupted_by``) and the records, never from the summary's sentences;
-9. report: ``report.md`` equals, line for line, the auditor's own rendering of the re-derived figures
+10. report: ``report.md`` equals, line for line, the auditor's own rendering of the re-derived figures
    (no extra, hidden or edited line; no raw HTML).
 
 The verdict goes to ``audit.json`` in the bundle (outside the manifest by design) and the exit status:
@@ -51,7 +53,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import scipy
 
-from . import derive, render
+from . import coverage, derive, render
 
 
 def _bundle_layout() -> dict:
@@ -84,6 +86,9 @@ RECORD_FIELDS = {"job": str, "seq": int, "point": str, "comparison": str, "pair"
 PHASE_FIELDS = {"elapsed_s": (int, float), "graphs": dict, "memory": dict, "outputs": dict, "work": dict,
                 "kv_blocks_used": int}
 OUTPUT_FIELDS = {"token_ids": list, "exit_depths": list, "finish_reason": str}
+COVERAGE_FIELDS = {"exits_per_depth": list, "lower_plane_reads": list, "routed_reads": int, "direct_tiles": int,
+                   "boundary_tiles": int, "boundary_last_key": int, "fill_token_planes": int, "padding_rows": int,
+                   "trace_sha256": str}
 
 
 # ------------------------------------------------------------------------------------------ values
@@ -209,7 +214,20 @@ def _record_problem(rec: Any) -> str | None:
         problem = _phase_problem(rec.get(phase), phase)
         if problem is not None:
             return problem
-    return None
+    return _coverage_problem(rec)
+
+
+def _coverage_problem(rec: dict) -> str | None:
+    """Records of schema 2 and later carry ``coverage``; schema 1 (bundles before it) has none."""
+    schema = rec.get("schema", 1)
+    if isinstance(schema, bool) or not isinstance(schema, int):
+        return f"schema is {schema!r}"
+    if schema < 2:
+        return "coverage is in a schema-1 record" if "coverage" in rec else None
+    cov = rec.get("coverage")
+    if not isinstance(cov, dict):
+        return f"coverage is {cov!r}"
+    return _fields_problem(cov, COVERAGE_FIELDS, "coverage.")
 
 
 def _record_file_name(rec: dict) -> str:
@@ -703,6 +721,7 @@ class Audit:
                         self.fail("reference", f"{r['job']} seq {r['seq']} {r['arm']}: no {phase} run")
                     continue
                 self._check_phase(r, phase, data, ref)
+            self._check_coverage_trace(r)
             new_captures = {k: n for k, n in r["measured"]["graphs"].items() if k.endswith("captures") and n}
             if warmup and new_captures:
                 self.fail("captures", f"{r['job']} seq {r['seq']} {r['arm']}: {new_captures} in the measured run")
@@ -728,6 +747,38 @@ class Audit:
         trace = ref["schedule"].get("trace_sha256")
         if data.get("trace_sha256") is not None and trace is not None and data["trace_sha256"] != trace:
             self.fail("trace", f"{where}: row trace differs from the frozen schedule")
+
+    def _check_coverage_trace(self, r: dict) -> None:
+        """The record's coverage counts are of the rows that ran (the checker's ``coverage`` finding)."""
+        cov, trace = r.get("coverage"), r["measured"].get("trace_sha256")
+        if cov is not None and trace is not None and cov["trace_sha256"] != trace:
+            self.fail("coverage", f"{r['job']} seq {r['seq']} {r['arm']}: coverage was derived from a row trace "
+                                  "other than the measured run's")
+
+    # ----------------------------------------------------------------------------------- coverage
+    def check_coverage(self, plan: dict, records: list[dict], refs: dict) -> None:
+        """Every record's coverage is what the auditor derives from the frozen schedule and its arm."""
+        with_cov = [r for r in records if "coverage" in r]
+        if with_cov and len(with_cov) != len(records):
+            self.fail("coverage", f"{len(with_cov)} of {len(records)} records carry coverage counts; a bundle's "
+                                  "records all do or none")
+        planes = plan["checkpoint"]["model_config"]["total_ut_steps"]
+        derived: dict[tuple, dict] = {}
+        for r in with_cov:
+            ref = refs.get(r["point"])
+            if ref is None:
+                continue  # named by the reference check
+            key = (r["point"], r["arm"])
+            if key not in derived:
+                derived[key] = coverage.coverage(ref["schedule"], r["arm_config"], planes)
+                if derived[key]["trace_sha256"] != ref["schedule"].get("trace_sha256"):
+                    self.fail("coverage", f"{r['point']}: the replay scheduling rules do not reproduce the frozen "
+                                          "row trace, so no coverage count can be vouched for")
+            for path, got, want in _field_diffs(r["coverage"], derived[key], "coverage"):
+                self.fail("coverage", f"record {r['job']} seq {r['seq']} ({r['arm']}): {path} is "
+                                      f"{_plain(got) if got is not ABSENT else 'missing'}, the frozen schedule gives "
+                                      f"{want if want is not ABSENT else 'no such count'}")
+            self.count("coverage_records")
 
     def _check_graph_coverage(self, records: list[dict]) -> None:
         """Both arms of a pair with the same Graph settings replay and fall back equally often."""
@@ -827,6 +878,7 @@ class Audit:
         self.section("timing", self.check_timing, records)
         self.section("timing", self.check_wall_clock, records)
         self.section("tables", self.check_tables, records, tables)
+        self.section("coverage", self.check_coverage, plan, records, refs)
         checks_ok = bool(self.section("reference", self.check_against_references, plan, records, refs))
         self.section("sessions", self.check_child_states, children)
         self.section("sessions", self.check_sessions, plan, records, children)

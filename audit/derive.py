@@ -71,6 +71,7 @@ def arm_row(r: dict) -> dict:
     row.update({f"work_{k}": v for k, v in m["work"].items()})
     row["kv_blocks_used"] = m["kv_blocks_used"]
     row["trace_sha256"] = m.get("trace_sha256")
+    row.update({f"coverage_{k}": v for k, v in (r.get("coverage") or {}).items()})
     return row
 
 
@@ -330,8 +331,46 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
                          "bootstrap_seed": vd["bootstrap_seed"]},
         "counts": {"arms_planned": planned, "arms_recorded": len(records), "pairs_planned": planned // 2,
                    "pairs_complete": len(pairs), "requests": n_requests, "tokens": n_tokens},
-        "checks": {"ok": checks_ok, **check_counts(records, reference_points), "findings": findings},
+        "checks": {"ok": checks_ok, **check_counts(records, reference_points), "findings": findings,
+                   **coverage_warnings(records)},
         "children": children,
         "results": results(plan, pairs, publish),
     }
 
+
+def coverage_warnings(records: list[dict]) -> dict:
+    """``{"warnings": [...]}`` when the records carry coverage, else ``{}`` (bundles before it).
+
+    A comparison of arms that differ in kv_layout is flagged when no key was read from a plane below its
+    query depth or its alias arm read no key through the exit map; one of arms that differ in
+    prefix_tiles when its prefix arm read no tile directly or met no boundary tile. Each arm's counts are
+    those of its first record in the comparison (they depend on point and arm only).
+    """
+    if not any("coverage" in r for r in records):
+        return {}
+    first: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if "coverage" in r:
+            first.setdefault((r["job"], r["point"], r["comparison"]), {}).setdefault(r["position"], r)
+    lines = []
+    for (job, point, comp), pos in first.items():
+        if len(pos) != 2:
+            continue
+        b, c = pos["baseline"], pos["candidate"]
+        gaps = []
+        if b["arm_config"]["kv_layout"] != c["arm_config"]["kv_layout"]:
+            al = b if b["arm_config"]["kv_layout"] == "alias" else c
+            if sum(al["coverage"]["lower_plane_reads"]) == 0:
+                gaps.append("no decode row read a key from a plane below its depth")
+            if not al["coverage"]["routed_reads"]:
+                gaps.append(f"arm {al['arm']!r} read no key through the exit map")
+        if bool(b["arm_config"]["prefix_tiles"]) != bool(c["arm_config"]["prefix_tiles"]):
+            pf = b if b["arm_config"]["prefix_tiles"] else c
+            if not pf["coverage"]["direct_tiles"]:
+                gaps.append(f"arm {pf['arm']!r} read no key tile directly")
+            if not pf["coverage"]["boundary_tiles"]:
+                gaps.append(f"arm {pf['arm']!r} met no boundary tile")
+        if gaps:
+            lines.append(f"{job} {point} {comp}: {'; '.join(gaps)}: this comparison does not exercise where its "
+                         "arms differ")
+    return {"warnings": lines}

@@ -98,7 +98,7 @@ def _checks(checks: dict) -> list[str]:
     lines += [f"- {f['message']}" for f in findings[:MAX_FINDINGS]]
     if len(findings) > MAX_FINDINGS:
         lines.append(f"- ... and {len(findings) - MAX_FINDINGS} more (summary.json)")
-    return lines
+    return lines + [f"- warning: {w}" for w in checks.get("warnings", [])]
 
 
 def _mib(values: list) -> str:
@@ -135,6 +135,43 @@ def _wall(wall_s: float | None) -> str:
     return "n/a" if wall_s is None else f"{wall_s:.1f}"   # None: never started, or its controller died
 
 
+COVERAGE_KEYS = ("exits_per_depth", "lower_plane_reads", "routed_reads", "direct_tiles", "boundary_tiles",
+                 "boundary_last_key", "fill_token_planes", "padding_rows")
+COVERAGE_TEXT = (
+    "Counts of one measured run, derived on the host from the frozen schedule and the arm's layout "
+    "(harness/coverage.py; the checker requires the derivation's row trace to be the run's): decode exits "
+    "per depth; key reads from a plane below the query depth, per plane (alias resolves them through the "
+    "exit map, native reads the fill's copies; all zero means the layouts never read differently); keys "
+    "resolved one by one through the exit map; key tiles read directly by the prefix reader; rows whose "
+    "first-alias position lies in their context (a boundary tile), and of those the rows where it is the "
+    "tile's last key; token-planes copied by the native fill (K and V of every layer); CUDA-Graph padding "
+    "rows. Reads are counted per decode row: every layer repeats them.")
+
+
+def _count_text(value) -> str:
+    return "/".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
+def _coverage(arm_rows: list[dict]) -> list[str]:
+    """Per (GPU, B, C, arm), the coverage counts its runs share ("varies" where they do not)."""
+    if "coverage_routed_reads" not in arm_rows[0]:
+        return []
+    groups: dict[tuple, list[dict]] = {}
+    for a in arm_rows:
+        groups.setdefault((a["device"], a["max_num_seqs"], a["num_requests"], a["arm"]), []).append(a)
+    lines = ["", "## Layout paths per run", "", COVERAGE_TEXT, "",
+             "| GPU | B / C | arm | runs | exits per depth | reads below the query depth, per plane | exit-map reads "
+             "| direct tiles | boundary tiles | at a tile's last key | fill token-planes | padding rows |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (dev, b, c, arm), g in sorted(groups.items()):
+        cells = []
+        for key in COVERAGE_KEYS:
+            texts = {_count_text(r[f"coverage_{key}"]) for r in g}
+            cells.append(texts.pop() if len(texts) == 1 else "varies")
+        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {' | '.join(cells)} |")
+    return lines
+
+
 def _children(children: list[dict]) -> list[str]:
     """One row per child of every run of the bundle, named by its session id (its name before resume)."""
     return ["## Children", "", "| child | device | state | exit code | wall s |", "|---|---|---|---|---|"] + [
@@ -151,6 +188,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
     lines += [""] + _checks(summary["checks"])
     if arm_rows:
         lines += [""] + _graph_memory(arm_rows)
+        lines += _coverage(arm_rows)
     lines += [""] + _children(summary["children"])
     lines += ["", "![paired ratios](pair_ratios.png)", ""]
     return "\n".join(lines)

@@ -10,6 +10,12 @@ references (the reference capture's ``Schedule`` JSON and its work counters); it
 how the records were produced. Equal-within-a-pair Graph coverage (replays and fallbacks) is checked
 where both arms of a pair have the same Graph settings, since a different eager/graph split changes
 the kernels that ran, not just their speed.
+
+Coverage (harness/coverage.py): a record's coverage counts must come from the rows that ran (their
+simulated row trace equals the measured run's), else a ``coverage`` finding. A comparison whose arms
+differ in layout or prefix tiles but whose workload never reached the paths where they differ gets a
+*warning* (:func:`coverage_warnings`): its timing is still evidence of speed, but its bitwise equality
+shows nothing about the layouts.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ PHASES = ("warmup", "measured")
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str            # tokens | exit_depths | requests | work | captures | graph_coverage | trace | missing
+    kind: str            # tokens | exit_depths | requests | work | captures | graph_coverage | trace | coverage | missing
     job: str
     point: str
     comparison: str
@@ -55,15 +61,19 @@ class CheckReport:
     phases_checked: int
     requests_checked: int
     tokens_checked: int
+    warnings: tuple[str, ...] | None = None   # None: the records carry no coverage (record schema 1)
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "arms_checked": self.arms_checked, "phases_checked": self.phases_checked,
-                "requests_checked": self.requests_checked, "tokens_checked": self.tokens_checked,
-                "findings": [f.to_dict() for f in self.findings]}
+        out = {"ok": self.ok, "arms_checked": self.arms_checked, "phases_checked": self.phases_checked,
+               "requests_checked": self.requests_checked, "tokens_checked": self.tokens_checked,
+               "findings": [f.to_dict() for f in self.findings]}
+        if self.warnings is not None:
+            out["warnings"] = list(self.warnings)
+        return out
 
 
 def _jsonable(x: object) -> object:
@@ -136,6 +146,7 @@ def check(records: list[dict], references: dict[str, dict], *, warmup: bool = Tr
             requests += len(rec[phase]["outputs"])
             tokens += sum(len(o["token_ids"]) for o in rec[phase]["outputs"].values())
         measured = rec.get("measured")
+        findings += _coverage_trace_findings(rec)
         if warmup and measured is not None:
             for key, n in sorted(measured["graphs"].items()):
                 if key.endswith("captures") and n != 0:
@@ -156,4 +167,54 @@ def check(records: list[dict], references: dict[str, dict], *, warmup: bool = Tr
                         "graph_coverage", b["job"], b["point"], b["comparison"], b["pair"], b["arm"], "measured",
                         None, None, {key: a["measured"]["graphs"].get(key), "arm": a["arm"]},
                         {key: b["measured"]["graphs"].get(key)}))
-    return CheckReport(tuple(findings), len(records), phases, requests, tokens)
+    warnings = tuple(coverage_warnings(records)) if any("coverage" in r for r in records) else None
+    return CheckReport(tuple(findings), len(records), phases, requests, tokens, warnings)
+
+
+def _coverage_trace_findings(rec: dict) -> list[Finding]:
+    """A ``coverage`` finding when the record's counts were derived from rows other than those that ran."""
+    cov, measured = rec.get("coverage"), rec.get("measured")
+    if cov is None or measured is None or measured.get("trace_sha256") is None:
+        return []
+    if cov["trace_sha256"] == measured["trace_sha256"]:
+        return []
+    return [Finding("coverage", rec["job"], rec["point"], rec["comparison"], rec["pair"], rec["arm"], "measured",
+                    None, None, {"trace_sha256": measured["trace_sha256"]},
+                    {"coverage trace_sha256": cov["trace_sha256"]})]
+
+
+def coverage_warnings(records: list[dict]) -> list[str]:
+    """One line per (job, point, comparison) whose arms differ where the workload never went.
+
+    Arms that differ in ``kv_layout``: a warning when no decode row read a key from a plane below its
+    depth (``lower_plane_reads`` all zero: native's copies and alias's resolved reads were never needed)
+    or when the alias arm read no key through the exit map. Arms that differ in ``prefix_tiles``: a
+    warning when the prefix arm read no tile directly or met no boundary tile. Coverage of each arm is
+    taken from its first record of the group (the counts are a function of point and arm).
+    """
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if "coverage" in r:
+            groups.setdefault((r["job"], r["point"], r["comparison"]), {}).setdefault(r["position"], r)
+    out = []
+    for (job, point, comp), by_pos in groups.items():
+        if set(by_pos) != {"baseline", "candidate"}:
+            continue
+        arms = sorted(by_pos.values(), key=lambda r: r["position"])
+        gaps = []
+        if len({a["arm_config"]["kv_layout"] for a in arms}) == 2:
+            alias = next(a for a in arms if a["arm_config"]["kv_layout"] == "alias")
+            if not any(alias["coverage"]["lower_plane_reads"]):
+                gaps.append("no decode row read a key from a plane below its depth")
+            if alias["coverage"]["routed_reads"] == 0:
+                gaps.append(f"arm {alias['arm']!r} read no key through the exit map")
+        if len({bool(a["arm_config"]["prefix_tiles"]) for a in arms}) == 2:
+            prefix = next(a for a in arms if a["arm_config"]["prefix_tiles"])
+            if prefix["coverage"]["direct_tiles"] == 0:
+                gaps.append(f"arm {prefix['arm']!r} read no key tile directly")
+            if prefix["coverage"]["boundary_tiles"] == 0:
+                gaps.append(f"arm {prefix['arm']!r} met no boundary tile")
+        if gaps:
+            out.append(f"{job} {point} {comp}: {'; '.join(gaps)}: this comparison does not exercise where "
+                       "its arms differ")
+    return out

@@ -172,6 +172,11 @@ def _phase_row(prefix: str, phase: dict | None) -> dict:
     return row
 
 
+def _coverage_columns(record: dict) -> dict:
+    """``coverage_<count>`` columns of one arm (harness/coverage.py); none for a record without coverage."""
+    return {f"coverage_{k}": v for k, v in sorted((record.get("coverage") or {}).items())}
+
+
 def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
     """Flatten raw records into the bundle's five tables (one row per arm / pair / request / token / sample)."""
     arms, reqs, toks, tele = [], [], [], []
@@ -189,6 +194,7 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
             row[f"work_{k}"] = v
         row["kv_blocks_used"] = m["kv_blocks_used"]
         row["trace_sha256"] = m.get("trace_sha256")
+        row.update(_coverage_columns(r))
         arms.append(row)
         for phase in ("warmup", "measured"):
             data = r.get(phase)

@@ -64,6 +64,41 @@ def _graph_memory_lines(arms: pd.DataFrame) -> list[str]:
     return lines
 
 
+COVERAGE_TEXT = (
+    "Counts of one measured run, derived on the host from the frozen schedule and the arm's layout "
+    "(harness/coverage.py; the checker requires the derivation's row trace to be the run's): decode exits "
+    "per depth; key reads from a plane below the query depth, per plane (alias resolves them through the "
+    "exit map, native reads the fill's copies; all zero means the layouts never read differently); keys "
+    "resolved one by one through the exit map; key tiles read directly by the prefix reader; rows whose "
+    "first-alias position lies in their context (a boundary tile), and of those the rows where it is the "
+    "tile's last key; token-planes copied by the native fill (K and V of every layer); CUDA-Graph padding "
+    "rows. Reads are counted per decode row: every layer repeats them.")
+
+
+def _per_run(values) -> str:
+    """The one value an arm's runs share ("a/b/c" for a list), or "varies"."""
+    texts = {"/".join(str(int(x)) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else str(int(v))
+             for v in values}
+    return texts.pop() if len(texts) == 1 else "varies"
+
+
+def _coverage_lines(arms: pd.DataFrame) -> list[str]:
+    """Per (GPU, B, C, arm): how often each path where the layouts differ ran in one measured run."""
+    if not len(arms) or "coverage_routed_reads" not in arms.columns:
+        return []
+    lines = ["", "## Layout paths per run", "", COVERAGE_TEXT, "",
+             "| GPU | B / C | arm | runs | exits per depth | reads below the query depth, per plane | "
+             "exit-map reads | direct tiles | boundary tiles | at a tile's last key | fill token-planes | "
+             "padding rows |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ("exits_per_depth", "lower_plane_reads", "routed_reads", "direct_tiles", "boundary_tiles",
+            "boundary_last_key", "fill_token_planes", "padding_rows")
+    for (dev, b, c, arm), g in arms.groupby(["device", "max_num_seqs", "num_requests", "arm"], sort=True):
+        cells = " | ".join(_per_run(g[f"coverage_{k}"]) for k in keys)
+        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {cells} |")
+    return lines
+
+
 def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict) -> str:
     cfg = plan["config"]
     code = plan["code"]
@@ -115,7 +150,9 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         lines.append(f"- {f['message']}")
     if len(ch["findings"]) > 25:
         lines.append(f"- ... and {len(ch['findings']) - 25} more (summary.json)")
+    lines += [f"- warning: {w}" for w in ch.get("warnings") or []]
     lines += ["", "## Graph counters and memory", ""] + _graph_memory_lines(arms) if len(arms) else []
+    lines += _coverage_lines(arms)
     lines += ["", "## Children", "", "| child | device | state | exit code | wall s |", "|---|---|---|---|---|"]
     for c in summary["children"]:
         wall = f"{c['wall_s']:.1f}" if c["wall_s"] is not None else "n/a"   # a child never started, or lost

@@ -12,7 +12,9 @@ that the controller wrote into the bundle:
   measured run timed from the first submission to full drain. Each completed arm is written at once as
   one raw JSON record (atomic), so a killed session leaves every completed arm behind. A job may name
   the ``seqs`` of the plan's order it measures (a resumed run's session measures the rest) and its
-  ``session`` id, which every record it writes carries.
+  ``session`` id, which every record it writes carries. A record also carries the arm's ``coverage``:
+  how often each path where the layouts differ ran, derived from the frozen schedule on the host after
+  the measured run (harness/coverage.py), never counted while timed.
 
 Stopping: SIGTERM ends the child at once (an arm in flight is not recorded, and a record being written
 is either whole or absent); on Linux the kernel sends that SIGTERM when the controller dies, even by
@@ -44,7 +46,7 @@ from . import telemetry
 from .evidence import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
 from .stats import tokens_per_s
 
-RECORD_SCHEMA = 1
+RECORD_SCHEMA = 2   # 2: records carry ``coverage`` (harness/coverage.py)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -254,11 +256,13 @@ def measure(job: dict) -> None:
     max_len = plan["max_model_len"]
     _log(f"session {job['name']} on {device['label']}: loading {plan['checkpoint']['path']}")
     model = load_model(plan["checkpoint"]["path"], cfg["model"]["dtype"], device, max_len)
-    schedules, requests = {}, {}
+    schedules, requests, frozen = {}, {}, {}
     for key, pt in points.items():
-        schedules[key] = schedule_mod.Schedule.from_json((bundle / pt["reference"]["file"]).read_text())
+        frozen[key] = (bundle / pt["reference"]["file"]).read_text()
+        schedules[key] = schedule_mod.Schedule.from_json(frozen[key])
         requests[key] = build_requests(prompts, pt["num_requests"], cfg["workload"]["output_len"], cfg["exit"])
     out_dir = bundle / "raw" / job["name"]
+    covered = arm_coverage(frozen, cfg["arms"], model.cfg.total_ut_steps)
     kill_after = cfg["fault"]["kill_after_arms"]
     done = 0
     seqs = set(job["seqs"]) if job.get("seqs") is not None else None
@@ -290,7 +294,7 @@ def measure(job: dict) -> None:
                "output_len": cfg["workload"]["output_len"], "comparison": item["comparison"], "pair": item["pair"],
                "position": item["position"], "slot": item["slot"], "arm": item["arm"], "arm_config": arm,
                "tokens_per_s": tokens_per_s(pt["num_requests"], cfg["workload"]["output_len"], meas["elapsed_s"]),
-               "warmup": warm, "measured": meas,
+               "warmup": warm, "measured": meas, "coverage": covered(item["point"], item["arm"]),
                "telemetry": {"start": tele_start, "end": tele_end},
                "wall_clock": {"measured_start_unix_s": start_unix_s, "measured_end_unix_s": end_unix_s}}
         name = f"{item['seq']:05d}-{item['point']}-{item['comparison']}-p{item['pair']}-{item['position']}.json"
@@ -331,6 +335,23 @@ def _hold_jobs_lock(bundle: Path) -> int:
         _log(f"{bundle} is being finished or resumed by another process: not starting")
         raise SystemExit(1)
     return fd
+
+
+def arm_coverage(frozen: dict[str, str], arms: dict, num_planes: int):
+    """``(point, arm) -> coverage counts`` (harness/coverage.py) of replaying the point's frozen schedule.
+
+    ``frozen`` maps a point key to its schedule's JSON text. Pure host arithmetic, computed once per
+    (point, arm) when the first record asks, i.e. after that arm's measured run and outside its timer.
+    """
+    from . import coverage
+
+    cache: dict[tuple[str, str], dict] = {}
+
+    def covered(point: str, arm: str) -> dict:
+        if (point, arm) not in cache:
+            cache[point, arm] = coverage.derive(json.loads(frozen[point]), arms[arm], num_planes)
+        return cache[point, arm]
+    return covered
 
 
 def run_job(job_path: str) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from loopbench.audit import derive
+from loopbench.audit import coverage as derive_coverage, derive
 from loopbench.audit.__main__ import main as audit_main
 from loopbench.audit import auditor
 from loopbench.audit.auditor import audit
@@ -127,6 +127,56 @@ def test_honest_bundle_passes(bundle):
     for rel in ("plan.json", "environment.json", "prompts.json", "summary.json", "report.md", "pair_ratios.png",
                 "children.json", "references/B2C3.schedule.json", *(f"tables/{t}.parquet" for t in evidence.TABLES)):
         assert rel in manifest
+
+
+def test_coverage_is_recorded_tabled_reported_and_rederived(bundle):
+    """Every record carries its arm's coverage counts; arms.parquet and the report show them, and the
+    auditor re-derives them from the frozen schedule (the MINI workload's contexts stay inside the first
+    32-key tile, so its native-vs-prefix comparison is warned about: no tile was read directly)."""
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass" and verdict["checked"]["coverage_records"] == 8, verdict["discrepancies"]
+    records = [json.loads(p.read_text()) for p in sorted((bundle / "raw" / "cpu0").glob("*.json"))]
+    arms = pd.read_parquet(bundle / "tables" / "arms.parquet").sort_values("seq")
+    for rec, (_, row) in zip(records, arms.iterrows()):
+        assert rec["schema"] == 2 and set(rec["coverage"]) == set(derive_coverage.KEYS)
+        assert row["coverage_routed_reads"] == rec["coverage"]["routed_reads"]
+        assert list(row["coverage_exits_per_depth"]) == rec["coverage"]["exits_per_depth"]
+        assert (rec["coverage"]["routed_reads"] > 0) == (rec["arm_config"]["kv_layout"] == "alias")
+        assert (rec["coverage"]["fill_token_planes"] > 0) == (rec["arm_config"]["kv_layout"] == "native")
+    report = (bundle / "report.md").read_text()
+    section = report.split("## Layout paths per run")[1].split("## Children")[0]
+    assert [line.split(" | ")[2] for line in section.split("\n") if line.startswith("| cpu | 2 / 3 |")] == [
+        "alias_prefix", "native"]
+    warnings = json.loads((bundle / "summary.json").read_text())["checks"]["warnings"]
+    assert warnings == ["cpu0 B2C3 native_vs_alias_prefix: arm 'alias_prefix' read no key tile directly: this "
+                        "comparison does not exercise where its arms differ"]
+    assert f"- warning: {warnings[0]}" in report
+
+
+def test_forged_coverage_count_is_named(bundle):
+    """Raw record and table alike inflated: the frozen schedule gives the true count."""
+    _edit_json(_raw(bundle, 1), lambda rec: rec["coverage"].update(routed_reads=rec["coverage"]["routed_reads"] + 7))
+    _edit_table(bundle, "arms", lambda df: df.assign(coverage_routed_reads=df["coverage_routed_reads"].where(
+        df["seq"] != 1, df["coverage_routed_reads"] + 7)))
+    _rewrite_manifest(bundle)
+    text = _failed(bundle)
+    assert "coverage: record cpu0 seq 1 (" in text and "coverage.routed_reads is " in text, text
+    assert "the frozen schedule gives" in text
+
+
+def test_record_that_drops_its_coverage_is_named(bundle):
+    _edit_json(_raw(bundle, 2), lambda rec: rec.pop("coverage"))
+    _rewrite_manifest(bundle)
+    assert "is not an arm record: coverage is None" in _failed(bundle)
+
+
+def test_dropped_coverage_warning_is_named(bundle):
+    _edit_json(bundle / "summary.json", lambda s: s["checks"].update(warnings=[]))
+    _edit_report(bundle, lambda lines: [line for line in lines if not line.startswith("- warning:")])
+    _rewrite_manifest(bundle)
+    text = _failed(bundle)
+    assert "summary.json: checks.warnings has 0 entries, the audit derives 1" in text, text
+    assert 'report.md: lacks the re-derived line "- warning: cpu0 B2C3 native_vs_alias_prefix' in text
 
 
 def test_committed_gpu_bundle_passes():
@@ -369,6 +419,8 @@ REPORT_EDITS = {
     "graph counters row": (_replace_in("## Graph counters and memory", "| native | 6 |", "| native | 7 |"),
                            "(## Graph counters and memory) reads"),
     "children row": (_replace_in("## Children", "| completed | 0 |", "| completed | 1 |"), "(## Children) reads"),
+    "coverage row": (_replace_in("## Layout paths per run", "| alias_prefix | 2 |", "| alias_prefix | 3 |"),
+                     "(## Layout paths per run) reads"),
 }
 
 
