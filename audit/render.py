@@ -40,6 +40,15 @@ def _result_tables(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _prompt_label(wl: dict) -> str:
+    """One P, a cycled mix of ``prompt_lens`` ("31,32,63,33 cycled"), or "file"."""
+    if wl["prompts_file"]:
+        return "file"
+    if wl.get("prompt_lens"):
+        return ",".join(str(n) for n in wl["prompt_lens"]) + " cycled"
+    return str(wl["prompt_len"])
+
+
 def _header(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, environment: dict) -> list[str]:
     cfg, code, ckpt = plan["config"], plan["code"], plan["checkpoint"]
     wl, ex = cfg["workload"], cfg["exit"]
@@ -51,7 +60,7 @@ def _header(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, en
     elif not summary["verdicts_published"]:
         lines += ["**Checks failed: every verdict is barred** (see Checks).", ""]
     dirty = " (dirty tree)" if code["git_dirty"] else ""
-    prompt = "file" if wl["prompts_file"] else wl["prompt_len"]
+    prompt = _prompt_label(wl)
     return lines + [
         f"- Code: `{code['git_sha'] or 'unknown'}`{dirty}; plan sha256 `{plan_sha256}`",
         f"- Model: {ckpt['description']}, {cfg['model']['dtype']}, checkpoint sha256 `{ckpt['sha256']}`",

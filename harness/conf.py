@@ -85,12 +85,17 @@ class WorkloadConf:
     ``prompt_token_ids`` list column, or JSONL with one list of ids, or an object with that key, per
     line); a file's prompts are used as they are, its first C for a point of C requests, and
     ``prompt_len`` is then ignored (the plan records the lengths found).
+
+    ``prompt_lens`` mixes lengths instead of one ``prompt_len``: request i's seeded prompt has
+    ``prompt_lens[i % len(prompt_lens)]`` tokens (``cpu-smoke`` uses it to put first-alias positions at
+    and across key-tile boundaries). Set one of the two; the other must be null.
     """
 
-    prompt_len: int = 128
+    prompt_len: Optional[int] = 128
     output_len: int = 128
     prompt_seed: int = 0
     prompts_file: Optional[str] = None
+    prompt_lens: Optional[List[int]] = None
 
 
 @dataclass
@@ -242,9 +247,7 @@ def validate(cfg: DictConfig | dict) -> dict:
     plain = cfg if isinstance(cfg, dict) else to_plain(cfg)
     _check_keys(plain, BenchConf, "")
 
-    def positive(key: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    positive = _positive_int
 
     def seed(key: str, value: Any) -> None:
         # numpy's default_rng takes non-negative integers only; fail here, not in a child or the summary
@@ -259,10 +262,7 @@ def validate(cfg: DictConfig | dict) -> dict:
     seed("verdict.bootstrap_seed", plain["verdict"]["bootstrap_seed"])
     wl = plain["workload"]
     positive("workload.output_len", wl["output_len"])
-    if wl["prompts_file"] is None:
-        positive("workload.prompt_len", wl["prompt_len"])
-    elif not Path(wl["prompts_file"]).expanduser().is_file():
-        raise ValueError(f"workload.prompts_file {wl['prompts_file']!r} does not exist")
+    _check_prompt_lengths(wl)
     if not plain["points"]:
         raise ValueError("points must list at least one (max_num_seqs, num_requests) point")
     seen = set()
@@ -327,6 +327,38 @@ def validate(cfg: DictConfig | dict) -> dict:
     return plain
 
 
+def _check_prompt_lengths(wl: dict) -> None:
+    """Exactly one source of prompt lengths: ``prompts_file``, ``prompt_lens`` or ``prompt_len``."""
+    if wl["prompts_file"] is not None:
+        if wl["prompt_lens"] is not None:
+            raise ValueError(f"workload.prompts_file={wl['prompts_file']!r} and workload.prompt_lens="
+                             f"{wl['prompt_lens']} are both set; a file's prompts keep their own lengths, so set "
+                             "workload.prompt_lens=null")
+        if not Path(wl["prompts_file"]).expanduser().is_file():
+            raise ValueError(f"workload.prompts_file {wl['prompts_file']!r} does not exist")
+        return
+    if wl["prompt_lens"] is None:
+        if wl["prompt_len"] is None:
+            raise ValueError("workload.prompt_len is null: set workload.prompt_len, workload.prompt_lens or "
+                             "workload.prompts_file")
+        _positive_int("workload.prompt_len", wl["prompt_len"])
+        return
+    if wl["prompt_len"] is not None:
+        raise ValueError(f"workload.prompt_len={wl['prompt_len']} and workload.prompt_lens={wl['prompt_lens']} "
+                         "are both set; set one and the other to null (e.g. workload.prompt_lens=null "
+                         "for prompts of one length)")
+    if not wl["prompt_lens"]:
+        raise ValueError("workload.prompt_lens must list at least one length, got []")
+    for i, n in enumerate(wl["prompt_lens"]):
+        _positive_int(f"workload.prompt_lens[{i}]", n)
+
+
+def _positive_int(key: str, value: Any) -> None:
+    """ValueError naming ``key`` unless ``value`` is an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
 def check_fits_model(plain: dict, model_config: dict, max_prompt_len: int) -> None:
     """The rules that need the model's config (``config.json`` keys): ValueError names key and limit.
 
@@ -340,8 +372,9 @@ def check_fits_model(plain: dict, model_config: dict, max_prompt_len: int) -> No
     positions = model_config["max_position_embeddings"]
     need = max_prompt_len + plain["workload"]["output_len"] - 1
     if need > positions:
-        prompt_key = ("the longest prompt of workload.prompts_file" if plain["workload"]["prompts_file"]
-                      else "workload.prompt_len")
+        wl = plain["workload"]
+        prompt_key = ("the longest prompt of workload.prompts_file" if wl["prompts_file"]
+                      else "the longest of workload.prompt_lens" if wl["prompt_lens"] else "workload.prompt_len")
         raise ValueError(f"{prompt_key} ({max_prompt_len}) + workload.output_len ({plain['workload']['output_len']}) "
                          f"- 1 = {need} positions exceed the model's max_position_embeddings={positions}")
 

@@ -206,7 +206,11 @@ def read_prompts_file(path: Path) -> list[list[int]]:
 
 
 def make_prompts(plain: dict, vocab_size: int) -> list[list[int]]:
-    """The prompt pool: seeded uniform token ids (numpy ``default_rng(prompt_seed)``), or the user's file."""
+    """The prompt pool: seeded uniform token ids (numpy ``default_rng(prompt_seed)``), or the user's file.
+
+    With ``prompt_lens`` prompt i has ``prompt_lens[i % len(prompt_lens)]`` tokens, drawn in prompt order
+    from the same generator; with one ``prompt_len`` the pool is one [C, P] draw, as it always was.
+    """
     wl = plain["workload"]
     need = max(p["num_requests"] for p in plain["points"])
     if wl["prompts_file"]:
@@ -219,6 +223,9 @@ def make_prompts(plain: dict, vocab_size: int) -> list[list[int]]:
                              f"[0, {vocab_size})")
         return prompts[:need]
     rng = np.random.default_rng(wl["prompt_seed"])
+    if wl.get("prompt_lens"):
+        lens = wl["prompt_lens"]
+        return [rng.integers(0, vocab_size, size=lens[i % len(lens)]).tolist() for i in range(need)]
     return rng.integers(0, vocab_size, size=(need, wl["prompt_len"])).tolist()
 
 

@@ -64,6 +64,15 @@ def _graph_memory_lines(arms: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _prompt_label(wl: dict) -> str:
+    """The header's prompt lengths: one P, a cycled mix ("31,32,63,33 cycled") or "file"."""
+    if wl["prompts_file"]:
+        return "file"
+    if wl.get("prompt_lens"):
+        return ",".join(str(n) for n in wl["prompt_lens"]) + " cycled"
+    return str(wl["prompt_len"])
+
+
 COVERAGE_TEXT = (
     "Counts of one measured run, derived on the host from the frozen schedule and the arm's layout "
     "(harness/coverage.py; the checker requires the derivation's row trace to be the run's): decode exits "
@@ -114,7 +123,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         f"- Code: `{code['git_sha'] or 'unknown'}`{' (dirty tree)' if code['git_dirty'] else ''}; plan sha256 `{summary['plan_sha256']}`",
         f"- Model: {plan['checkpoint']['description']}, {cfg['model']['dtype']}, checkpoint sha256 "
         f"`{plan['checkpoint']['sha256']}`",
-        f"- Workload: P{wl['prompt_len'] if not wl['prompts_file'] else 'file'} / D{wl['output_len']}, "
+        f"- Workload: P{_prompt_label(wl)} / D{wl['output_len']}, "
         f"prompts sha256 `{plan['prompts']['sha256']}`; fixed schedule from a natural `{plan['reference_arm']}` run "
         f"({ex['policy']} {ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']})",
         f"- Protocol: {cfg['pairs']} balanced pairs per point and comparison, order seed {cfg['order_seed']}, "

@@ -23,9 +23,9 @@ from loopbench.harness import conf, controller, evidence, stats
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_BUNDLE = REPO / "results" / "2026-11-30-ouro-1.4b-nogit"
-MINI = ["name=mini", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=17", "workload.output_len=4",
-        "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix},{baseline:native,candidate:native}]",
-        "executor.poll_s=0.1"]
+MINI = ["name=mini", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=17", "workload.prompt_lens=null",
+        "workload.output_len=4", "pairs=2",
+        "comparisons=[{baseline:native,candidate:alias_prefix},{baseline:native,candidate:native}]", "executor.poll_s=0.1"]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ def _error_text(exc: BaseException) -> str:
 def test_presets_compose_and_validate():
     smoke = conf.validate(conf.compose("cpu-smoke"))
     assert smoke["model"]["preset"] == "tiny" and smoke["pairs"] == 3
-    assert smoke["workload"]["prompt_len"] == 33   # crosses the 32-position tile boundary
+    # first-alias positions at the last key of a 32-position tile (31, 63), at a tile start and past it
+    assert smoke["workload"]["prompt_len"] is None and smoke["workload"]["prompt_lens"] == [31, 32, 63, 33]
+    assert smoke["exit"] == {"policy": "ouro", "threshold": 0.55, "min_loops": 1, "max_loops": 4}  # depth-1 exits
     assert [c["name"] for c in smoke["comparisons"]] == [
         "native_vs_alias_prefix", "alias_vs_alias_prefix", "native_vs_native"]
     big = conf.validate(conf.compose("ouro-1.4b"))
@@ -59,6 +61,11 @@ def test_misspelt_key_or_wrong_type_fails_at_composition(override, key):
     ("workload.prompt_seed=-1", "workload.prompt_seed"),
     ("verdict.bootstrap_seed=-1", "verdict.bootstrap_seed"),
     ("model.seed=-1", "model.seed"),
+    ("workload.prompt_len=5", "workload.prompt_lens"),          # cpu-smoke sets prompt_lens: both set
+    ("workload.prompt_lens=[]", "workload.prompt_lens"),
+    ("workload.prompt_lens=[3,0]", "workload.prompt_lens[1]"),
+    ("workload.prompt_lens=null", "workload.prompt_len"),       # neither set
+    ("workload.prompts_file=/no/such.jsonl", "workload.prompt_lens"),   # a file keeps its own lengths
 ])
 def test_semantic_errors_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ValueError) as err:
@@ -70,20 +77,24 @@ def test_semantic_errors_fail_in_validate_naming_the_key(override, key):
     ("exit.max_loops=5", ("exit.max_loops=5", "total_ut_steps=4")),
     ("workload.prompt_len=1000", ("workload.prompt_len (1000)", "workload.output_len (32)", "1031 positions",
                                   "max_position_embeddings=1024")),
+    ("workload.prompt_lens=[5,1000]", ("the longest of workload.prompt_lens (1000)", "1031 positions")),
 ])
 def test_config_that_does_not_fit_the_model_fails_naming_the_keys(override, keys):
     from loopbench.harness.model import PRESETS
 
-    plain = conf.validate(conf.compose("cpu-smoke", [override]))
+    extra = ["workload.prompt_lens=null"] if "prompt_len=" in override else ["workload.prompt_len=null"]
+    plain = conf.validate(conf.compose("cpu-smoke", [override, *extra]))
+    longest = plain["workload"]["prompt_len"] or max(plain["workload"]["prompt_lens"])
     with pytest.raises(ValueError) as err:
-        conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), plain["workload"]["prompt_len"])
+        conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), longest)
     assert all(k in str(err.value) for k in keys), str(err.value)
 
 
 def test_config_at_the_model_limits_fits():
     from loopbench.harness.model import PRESETS
 
-    plain = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=993", "exit.max_loops=4"]))
+    plain = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=993", "workload.prompt_lens=null",
+                                                     "exit.max_loops=4"]))
     conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), 993)   # 993 + 32 - 1 = 1024 positions
 
 
@@ -103,11 +114,14 @@ def test_overrides_and_list_replacement():
     ("exit.max_loops=5", "exit.max_loops=5 exceeds the model's total_ut_steps=4"),
     ("workload.prompt_len=1000", r"workload.prompt_len \(1000\) \+ workload.output_len \(32\) - 1 = 1031 positions"),
     ("arms.alias.cuda_graphs=true", "arms.alias.cuda_graphs = true needs a CUDA device"),
+    ("workload.prompt_lens=[4,0]", r"workload.prompt_lens\[1\] must be a positive integer, got 0"),
 ])
 def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, override, match):
     from loopbench.harness import controller
 
-    cfg = conf.compose("cpu-smoke", [override, f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"])
+    one_len = ["workload.prompt_lens=null"] if override.startswith("workload.prompt_len=") else []
+    cfg = conf.compose("cpu-smoke", [override, *one_len, f"results_dir={tmp_path / 'results'}",
+                                     f"cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(ValueError, match=match):
         controller.run(cfg)
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()

@@ -15,8 +15,9 @@ from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller
 
 REPO = Path(__file__).resolve().parent.parent
-MINI = ["name=ctl", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9", "workload.output_len=3",
-        "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix}]", "executor.poll_s=0.1"]
+MINI = ["name=ctl", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9", "workload.prompt_lens=null",
+        "workload.output_len=3", "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix}]",
+        "executor.poll_s=0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +160,12 @@ def test_prompt_files(tmp_path):
     plain["workload"]["prompts_file"] = str(jsonl)
     with pytest.raises(ValueError, match="p.jsonl:1"):
         controller.make_prompts(plain, 256)
-    seeded = conf.validate(conf.compose("cpu-smoke"))
+    seeded = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=33", "workload.prompt_lens=null"]))
     a = controller.make_prompts(seeded, 256)
     assert len(a) == 8 and {len(p) for p in a} == {33} and a == controller.make_prompts(seeded, 256)
+    mixed = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_lens=[3,5]"]))
+    b = controller.make_prompts(mixed, 256)
+    assert [len(p) for p in b] == [3, 5] * 4 and b == controller.make_prompts(mixed, 256)
 
 
 def test_failed_reference_capture_measures_nothing_and_is_incomplete(tmp_path, cache):

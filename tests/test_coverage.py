@@ -5,7 +5,9 @@
   (the live exit map at every decode step, every fill call);
 - the auditor's independent derivation agrees with the harness's on random schedules;
 - the checker names counts derived from other rows, and warns about a comparison that never reached
-  the difference between its arms.
+  the difference between its arms;
+- the cpu-smoke preset's own workload makes a mutated alias reader that breaks only at tile boundaries,
+  or only for depth-1 exits, change output tokens (on the seed's workload both left every token as it was).
 """
 import dataclasses
 import json
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from loopbench.audit import coverage as audit_coverage
-from loopbench.harness import checker, coverage, session
+from loopbench.harness import attention, checker, conf, controller, coverage, session
 from loopbench.harness.checkpoint import write_synthetic_checkpoint
 from loopbench.harness.engine import EngineConfig, LoopEngine, Request
 
@@ -201,3 +203,58 @@ def test_counts_of_other_rows_are_a_finding():
             _record(1, "candidate", "alias_prefix", ARMS["alias_prefix"], _cov(trace_sha256="other"))]
     findings = [f for r in recs for f in checker._coverage_trace_findings(r)]
     assert [(f.kind, f.arm) for f in findings] == [("coverage", "alias_prefix")]
+
+
+# --------------------------------------------------------------------------- the preset's workload
+
+def _tile_boundary_mutant(row_depth, row_pos, row_slot, row_first_alias, exit_map, max_ctx, *, layout, prefix_tiles,
+                          tile_size, _clean=attention.key_planes):
+    """Off by one in the direct-tile bound (``tile_end <= first_alias + 1``): wrong only where the first
+    aliased position is the last key of its tile."""
+    fa = row_first_alias + 1 if prefix_tiles else row_first_alias
+    return _clean(row_depth, row_pos, row_slot, fa, exit_map, max_ctx, layout=layout, prefix_tiles=prefix_tiles,
+                  tile_size=tile_size)
+
+
+def _depth1_mutant(row_depth, row_pos, row_slot, row_first_alias, exit_map, max_ctx, *, layout, prefix_tiles,
+                   tile_size, _clean=attention.key_planes):
+    """Keys of depth-1 exits resolved to plane 2: wrong only where a token exited at depth 1."""
+    return _clean(row_depth, row_pos, row_slot, row_first_alias, exit_map.clamp(min=2), max_ctx, layout=layout,
+                  prefix_tiles=prefix_tiles, tile_size=tile_size)
+
+
+def test_cpu_smoke_workload_catches_alias_readers_that_break_only_at_tile_boundaries_or_depth1_exits(
+        tmp_path, monkeypatch):
+    """Each mutant, run on cpu-smoke's own points and frozen schedules, changes some output token of an
+    alias arm's replay against the clean reader's (so the bench's checker sees a token differ from the
+    frozen reference). On the seed-like workload of main (P33, ouro_delayed) neither changes any."""
+    plain = conf.validate(conf.compose("cpu-smoke"))
+    ckpt = controller.prepare_checkpoint(plain, tmp_path / "cache")
+    prompts = controller.make_prompts(plain, ckpt["model_config"]["vocab_size"])
+    max_len = max(map(len, prompts)) + plain["workload"]["output_len"] - 1
+    model = session.load_model(ckpt["path"], plain["model"]["dtype"], CPU, max_len)
+    caught = {"tile": 0, "depth1": 0}
+    for point in plain["points"]:
+        reqs = session.build_requests(prompts, point["num_requests"], plain["workload"]["output_len"], plain["exit"])
+        natural = LoopEngine(model, session.engine_config(plain["arms"]["native"], point["max_num_seqs"], max_len,
+                                                          plain["exit"]["policy"]))
+        for r in reqs:
+            natural.add_request(r)
+        natural.run()
+        frozen = natural.capture_schedule()
+
+        def replay(arm: str):
+            eng = LoopEngine(model, session.engine_config(plain["arms"][arm], point["max_num_seqs"], max_len,
+                                                          "replay", frozen))
+            for r in reqs:
+                eng.add_request(r)
+            return {rid: o.token_ids for rid, o in eng.run().items()}
+
+        clean = {arm: replay(arm) for arm in ("alias", "alias_prefix")}
+        for name, mutant, arm in (("tile", _tile_boundary_mutant, "alias_prefix"),
+                                  ("depth1", _depth1_mutant, "alias")):
+            monkeypatch.setattr(attention, "key_planes", mutant)
+            tokens = replay(arm)
+            monkeypatch.undo()
+            caught[name] += sum(a != b for rid in tokens for a, b in zip(tokens[rid], clean[arm][rid]))
+    assert caught["tile"] > 0 and caught["depth1"] > 0, caught
