@@ -262,7 +262,7 @@ def measure(job: dict) -> None:
         schedules[key] = schedule_mod.Schedule.from_json(frozen[key])
         requests[key] = build_requests(prompts, pt["num_requests"], cfg["workload"]["output_len"], cfg["exit"])
     out_dir = bundle / "raw" / job["name"]
-    covered = arm_coverage(frozen, cfg["arms"], model.cfg.total_ut_steps)
+    covered = arm_coverage(frozen, cfg["arms"], model)
     kill_after = cfg["fault"]["kill_after_arms"]
     done = 0
     seqs = set(job["seqs"]) if job.get("seqs") is not None else None
@@ -337,11 +337,12 @@ def _hold_jobs_lock(bundle: Path) -> int:
     return fd
 
 
-def arm_coverage(frozen: dict[str, str], arms: dict, num_planes: int):
+def arm_coverage(frozen: dict[str, str], arms: dict, model):
     """``(point, arm) -> coverage counts`` (harness/coverage.py) of replaying the point's frozen schedule.
 
-    ``frozen`` maps a point key to its schedule's JSON text. Pure host arithmetic, computed once per
-    (point, arm) when the first record asks, i.e. after that arm's measured run and outside its timer.
+    ``frozen`` maps a point key to its schedule's JSON text; ``model`` gives the number of planes
+    (``cfg.total_ut_steps``). Pure host arithmetic, computed once per (point, arm) when the first record
+    asks, i.e. after that arm's measured run and outside its timer.
     """
     from . import coverage
 
@@ -349,7 +350,7 @@ def arm_coverage(frozen: dict[str, str], arms: dict, num_planes: int):
 
     def covered(point: str, arm: str) -> dict:
         if (point, arm) not in cache:
-            cache[point, arm] = coverage.derive(json.loads(frozen[point]), arms[arm], num_planes)
+            cache[point, arm] = coverage.derive(json.loads(frozen[point]), arms[arm], model.cfg.total_ut_steps)
         return cache[point, arm]
     return covered
 

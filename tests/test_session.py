@@ -151,6 +151,7 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
     dev = _FakeDevice()
     monkeypatch.setattr(session, "_runtime", _fake_runtime(dev))
     monkeypatch.setattr(session, "load_model", lambda *a: None)
+    monkeypatch.setattr(session, "arm_coverage", lambda *a: lambda point, arm: {})   # a fake schedule has no rows
     monkeypatch.setattr(session, "resolve_device", lambda job: {**CPU, "kind": "cuda", "torch": "cuda:0",
                                                                 "gpu_index": 0, "label": "GPU #0"})
     monkeypatch.setattr(session.telemetry, "sample", lambda index: None)
