@@ -18,8 +18,8 @@ from loopbench.harness import conf, controller
 REPO = Path(__file__).resolve().parent.parent
 # 12 arms of a tiny model: long enough that a signal after the second record finds the session measuring
 OVERRIDES = ["name=stop", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9",
-             "workload.output_len=8", "pairs=6", "comparisons=[{baseline:native,candidate:alias_prefix}]",
-             "executor.poll_s=0.1", "executor.stop_grace_s=5"]
+             "workload.prompt_lens=null", "workload.output_len=8", "pairs=6",
+             "comparisons=[{baseline:native,candidate:alias_prefix}]", "executor.poll_s=0.1", "executor.stop_grace_s=5"]
 WAIT_S = 120
 
 
