@@ -90,13 +90,17 @@ def _env_git_sha() -> str | None:
 
 
 def code_identity(root: Path = REPO_ROOT) -> dict:
-    """Which code ran: {git_sha, git_dirty, git_sha_source, code_sha256}.
+    """Which code ran: {git_sha, git_dirty, git_sha_source, code_sha256} (+ git_head_observed, git_dirty_observed).
 
     ``git_sha``/``git_dirty`` (tracked files) come from git only when ``root`` is its own repository's
     top level (:func:`own_git_repo`); otherwise from ``LOOPBENCH_GIT_SHA`` (a copied tree, e.g. on a lent
     GPU host: the caller names the commit it copied, and the dirty flag is unknowable, None), else both
-    None ("unknown"). ``code_sha256`` hashes the runtime sources (harness, kernels) and is what ties the
-    run to its source in every case. Raises ValueError when ``LOOPBENCH_GIT_SHA`` is needed and no hex SHA.
+    None ("unknown"). A ``LOOPBENCH_GIT_SHA`` that disagrees with the project's own HEAD wins too: a copy
+    may carry a stale ``.git`` (seen on the lent GPU host, whose copy's HEAD was the session's first
+    commit), and the operator's explicit statement outranks it; git's HEAD and dirty flag are then kept as
+    ``git_head_observed``/``git_dirty_observed`` so nothing is hidden. ``code_sha256`` hashes the runtime
+    sources (harness, kernels) and is what ties the run to its source in every case. Raises ValueError
+    when ``LOOPBENCH_GIT_SHA`` is set and no hex SHA.
     """
     root = Path(root)
     h = hashlib.sha256()
@@ -104,14 +108,19 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
         for p in sorted((root / folder).rglob("*.py")):
             h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
             h.update(p.read_bytes())
+    env_sha = _env_git_sha()
     sha = _git(root, "rev-parse", "HEAD") if own_git_repo(root) else None
-    if sha is None:
-        env_sha = _env_git_sha()
-        return {"git_sha": env_sha, "git_dirty": None, "git_sha_source": GIT_SHA_ENV if env_sha else None,
-                "code_sha256": h.hexdigest()}
-    status = _git(root, "status", "--porcelain", "--untracked-files=no")
-    return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None,
-            "git_sha_source": "git", "code_sha256": h.hexdigest()}
+    dirty = None
+    if sha is not None:
+        status = _git(root, "status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status) if status is not None else None
+    if sha is not None and (env_sha is None or sha.startswith(env_sha)):
+        return {"git_sha": sha, "git_dirty": dirty, "git_sha_source": "git", "code_sha256": h.hexdigest()}
+    ident = {"git_sha": env_sha, "git_dirty": None, "git_sha_source": GIT_SHA_ENV if env_sha else None,
+             "code_sha256": h.hexdigest()}
+    if sha is not None:
+        ident.update(git_head_observed=sha, git_dirty_observed=dirty)
+    return ident
 
 
 # ------------------------------------------------------------------------------------------ inputs

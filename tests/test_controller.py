@@ -235,12 +235,27 @@ def test_project_in_another_repository_takes_the_named_sha_and_checks_it(tmp_pat
             controller.code_identity(proj)
 
 
+def test_named_sha_outranks_a_stale_own_repository_and_keeps_what_git_saw(tmp_path, monkeypatch):
+    """A copy that carries a stale .git of its own (the lent GPU host's copy did: HEAD at an older commit,
+    the tree dirty against it): the explicitly named commit is recorded, and git's view is kept beside it."""
+    proj = _copy_sources(tmp_path / "proj")
+    stale = _repo_with_one_commit(proj)
+    (proj / "harness" / "stats.py").write_text("# newer than the stale HEAD\n")
+    named = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("LOOPBENCH_GIT_SHA", named)
+    ident = controller.code_identity(proj)
+    assert (ident["git_sha"], ident["git_dirty"], ident["git_sha_source"]) == (named, None, "LOOPBENCH_GIT_SHA")
+    assert (ident["git_head_observed"], ident["git_dirty_observed"]) == (stale, True)
+
+
 def test_projects_own_repository_clone_symlink_and_worktree_record_their_sha(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOPBENCH_GIT_SHA", "f" * 40)      # git wins in the project's own repository
     proj = _copy_sources(tmp_path / "proj")
     sha = _repo_with_one_commit(proj)
+    monkeypatch.setenv("LOOPBENCH_GIT_SHA", sha[:9].upper())   # naming the repository's own HEAD: git's answer
     ident = controller.code_identity(proj)
     assert (ident["git_sha"], ident["git_dirty"], ident["git_sha_source"]) == (sha, False, "git")
+    assert "git_head_observed" not in ident
+    monkeypatch.delenv("LOOPBENCH_GIT_SHA")
     link = tmp_path / "link"
     link.symlink_to(proj, target_is_directory=True)
     assert controller.code_identity(link)["git_sha"] == sha
