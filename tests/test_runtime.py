@@ -8,7 +8,6 @@ import torch
 from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
 from loopbench.harness.engine import EngineConfig, LoopEngine, Request
 from loopbench.harness.model import PRESETS, OuroModel, tensor_shapes
-from loopbench.harness.reference import NaiveOuro
 from loopbench.harness.schedule import Schedule, ScheduleMismatchError
 
 PROMPT_LENS = [1, 15, 16, 17, 31, 32, 33, 34, 64]
@@ -17,25 +16,6 @@ POLICY_BOUNDS = {  # policy -> (min_loops, max_loops, threshold) cycled over req
     "ouro": [(2, 4, 0.5), (1, 4, 0.3), (1, 3, 0.6)],
     "ouro_delayed": [(2, 4, 0.5), (1, 4, 0.4), (2, 3, 0.5)],
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    write_synthetic_checkpoint(path, "tiny", seed=0, dtype=torch.float32)
-    return load_checkpoint(path)
-
-
-@pytest.fixture(scope="module")
-def model64(tiny_ckpt):
-    cfg, tensors = tiny_ckpt
-    return OuroModel.from_tensors(cfg, tensors, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def naive(tiny_ckpt):
-    cfg, tensors = tiny_ckpt
-    return NaiveOuro(cfg, tensors, dtype=torch.float64)
 
 
 def make_requests(n, max_tokens, policy, seed=0, lens=PROMPT_LENS):

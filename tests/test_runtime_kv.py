@@ -19,11 +19,9 @@ import pytest
 import torch
 
 from loopbench.harness.attention import get_backend
-from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
 from loopbench.harness.engine import DESC_ROWS, PADDING_ROW, EngineConfig, LoopEngine, Request
 from loopbench.harness.kv_cache import DepthKVCache
 from loopbench.harness.model import OuroModel
-from loopbench.harness.reference import NaiveOuro
 from loopbench.harness.schedule import Schedule, ScheduledRequest, prompt_sha256
 from loopbench.kernels.decode_attention import decode_attention_ref
 from loopbench.kernels.kv_write import native_fill_ref, publish_exits_ref
@@ -36,25 +34,8 @@ BACKENDS = ["torch", "triton"]        # triton: the Triton interpreter on CPU te
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    write_synthetic_checkpoint(path, "tiny", seed=0, dtype=torch.float32)
-    return load_checkpoint(path)
-
-
-@pytest.fixture(scope="module")
-def model64(tiny_ckpt):
-    return OuroModel.from_tensors(*tiny_ckpt, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
 def model32(tiny_ckpt):
     return OuroModel.from_tensors(*tiny_ckpt, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def naive(tiny_ckpt):
-    return NaiveOuro(*tiny_ckpt, dtype=torch.float64)
 
 
 def prompts(seed: int, lens: list[int]) -> list[list[int]]:
