@@ -173,6 +173,22 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
     return todo, discard
 
 
+def _unlike_manifest(bundle: Path) -> str | None:
+    """For a published bundle: the first manifested file that is missing or whose sha256 changed, as words;
+    None when all match or when there is no manifest (a lost controller's bundle was never signed)."""
+    path = bundle / "manifest.json"
+    if not path.is_file():
+        return None
+    files = json.loads(path.read_text()).get("files", {})
+    for rel, entry in sorted(files.items()):
+        f = bundle / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if evidence.sha256_file(f) != entry.get("sha256"):
+            return f"{rel} changed"
+    return None
+
+
 def resume(plain: dict) -> RunResult:
     """Measure the rest of the incomplete bundle ``plain["resume"]`` (see the module docstring)."""
     bundle = Path(plain["resume"]).expanduser()
@@ -207,6 +223,10 @@ def resume(plain: dict) -> RunResult:
             for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
                 if not (bundle / rel).is_file() or evidence.sha256_file(bundle / rel) != want:
                     raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
+        changed = _unlike_manifest(bundle)
+        if changed:
+            raise ValueError(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
+                             "resume would publish them again as measured")
         todo, discard = _kept_and_todo(bundle, plan)
 
         # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions

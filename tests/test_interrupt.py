@@ -299,3 +299,20 @@ def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs,
     empty.mkdir()
     with pytest.raises(ValueError, match="has no plan.json"):
         _resume(dirs, empty)
+
+
+def test_resume_refuses_a_published_bundle_whose_files_changed(stopped, dirs, tmp_path):
+    """A raw record edited after publishing (a forged elapsed_s) must not be re-published as measured: the
+    resume checks the manifest first and changes nothing (found by a breaker run: it passed the audit)."""
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    rec = sorted((bundle / "raw" / "cpu0").glob("*.json"))[0]
+    data = json.loads(rec.read_text())
+    data["measured"]["elapsed_s"] /= 2
+    rec.write_text(json.dumps(data))
+    before = _tree(bundle)
+    with pytest.raises(ValueError, match=f"no longer match its manifest.json \\(raw/cpu0/{rec.name} changed\\)"):
+        _resume(dirs, bundle)
+    assert _tree(bundle) == before
+    rec.unlink()
+    with pytest.raises(ValueError, match=f"raw/cpu0/{rec.name} is missing"):
+        _resume(dirs, bundle)
