@@ -99,12 +99,12 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
     may carry a stale ``.git`` (seen on the lent GPU host, whose copy's HEAD was the session's first
     commit), and the operator's explicit statement outranks it; git's HEAD and dirty flag are then kept as
     ``git_head_observed``/``git_dirty_observed`` so nothing is hidden. ``code_sha256`` hashes the runtime
-    sources (harness, kernels) and is what ties the run to its source in every case. Raises ValueError
+    sources (runtime, harness, kernels) and is what ties the run to its source in every case. Raises ValueError
     when ``LOOPBENCH_GIT_SHA`` is set and no hex SHA.
     """
     root = Path(root)
     h = hashlib.sha256()
-    for folder in ("harness", "kernels"):
+    for folder in ("runtime", "harness", "kernels"):
         for p in sorted((root / folder).rglob("*.py")):
             h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
             h.update(p.read_bytes())
@@ -128,8 +128,8 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
 def model_config(plain: dict) -> dict:
     """The model's ``config.json`` keys (vocab, loops, positions) before anything is written: the preset's
     table entry, or a real checkpoint's own ``config.json``."""
-    from .checkpoint import CONFIG_NAME, config_from_hf_dict
-    from .model import PRESETS
+    from loopbench.runtime.checkpoint import CONFIG_NAME, config_from_hf_dict
+    from loopbench.runtime.model import PRESETS
 
     m = plain["model"]
     path = _checkpoint_path(m)
@@ -142,7 +142,7 @@ def model_config(plain: dict) -> dict:
 
 def _checkpoint_path(m: dict) -> Path | None:
     """``model.checkpoint`` resolved, or None for a preset; ValueError when it is no HF checkpoint."""
-    from .checkpoint import CONFIG_NAME
+    from loopbench.runtime.checkpoint import CONFIG_NAME
 
     if not m["checkpoint"]:
         return None
@@ -161,8 +161,8 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
     sessions cast every tensor to ``model.dtype``; reading it validates every tensor header (names,
     shapes, floating dtypes), so a broken checkpoint fails here, before anything is measured.
     """
-    from .checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict, dtype_record, stored_dtypes
-    from .synthetic import write_calibrated_checkpoint
+    from loopbench.runtime.checkpoint import CONFIG_NAME, checkpoint_sha256, config_from_hf_dict, dtype_record, stored_dtypes
+    from .fixtures import write_calibrated_checkpoint
     from .session import _DTYPES
 
     m = plain["model"]
@@ -170,7 +170,7 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
     if path is not None:
         source, description = "path", f"checkpoint {path}"
     else:
-        from .model import PRESETS
+        from loopbench.runtime.model import PRESETS
 
         if m["preset"] not in PRESETS:
             raise ValueError(f"model.preset = {m['preset']!r} is not a preset; known: {sorted(PRESETS)}")
@@ -179,7 +179,7 @@ def prepare_checkpoint(plain: dict, cache: Path) -> dict:
             import torch
 
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/synthetic.py)
+            # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/fixtures.py)
             write_calibrated_checkpoint(tmp, m["preset"], seed=m["seed"], dtype=_DTYPES[m["dtype"]],
                                         device="cuda" if torch.cuda.is_available() else "cpu")
             tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name

@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .graphs import bucket_for
+from loopbench.runtime.graphs import bucket_for
 
 COUNT_KEYS = ("exits_per_depth", "lower_plane_reads", "routed_reads", "direct_tiles", "boundary_tiles",
               "boundary_last_key", "fill_token_planes", "padding_rows")

@@ -52,7 +52,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def _runtime():
     # Imported lazily: the controller imports this module for job helpers without loading the runtime.
-    from . import checkpoint, engine, model, schedule
+    from loopbench.runtime import checkpoint, engine, model, schedule
     return checkpoint, engine, model, schedule
 
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
-from .engine import EngineConfig, LoopEngine, Request
-from .model import OuroModel
-from .synthetic import write_calibrated_checkpoint
+from loopbench.runtime.checkpoint import load_checkpoint
+from loopbench.runtime.api import EngineConfig, Request
+from loopbench.runtime.engine import LoopEngine
+from loopbench.runtime.model import OuroModel
+from .fixtures import write_calibrated_checkpoint
 
 
 def main(argv=None) -> int:

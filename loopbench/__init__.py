@@ -1,7 +1,8 @@
 """loopbench: reproducible, auditable A/B evidence for looped-language-model inference.
 
-The project's packages live at the top of the repository (``harness/``, ``kernels/``, ``audit/``) but
-are imported as ``loopbench.harness``, ``loopbench.kernels`` and ``loopbench.audit`` so that they can
+The project's packages live at the top of the repository (``runtime/``, ``harness/``, ``kernels/``,
+``audit/``) but are imported as ``loopbench.runtime``, ``loopbench.harness``, ``loopbench.kernels`` and
+``loopbench.audit`` so that they can
 never clash with unrelated PyPI packages of the same name (PyPI already has a ``kernels``).
 
 Installed (``pip install .``), setuptools maps those folders under this package.  In a plain source

@@ -28,7 +28,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """(OuroConfig, tensors) of the seeded tiny synthetic checkpoint, stored in fp32."""
-    from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
+    from loopbench.harness.fixtures import write_synthetic_checkpoint
+    from loopbench.runtime.checkpoint import load_checkpoint
     path = tmp_path_factory.mktemp("tiny")
     write_synthetic_checkpoint(path, "tiny", seed=0, dtype=torch.float32)
     return load_checkpoint(path)
@@ -36,11 +37,11 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model64(tiny_ckpt):
-    from loopbench.harness.model import OuroModel
+    from loopbench.runtime.model import OuroModel
     return OuroModel.from_tensors(*tiny_ckpt, dtype=torch.float64)
 
 
 @pytest.fixture(scope="session")
 def naive(tiny_ckpt):
-    from loopbench.harness.reference import NaiveOuro
+    from loopbench.runtime.reference import NaiveOuro
     return NaiveOuro(*tiny_ckpt, dtype=torch.float64)

@@ -15,7 +15,7 @@ import pytest
 from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # 12 arms of a tiny model: long enough that a signal after the second record finds the session measuring
 OVERRIDES = ["name=stop", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9",
              "workload.prompt_lens=null", "workload.output_len=8", "pairs=6",

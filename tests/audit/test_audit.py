@@ -21,7 +21,7 @@ from loopbench.audit import auditor
 from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller, evidence, stats
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GPU_BUNDLE = REPO / "results" / "2026-11-30-ouro-1.4b-nogit"
 MINI = ["name=mini", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=17", "workload.prompt_lens=null",
         "workload.output_len=4", "pairs=2",

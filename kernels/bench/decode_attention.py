@@ -26,7 +26,7 @@ native cache is made from the same cache with ``native_fill``, so all three layo
 Block tables are shuffled over the pool. Only planes 3 and 4 own physical blocks (planes 1-2 are never read
 by a depth-4 query whose keys exited at 3 or 4, so their table entries point at plane 3's blocks).
 
-Usage: ``PYTHONPATH=<repo> python3 kernels/bench_decode_attention.py --out results/decode_attention.md
+Usage: ``PYTHONPATH=<repo> python3 kernels/bench/decode_attention.py --out results/decode_attention.md
 [--sweep] [--batches ...] [--contexts ...] [--variants ...] [--baseline FILE]``; ``--out`` also gets a
 ``.csv`` beside it. ``--sweep`` then times a few launch configurations of the kernel on a few shapes (to
 choose the module defaults).

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loopbench.harness import session
-from loopbench.harness.checkpoint import write_synthetic_checkpoint
+from loopbench.harness.fixtures import write_synthetic_checkpoint
 
 CPU = {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": "cpu", "uuid": None}
 EXIT = {"policy": "ouro_delayed", "threshold": 0.5, "min_loops": 2, "max_loops": 4}
@@ -20,7 +20,7 @@ def model(tmp_path_factory):
 
 
 def test_reference_replays_exactly_in_warmup_and_measured_runs(model):
-    from loopbench.harness.engine import LoopEngine
+    from loopbench.runtime.engine import LoopEngine
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (5, 33), generator=g).tolist()

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MINI = ["--config-name", "cpu-smoke", "name=cli", "points=[{max_num_seqs:2,num_requests:2}]", "workload.prompt_len=5",
         "workload.prompt_lens=null", "workload.output_len=2", "pairs=1",
         "comparisons=[{baseline:native,candidate:alias_prefix}]", "executor.poll_s=0.1"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loopbench.harness.graphs import GraphCache, GraphCaptureError, bucket_for, refuse_kernel_compiles
+from loopbench.runtime.graphs import GraphCache, GraphCaptureError, bucket_for, refuse_kernel_compiles
 
 
 @dataclass

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from loopbench.audit import coverage as audit_coverage
-from loopbench.harness import attention, checker, conf, controller, coverage, session
-from loopbench.harness.checkpoint import write_synthetic_checkpoint
-from loopbench.harness.engine import EngineConfig, LoopEngine, Request
+from loopbench.harness import checker, conf, controller, coverage, session
+from loopbench.runtime import attention
+from loopbench.harness.fixtures import write_synthetic_checkpoint
+from loopbench.runtime.api import EngineConfig, Request
+from loopbench.runtime.engine import LoopEngine
 
 CPU = {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": "cpu", "uuid": None}
 ARMS = {"native": {"kv_layout": "native", "prefix_tiles": False, "tile_size": 8, "cuda_graphs": False},
@@ -65,7 +67,7 @@ def schedule(model):
 
 def _replay(model, reqs, data, arm: dict):
     """Replay ``data`` on ``arm``; returns (engine, decode steps as descriptor rows, brute-force counts)."""
-    from loopbench.harness.schedule import Schedule
+    from loopbench.runtime.schedule import Schedule
 
     sched = Schedule.from_json(json.dumps(data))
     eng = LoopEngine(model, EngineConfig(max_num_seqs=data["max_num_seqs"], max_model_len=96, tile_size=arm["tile_size"],

@@ -1,4 +1,4 @@
-"""Checkpoint loader, content hash and synthetic checkpoints (harness/checkpoint.py).
+"""Checkpoint loader, content hash and synthetic checkpoints (runtime/checkpoint.py).
 
 Everything runs on the tiny preset in a few seconds on 2 CPU cores; the 1.4B shape is checked on the
 meta device and through the shard planner only.
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loopbench.harness.checkpoint import (
-    CONFIG_NAME, GATE_SIGMA, INDEX_NAME, CheckpointError, checkpoint_sha256, config_from_hf_dict, dtype_record,
-    gate_bias_for_mix, gate_bias_for_observed_mix, hf_config_dict, load_checkpoint, plan_shards, stored_dtypes,
-    three_loop_fraction, write_synthetic_checkpoint)
-from loopbench.harness.model import PRESETS, parameter_count, tensor_shapes
+from loopbench.harness.fixtures import (GATE_SIGMA, gate_bias_for_mix, gate_bias_for_observed_mix, hf_config_dict,
+                                        plan_shards, three_loop_fraction, write_synthetic_checkpoint)
+from loopbench.runtime.checkpoint import (CONFIG_NAME, INDEX_NAME, CheckpointError, checkpoint_sha256,
+                                          config_from_hf_dict, dtype_record, load_checkpoint, stored_dtypes)
+from loopbench.runtime.model import PRESETS, parameter_count, tensor_shapes
 
 TINY = PRESETS["tiny"]
 SHARD_BYTES = 30_000  # splits the tiny bf16 model (~0.2 MB) into ~10 files

@@ -18,15 +18,16 @@ import dataclasses
 import pytest
 import torch
 
-from loopbench.harness.attention import get_backend
-from loopbench.harness.engine import DESC_ROWS, PADDING_ROW, EngineConfig, LoopEngine, Request
-from loopbench.harness.kv_cache import DepthKVCache
-from loopbench.harness.model import OuroModel
-from loopbench.harness.schedule import Schedule, ScheduledRequest, prompt_sha256
+from loopbench.runtime.attention import get_backend
+from loopbench.runtime.api import EngineConfig, Request
+from loopbench.runtime.engine import DESC_ROWS, PADDING_ROW, LoopEngine
+from loopbench.runtime.kv_cache import DepthKVCache
+from loopbench.runtime.model import OuroModel
+from loopbench.runtime.schedule import Schedule, ScheduledRequest, prompt_sha256
 from loopbench.kernels.decode_attention import decode_attention_ref
 from loopbench.kernels.kv_write import native_fill_ref, publish_exits_ref
 
-from .test_kernels_decode import VARIANTS, make_case
+from tests.kernels.test_decode_attention import VARIANTS, make_case
 
 ARMS = {"native": dict(kv_layout="native"), "alias": dict(kv_layout="alias"),
         "alias_prefix": dict(kv_layout="alias", prefix_tiles=True)}

@@ -1,6 +1,6 @@
 """GPU runtime checks (marker ``gpu``; skipped without CUDA): GPU vs CPU reference, bitwise arms with
 graphs on/off and both descriptor modes, aborts and slot reuse, a descriptor-bank lifetime probe, and
-CUDA-graph captures on a cold Triton cache (in a child process, tests/gpu_capture_child.py)."""
+CUDA-graph captures on a cold Triton cache (in a child process, tests/runtime/gpu_capture_child.py)."""
 import dataclasses
 import json
 import os
@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
-from loopbench.harness.engine import DESC_ROWS, DescriptorBanks, EngineConfig, LoopEngine, Request
-from loopbench.harness.model import OuroModel
-from loopbench.harness.reference import NaiveOuro
+from loopbench.harness.fixtures import write_synthetic_checkpoint
+from loopbench.runtime.checkpoint import load_checkpoint
+from loopbench.runtime.api import EngineConfig, Request
+from loopbench.runtime.engine import DESC_ROWS, DescriptorBanks, LoopEngine
+from loopbench.runtime.model import OuroModel
+from loopbench.runtime.reference import NaiveOuro
 
 pytestmark = pytest.mark.gpu
 
@@ -131,18 +133,18 @@ def test_descriptor_bank_is_not_rewritten_while_the_gpu_may_read_it(mode):
 
 
 # ------------------------------------------------------- CUDA-graph captures with a cold kernel cache
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_capture_child(scenario: str, tmp_path: Path, timeout_s: int) -> dict:
-    """Run tests/gpu_capture_child.py in a fresh process whose Triton cache is an empty directory (a cold
+    """Run tests/runtime/gpu_capture_child.py in a fresh process whose Triton cache is an empty directory (a cold
     machine: every kernel is compiled in that process first); returns its JSON report."""
     cache = tmp_path / "triton-cache"
     cache.mkdir()
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
     env.pop("TRITON_INTERPRET", None)
     out = tmp_path / f"{scenario}.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu_capture_child", scenario, str(out)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.gpu_capture_child", scenario, str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0 and out.exists(), (
         f"capture child '{scenario}' exited {proc.returncode}; stderr tail:\n{proc.stderr[-4000:]}")

@@ -1,4 +1,4 @@
-"""HF-layout Ouro checkpoints: a strict loader, a content hash, and seeded synthetic checkpoints.
+"""HF-layout Ouro checkpoints: a strict loader and a content hash.
 
 A checkpoint is a directory holding ``config.json`` and one or more ``.safetensors`` files, optionally
 with ``model.safetensors.index.json`` (``weight_map``: tensor name -> file name) when sharded; this is
@@ -9,15 +9,12 @@ Releases may store a few tensors in another dtype (fp32 norms and exit gate in a
 a requested ``dtype`` the loader casts them, and ``stored_dtypes`` / ``dtype_record`` say what was stored
 (the controller writes that record into the plan); without one, mixed dtypes are refused by name.
 
-Synthetic checkpoints stand in for real weights wherever none are present (BRIEF section 4): they have
-the exact HF layout, are a pure function of (config, seed, dtype), and are initialised so that a
-forward pass stays O(1) and the exit gate gives a chosen three-/four-loop mix (``gate_bias_for_mix``).
+Seeded synthetic checkpoints in the same layout are test and benchmark fixtures: ``loopbench.harness.fixtures``.
 
 This module knows nothing about the model's math or the engine: it moves named tensors and a config.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -28,11 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from loopbench.harness.model import PRESETS, OuroConfig, tensor_shapes
+from .model import OuroConfig, tensor_shapes
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -40,21 +35,15 @@ SINGLE_FILE_NAME = "model.safetensors"
 # Pickle-based weight formats: loading them can execute arbitrary code, so they are refused outright.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
-# Synthetic-checkpoint defaults (see ``write_synthetic_checkpoint``).
-GATE_SIGMA = 0.5              # std of the gate logit w.x over tokens, x = normed state (RMS ~ 1)
-THREE_LOOP_FRACTION = 0.75    # target share of 3-loop tokens under ouro_delayed 0.5/min2/max4
-NORM_NOISE_STD = 0.02         # norm weights = 1 + N(0, NORM_NOISE_STD^2)
-LOGIT_STD = 2.0               # lm_head scaled so greedy logits are ~N(0, LOGIT_STD^2)
-
 # safetensors header dtype -> torch dtype, for the floating dtypes the runtime accepts.
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
 }
 # HF ``torch_dtype`` strings <-> torch dtypes.
-_HF_DTYPE_NAMES: dict[str, torch.dtype] = {
+HF_DTYPE_NAMES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
 }
-_DTYPE_HF_NAMES = {v: k for k, v in _HF_DTYPE_NAMES.items()}
+DTYPE_HF_NAMES = {v: k for k, v in HF_DTYPE_NAMES.items()}
 
 
 class CheckpointError(ValueError):
@@ -63,16 +52,16 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------------------------- config
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+def is_number(v: Any) -> bool:
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 def _is_token_id(v: Any) -> bool:
-    return v is None or _is_int(v) or (isinstance(v, list) and all(_is_int(t) for t in v))
+    return v is None or is_int(v) or (isinstance(v, list) and all(is_int(t) for t in v))
 
 
 # HF config keys the runtime does not use. Each is accepted only with a value that cannot change the
@@ -81,25 +70,25 @@ _HARMLESS_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "architectures": (lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v), "a list of str"),
     "auto_map": (lambda v: isinstance(v, dict), "an object"),
     "model_type": (lambda v: v == "ouro", "'ouro'"),
-    "torch_dtype": (lambda v: v is None or (isinstance(v, str) and v in _HF_DTYPE_NAMES),
-                    f"one of {sorted(_HF_DTYPE_NAMES)} or null"),
-    "dtype": (lambda v: v is None or (isinstance(v, str) and v in _HF_DTYPE_NAMES),
-              f"one of {sorted(_HF_DTYPE_NAMES)} or null"),
+    "torch_dtype": (lambda v: v is None or (isinstance(v, str) and v in HF_DTYPE_NAMES),
+                    f"one of {sorted(HF_DTYPE_NAMES)} or null"),
+    "dtype": (lambda v: v is None or (isinstance(v, str) and v in HF_DTYPE_NAMES),
+              f"one of {sorted(HF_DTYPE_NAMES)} or null"),
     "bos_token_id": (_is_token_id, "an int, a list of int or null"),
     "eos_token_id": (_is_token_id, "an int, a list of int or null"),
     "pad_token_id": (_is_token_id, "an int, a list of int or null"),
     "hidden_act": (lambda v: v == "silu", "'silu'"),
     "attention_bias": (lambda v: v is False, "false"),
     "mlp_bias": (lambda v: v is False, "false"),
-    "attention_dropout": (_is_number, "a number (unused at inference)"),
-    "initializer_range": (_is_number, "a number"),
+    "attention_dropout": (is_number, "a number (unused at inference)"),
+    "initializer_range": (is_number, "a number"),
     "use_cache": (lambda v: isinstance(v, bool), "true or false"),
     "transformers_version": (lambda v: isinstance(v, str), "a string"),
     "_name_or_path": (lambda v: isinstance(v, str), "a string"),
     "rope_scaling": (lambda v: v is None, "null (no rope scaling)"),
     "use_sliding_window": (lambda v: v is False, "false"),
-    "sliding_window": (lambda v: v is None or _is_int(v), "an int or null (unused: use_sliding_window is false)"),
-    "max_window_layers": (_is_int, "an int (unused: use_sliding_window is false)"),
+    "sliding_window": (lambda v: v is None or is_int(v), "an int or null (unused: use_sliding_window is false)"),
+    "max_window_layers": (is_int, "an int (unused: use_sliding_window is false)"),
     "layer_types": (lambda v: isinstance(v, list) and all(t == "full_attention" for t in v),
                     "a list of 'full_attention'"),
 }
@@ -124,10 +113,10 @@ def config_from_hf_dict(raw: Any, *, source: str = CONFIG_NAME) -> OuroConfig:
         if f.name not in raw:
             raise CheckpointError(f"{source}: missing config key {f.name!r}")
         v, kind = raw[f.name], _field_kind(f)
-        if kind == "int" and not _is_int(v):
+        if kind == "int" and not is_int(v):
             raise CheckpointError(f"{source}: config key {f.name!r} must be an integer, got {v!r}")
         if kind == "float":
-            if not _is_number(v):
+            if not is_number(v):
                 raise CheckpointError(f"{source}: config key {f.name!r} must be a finite number, got {v!r}")
             v = float(v)
         if kind == "bool" and not isinstance(v, bool):
@@ -147,30 +136,6 @@ def config_from_hf_dict(raw: Any, *, source: str = CONFIG_NAME) -> OuroConfig:
         return OuroConfig(**values)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
-
-
-def hf_config_dict(cfg: OuroConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The ``config.json`` contents for ``cfg`` in the official Ouro layout (``torch_dtype`` = ``dtype``)."""
-    if dtype not in _DTYPE_HF_NAMES:
-        raise ValueError(f"dtype must be one of {sorted(_HF_DTYPE_NAMES)}, got {dtype}")
-    return {
-        **cfg.to_dict(),
-        "architectures": ["OuroForCausalLM"],
-        "model_type": "ouro",
-        "torch_dtype": _DTYPE_HF_NAMES[dtype],
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "use_cache": True,
-        "rope_scaling": None,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": cfg.num_hidden_layers,
-        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-    }
 
 
 # ------------------------------------------------------------------------------------------ file layout
@@ -323,9 +288,9 @@ def dtype_record(stored: Mapping[str, torch.dtype]) -> dict[str, list[str]]:
     per_dtype: dict[str, dict[str, set[int]]] = {}
     out: dict[str, set[str]] = {}
     for name, dt in stored.items():
-        if dt not in _DTYPE_HF_NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {dt} is not a floating dtype in {sorted(_HF_DTYPE_NAMES)}")
-        key = _DTYPE_HF_NAMES[dt]
+        if dt not in DTYPE_HF_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {dt} is not a floating dtype in {sorted(HF_DTYPE_NAMES)}")
+        key = DTYPE_HF_NAMES[dt]
         out.setdefault(key, set())
         m = _LAYER_TENSOR.fullmatch(name)
         if m is None:
@@ -362,20 +327,20 @@ def _check_one_dtype(ckpt: Path, stored: dict[str, torch.dtype], raw_config: dic
     when it names one, else the dtype most tensors have (ties: the first in ``tensor_shapes`` order)."""
     config_name = raw_config.get("torch_dtype") or raw_config.get("dtype")
     if config_name:
-        want, why = _HF_DTYPE_NAMES[config_name], "config torch_dtype"
+        want, why = HF_DTYPE_NAMES[config_name], "config torch_dtype"
     else:
         want, why = Counter(stored.values()).most_common(1)[0][0], "the dtype of most tensors"
     off = {name: dt for name, dt in stored.items() if dt != want}
     if len(off) == len(stored) and len(set(off.values())) == 1:
-        raise CheckpointError(f"{ckpt}: every tensor is stored in {_DTYPE_HF_NAMES[next(iter(off.values()))]}, "
+        raise CheckpointError(f"{ckpt}: every tensor is stored in {DTYPE_HF_NAMES[next(iter(off.values()))]}, "
                               f"but config torch_dtype says {config_name}. Pass a dtype to load_checkpoint "
                               "to cast every tensor to it")
     if off:
         # the record of every tensor, so that ``model.layers.*`` means every layer of the checkpoint
         listed = "; ".join(f"{key}: {', '.join(map(repr, names))}" for key, names in dtype_record(stored).items()
-                           if key != _DTYPE_HF_NAMES[want])
+                           if key != DTYPE_HF_NAMES[want])
         raise CheckpointError(f"{ckpt}: {len(off)} of {len(stored)} tensors are not stored in "
-                              f"{_DTYPE_HF_NAMES[want]} ({why}): {listed}. Pass a dtype to load_checkpoint "
+                              f"{DTYPE_HF_NAMES[want]} ({why}): {listed}. Pass a dtype to load_checkpoint "
                               "to cast every tensor to it")
 
 
@@ -404,8 +369,8 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None,
             and, when ``dtype`` is None, every tensor not stored in the config's ``torch_dtype`` - or
             in the majority dtype when the config names none - with its dtype).
     """
-    if dtype is not None and dtype not in _DTYPE_HF_NAMES:
-        raise ValueError(f"dtype must be a floating dtype in {sorted(_HF_DTYPE_NAMES)}, got {dtype}")
+    if dtype is not None and dtype not in DTYPE_HF_NAMES:
+        raise ValueError(f"dtype must be a floating dtype in {sorted(HF_DTYPE_NAMES)}, got {dtype}")
     ckpt = _checkpoint_dir(path)
     cfg, raw = _read_config(ckpt)
     expected = tensor_shapes(cfg)
@@ -427,229 +392,3 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None,
         except SafetensorError as e:
             raise CheckpointError(f"{file}: truncated or corrupt safetensors file: {e}") from None
     return cfg, {name: loaded[name] for name in expected}
-
-
-# ----------------------------------------------------------------------------------- exit-gate calibration
-
-def _normal_cdf(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-
-def three_loop_fraction(bias: float, sigma: float = GATE_SIGMA, *, exit_threshold: float = 0.5,
-                        grid_points: int = 1201) -> float:
-    """P[exit depth 3] under ouro_delayed (threshold ``exit_threshold``, min 2, max 4) for gate logits
-    z_1, z_2 iid N(bias, sigma^2): ``P[(1 - sigmoid(z_1)) (1 - sigmoid(z_2)) <= 1 - exit_threshold]``.
-
-    Derivation in ``gate_bias_for_mix``; evaluated as a 1-D integral over z_1 (trapezoid on
-    bias +- 12 sigma, ``grid_points`` nodes; converged to ~1e-12 already at 201 nodes).
-    """
-    if not (sigma > 0 and math.isfinite(sigma)):
-        raise ValueError(f"sigma must be a positive finite number, got {sigma!r}")
-    if not 0.0 < exit_threshold < 1.0:
-        raise ValueError(f"exit_threshold must be in (0, 1), got {exit_threshold!r}")
-    q = 1.0 - exit_threshold
-    lo, hi = bias - 12.0 * sigma, bias + 12.0 * sigma
-    step = (hi - lo) / (grid_points - 1)
-    total = 0.0
-    for k in range(grid_points):
-        z1 = lo + k * step
-        s1 = 1.0 / (1.0 + math.exp(z1)) if z1 < 700 else 0.0   # 1 - h_1 = sigmoid(-z_1)
-        if s1 <= q:
-            p2 = 1.0                                             # triggers whatever h_2 is
-        else:
-            c = math.log((s1 - q) / q)                           # need z_2 >= c
-            p2 = _normal_cdf((bias - c) / sigma)
-        weight = 0.5 if k in (0, grid_points - 1) else 1.0
-        total += weight * p2 * math.exp(-0.5 * ((z1 - bias) / sigma) ** 2)
-    return total * step / (sigma * math.sqrt(2.0 * math.pi))
-
-
-@functools.lru_cache(maxsize=64)
-def gate_bias_for_mix(target_three_loop_fraction: float = THREE_LOOP_FRACTION, sigma: float = GATE_SIGMA,
-                      *, exit_threshold: float = 0.5) -> float:
-    """Exit-gate bias b giving a target share of 3-loop tokens under ``ouro_delayed`` 0.5 / min 2 / max 4.
-
-    Rule (BRIEF section 1): hazard h_r = sigmoid(w . x_r + b) after loop r, survival
-    S_r = prod_{i<=r} (1 - h_i). With min_loops 2 the first possible trigger is r = 2; it fires iff
-    1 - S_2 >= threshold, and ouro_delayed then exits one loop later, at depth 3. Otherwise any later
-    trigger (r = 3) or the cap (r = 4 = max_loops) exits at depth 4. Hence
-    ``P[depth 3] = P[(1 - h_1)(1 - h_2) <= 1 - threshold]``; every token runs 3 or 4 loops.
-
-    Model of the logits: x_r is the final-normed state (RMS ~ 1, so |x_r| ~ sqrt(hidden)) and the
-    synthetic gate weight has norm exactly ``sigma`` (w = sigma u / |u|, u ~ N(0, I)), so over tokens
-    z_r = w . x_r + b ~ N(b, sigma^2); z_1 and z_2 are *assumed independent* (loops decorrelate the
-    state; the true correlation is for the runtime to measure, then re-target with this function).
-
-    Solving: condition on z_1 and put s_1 = 1 - h_1 = sigmoid(-z_1), q = 1 - threshold. If s_1 <= q the
-    test passes for any z_2. Otherwise it needs sigmoid(-z_2) <= q / s_1, i.e.
-    z_2 >= c(z_1) = log((s_1 - q) / q), with probability Phi((b - c) / sigma). So
-    ``P3(b) = E_{z_1 ~ N(b, sigma^2)}[Phi((b - c(z_1)) / sigma)]`` (``three_loop_fraction``), strictly
-    increasing in b; b is found by bisection on [-40, 40] to 1e-10.
-
-    With the defaults (sigma = 0.5, target 0.75, threshold 0.5): b ~= -0.6827 (``GATE_SIGMA``,
-    ``THREE_LOOP_FRACTION``). For reference, fully correlated logits (z_1 = z_2) would need
-    b = logit(1 - sqrt(q)) + sigma Phi^-1(target) ~= -0.54 instead.
-    """
-    if not 0.0 < target_three_loop_fraction < 1.0:
-        raise ValueError(f"target_three_loop_fraction must be in (0, 1), got {target_three_loop_fraction!r}")
-    lo, hi = -40.0, 40.0
-    while hi - lo > 1e-10:
-        mid = 0.5 * (lo + hi)
-        if three_loop_fraction(mid, sigma, exit_threshold=exit_threshold) < target_three_loop_fraction:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
-def gate_bias_for_observed_mix(gate_dot_loop1: torch.Tensor, gate_dot_loop2: torch.Tensor,
-                               target_three_loop_fraction: float = THREE_LOOP_FRACTION, *,
-                               exit_threshold: float = 0.5) -> float:
-    """Re-calibration from measured states: the bias b giving the target 3-loop share on these tokens.
-
-    gate_dot_loop1, gate_dot_loop2: [N] float, ``w . x_r`` (the gate logit *without* its bias) of the
-    same N tokens after loops 1 and 2. Drops the independence and N(0, sigma^2) assumptions of
-    ``gate_bias_for_mix``: the share of tokens with ``(1 - sigmoid(u_1 + b))(1 - sigmoid(u_2 + b)) <=
-    1 - exit_threshold`` is non-decreasing in b; bisection on [-40, 40] returns (to 1e-9) the smallest b
-    whose share reaches the target (granularity 1/N).
-    """
-    u1, u2 = gate_dot_loop1.detach().double().flatten(), gate_dot_loop2.detach().double().flatten()
-    if u1.shape != u2.shape or u1.numel() == 0:
-        raise ValueError(f"need two equal-length non-empty logit vectors, got {tuple(u1.shape)} and {tuple(u2.shape)}")
-    if not 0.0 < target_three_loop_fraction < 1.0:
-        raise ValueError(f"target_three_loop_fraction must be in (0, 1), got {target_three_loop_fraction!r}")
-    log_q = math.log(1.0 - exit_threshold)
-
-    def share(b: float) -> float:
-        log_survival = F.logsigmoid(-(u1 + b)) + F.logsigmoid(-(u2 + b))
-        return (log_survival <= log_q).double().mean().item()
-
-    lo, hi = -40.0, 40.0
-    while hi - lo > 1e-9:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if share(mid) < target_three_loop_fraction else (lo, mid)
-    return hi
-
-
-# ------------------------------------------------------------------------------- synthetic checkpoints
-
-def _tensor_seed(seed: int, name: str) -> int:
-    # One generator per tensor, keyed by (seed, name): values do not depend on order or sharding.
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def _synthetic_tensor(name: str, shape: tuple[int, ...], seed: int, gate_bias: float,
-                      gate_sigma: float) -> torch.Tensor:
-    """One fp32 CPU tensor of the synthetic init (see ``write_synthetic_checkpoint``)."""
-    g = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
-    if name == "model.early_exit_gate.bias":
-        return torch.full(shape, gate_bias, dtype=torch.float32)
-    t = torch.randn(shape, generator=g, dtype=torch.float32)
-    if "norm" in name.split(".")[-2]:   # input_/post_attention_layernorm(_2), model.norm
-        return t.mul_(NORM_NOISE_STD).add_(1.0)
-    if name == "model.embed_tokens.weight":
-        return t
-    if name == "model.early_exit_gate.weight":
-        return t.mul_(gate_sigma / t.norm())
-    if name == "lm_head.weight":
-        return t.mul_(LOGIT_STD / math.sqrt(shape[1]))
-    return t.mul_(1.0 / math.sqrt(shape[1]))   # projections: [out, in], std 1/sqrt(fan_in)
-
-
-def plan_shards(cfg: OuroConfig, dtype: torch.dtype, max_shard_bytes: int | None) -> list[list[str]]:
-    """Tensor names per output file, in ``tensor_shapes`` order, greedily packed to <= max_shard_bytes
-    (a tensor larger than the limit gets a file of its own); one file when ``max_shard_bytes`` is None."""
-    shapes = tensor_shapes(cfg)
-    if max_shard_bytes is None:
-        return [list(shapes)]
-    if not _is_int(max_shard_bytes) or max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be a positive integer or None, got {max_shard_bytes!r}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
-        if shards[-1] and used + nbytes > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += nbytes
-    return shards
-
-
-def write_synthetic_checkpoint(path: str | Path, preset_or_config: str | OuroConfig, *, seed: int = 0,
-                               dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None,
-                               three_loop_fraction_target: float = THREE_LOOP_FRACTION,
-                               gate_sigma: float = GATE_SIGMA, gate_bias: float | None = None) -> Path:
-    """Write a seeded synthetic Ouro checkpoint in the exact HF layout; returns the directory.
-
-    Layout: ``config.json`` (``hf_config_dict``: the OuroConfig keys plus architectures
-    ["OuroForCausalLM"], model_type "ouro", torch_dtype, ...), and either one ``model.safetensors`` or,
-    with ``max_shard_bytes``, ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
-    Every tensor of ``tensor_shapes(cfg)``, in ``dtype``.
-
-    Determinism: tensor ``name`` is drawn from its own CPU ``torch.Generator`` seeded by
-    sha256(f"{seed}:{name}"), in fp32, then cast; so the values depend only on (config, seed, dtype),
-    not on sharding. Tensors are generated one at a time and each file is written as soon as its tensors
-    exist, so peak extra memory is about one output file (the whole model when unsharded: ~2.9 GB for
-    ouro-1.4b in bf16).
-
-    Init (keeps a forward pass O(1); the sandwich norms renormalise every sublayer output anyway):
-      * projections [out, in] ~ N(0, 1/in): unit-RMS inputs give unit-variance outputs;
-      * every norm weight = 1 + N(0, NORM_NOISE_STD^2);
-      * embed_tokens ~ N(0, 1);
-      * lm_head ~ N(0, LOGIT_STD^2 / hidden): logits of a normed state ~ N(0, LOGIT_STD^2), so greedy
-        tokens vary with the state;
-      * early_exit_gate.weight = gate_sigma u / |u| (u ~ N(0, I)), bias = ``gate_bias_for_mix(
-        three_loop_fraction_target, gate_sigma)``: ~3/4 three-loop tokens under ouro_delayed 0.5/2/4
-        if the loop logits are independent (see ``gate_bias_for_mix``); ``gate_bias`` overrides it with a
-        value calibrated on measured states (``gate_bias_for_observed_mix``).
-
-    Raises ValueError for an unknown preset, a non-floating dtype, a bad shard size, or a ``path`` that
-    exists and is not an empty directory.
-    """
-    if isinstance(preset_or_config, str):
-        if preset_or_config not in PRESETS:
-            raise ValueError(f"unknown preset {preset_or_config!r}; known: {sorted(PRESETS)}")
-        cfg = PRESETS[preset_or_config]
-    elif isinstance(preset_or_config, OuroConfig):
-        cfg = preset_or_config
-    else:
-        raise TypeError(f"preset_or_config must be a preset name or an OuroConfig, got {preset_or_config!r}")
-    if dtype not in _DTYPE_HF_NAMES:
-        raise ValueError(f"dtype must be a floating dtype in {sorted(_HF_DTYPE_NAMES)}, got {dtype}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: exists and is not an empty directory; refusing to overwrite")
-    shards = plan_shards(cfg, dtype, max_shard_bytes)
-    if gate_bias is None:
-        gate_bias = gate_bias_for_mix(three_loop_fraction_target, gate_sigma)
-    elif not _is_number(gate_bias):
-        raise ValueError(f"gate_bias must be a finite number or None, got {gate_bias!r}")
-    shapes = tensor_shapes(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-
-    # One metadata key only: safetensors keeps metadata in a hash map, so with several keys the header
-    # order (and the file bytes) would vary from run to run.
-    metadata = {"format": "pt"}
-    n = len(shards)
-    weight_map: dict[str, str] = {}
-    total_bytes = 0
-    for k, names in enumerate(shards, start=1):
-        file_name = SINGLE_FILE_NAME if n == 1 and max_shard_bytes is None else f"model-{k:05d}-of-{n:05d}.safetensors"
-        tensors = {}
-        for name in names:
-            tensors[name] = _synthetic_tensor(name, shapes[name], seed, gate_bias, gate_sigma).to(dtype)
-            total_bytes += tensors[name].numel() * tensors[name].element_size()
-            weight_map[name] = file_name
-        save_file(tensors, out / file_name, metadata=metadata)
-        del tensors
-    if max_shard_bytes is not None:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    # config.json last: an interrupted write leaves a directory the loader refuses ("missing config.json").
-    (out / CONFIG_NAME).write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n",
-                                   encoding="utf-8")
-    return out

@@ -37,7 +37,7 @@ def test_norms(device, dtype, rows, hidden):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (4, 2, 24), (16, 16, 128)])
 def test_rope_in_place(device, dtype, heads, kv_heads, head_dim):
-    from loopbench.harness.model import OuroConfig, rope_tables
+    from loopbench.runtime.model import OuroConfig, rope_tables
     g = torch.Generator().manual_seed(head_dim)
     n = 9
     qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(device, dtype)

@@ -80,7 +80,7 @@ def test_semantic_errors_fail_in_validate_naming_the_key(override, key):
     ("workload.prompt_lens=[5,1000]", ("the longest of workload.prompt_lens (1000)", "1031 positions")),
 ])
 def test_config_that_does_not_fit_the_model_fails_naming_the_keys(override, keys):
-    from loopbench.harness.model import PRESETS
+    from loopbench.runtime.model import PRESETS
 
     extra = ["workload.prompt_lens=null"] if "prompt_len=" in override else ["workload.prompt_len=null"]
     plain = conf.validate(conf.compose("cpu-smoke", [override, *extra]))
@@ -91,7 +91,7 @@ def test_config_that_does_not_fit_the_model_fails_naming_the_keys(override, keys
 
 
 def test_config_at_the_model_limits_fits():
-    from loopbench.harness.model import PRESETS
+    from loopbench.runtime.model import PRESETS
 
     plain = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=993", "workload.prompt_lens=null",
                                                      "exit.max_loops=4"]))

@@ -5,10 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
-from loopbench.harness.engine import EngineConfig, LoopEngine, Request
-from loopbench.harness.model import PRESETS, OuroModel, tensor_shapes
-from loopbench.harness.schedule import Schedule, ScheduleMismatchError
+from loopbench.harness.fixtures import write_synthetic_checkpoint
+from loopbench.runtime.checkpoint import load_checkpoint
+from loopbench.runtime.api import EngineConfig, Request
+from loopbench.runtime.engine import LoopEngine
+from loopbench.runtime.model import PRESETS, OuroModel, tensor_shapes
+from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 PROMPT_LENS = [1, 15, 16, 17, 31, 32, 33, 34, 64]
 POLICY_BOUNDS = {  # policy -> (min_loops, max_loops, threshold) cycled over requests
@@ -209,7 +211,7 @@ def test_bad_requests_and_configs_are_refused(model64):
 
 
 def test_calibrated_gate_gives_about_three_quarters_three_loop_tokens(tmp_path):
-    from loopbench.harness.synthetic import write_calibrated_checkpoint
+    from loopbench.harness.fixtures import write_calibrated_checkpoint
     write_calibrated_checkpoint(tmp_path / "ckpt", "tiny", seed=0, dtype=torch.float32)
     cfg, tensors = load_checkpoint(tmp_path / "ckpt")
     model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32)
@@ -246,7 +248,7 @@ def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckp
 
 
 def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
-    from loopbench.harness.kv_cache import OutOfBlocksError
+    from loopbench.runtime.kv_cache import OutOfBlocksError
     a, b = make_requests(2, 3, "fixed", seed=12, lens=[5, 5])
     # 2 prompt blocks x 4 planes each; 9 blocks (8 usable) hold one request at a time: b waits for a
     eng, outs = run_engine(model64, [a, b], max_num_seqs=2, block_size=4, num_blocks=9, max_model_len=64,

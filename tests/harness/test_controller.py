@@ -14,7 +14,7 @@ import pytest
 from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MINI = ["name=ctl", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9", "workload.prompt_lens=null",
         "workload.output_len=3", "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix}]",
         "executor.poll_s=0.1"]
@@ -90,9 +90,9 @@ def test_mixed_dtype_release_is_cast_measured_and_its_stored_dtypes_planned(tmp_
     import torch
     from safetensors.torch import save_file
 
-    from loopbench.harness.checkpoint import (CONFIG_NAME, checkpoint_sha256, hf_config_dict, load_checkpoint,
-                                              write_synthetic_checkpoint)
-    from loopbench.harness.model import PRESETS
+    from loopbench.harness.fixtures import hf_config_dict, write_synthetic_checkpoint
+    from loopbench.runtime.checkpoint import CONFIG_NAME, checkpoint_sha256, load_checkpoint
+    from loopbench.runtime.model import PRESETS
 
     _, fp32 = load_checkpoint(write_synthetic_checkpoint(tmp_path / "fp32", "tiny", seed=0, dtype=torch.float32))
     release = tmp_path / "release"
@@ -185,7 +185,7 @@ def _git(cwd: Path, *args: str) -> str:
                           check=True, capture_output=True, text=True).stdout.strip()
 
 
-def _copy_sources(dest: Path, folders=("harness", "kernels")) -> Path:
+def _copy_sources(dest: Path, folders=("runtime", "harness", "kernels")) -> Path:
     for folder in folders:
         shutil.copytree(REPO / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
@@ -206,7 +206,7 @@ def test_project_inside_another_repository_does_not_record_that_repositorys_sha(
     outer = tmp_path / "outer"
     outer_sha = _repo_with_one_commit(outer)
     (outer / "README").write_text("an edit: the enclosing repository is dirty\n")
-    proj = _copy_sources(outer / "vendor" / "loopbench", ("loopbench", "harness", "kernels", "audit"))
+    proj = _copy_sources(outer / "vendor" / "loopbench", ("loopbench", "runtime", "harness", "kernels", "audit"))
     env = {k: v for k, v in os.environ.items() if k != "LOOPBENCH_GIT_SHA"}
     env["PYTHONPATH"] = str(proj)
     proc = subprocess.run([sys.executable, "-c", "import json; from loopbench.harness.controller import code_identity; "

@@ -1,6 +1,6 @@
 """Child process of the CUDA-graph capture tests in test_gpu_runtime.py (not a test module itself).
 
-Run as ``python -m tests.gpu_capture_child SCENARIO OUT.json`` from the repository root, normally with a
+Run as ``python -m tests.runtime.gpu_capture_child SCENARIO OUT.json`` from the repository root, normally with a
 fresh empty ``TRITON_CACHE_DIR`` so that every Triton kernel is compiled in this process for the first
 time (a cold machine). Writes a JSON report to OUT.json; the parent test asserts on it.
 
@@ -33,9 +33,11 @@ MAX_TOKENS = [3, 5, 8, 12, 16, 20, 24]     # the batch of 7 shrinks to 4, 2 and 
 
 
 def workload() -> dict:
-    from loopbench.harness.checkpoint import load_checkpoint, write_synthetic_checkpoint
-    from loopbench.harness.engine import EngineConfig, LoopEngine, Request
-    from loopbench.harness.model import OuroModel
+    from loopbench.harness.fixtures import write_synthetic_checkpoint
+    from loopbench.runtime.checkpoint import load_checkpoint
+    from loopbench.runtime.api import EngineConfig, Request
+    from loopbench.runtime.engine import LoopEngine
+    from loopbench.runtime.model import OuroModel
 
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_checkpoint(Path(tmp) / "tiny", "tiny", seed=0, dtype=torch.bfloat16)
@@ -77,7 +79,7 @@ def failed_capture() -> dict:
     import triton
     import triton.language as tl
 
-    from loopbench.harness.graphs import GraphCache, GraphCaptureError
+    from loopbench.runtime.graphs import GraphCache, GraphCaptureError
 
     @triton.jit
     def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):

@@ -1,0 +1,152 @@
+"""The runtime's public surface: what a caller hands an engine and what it gets back.
+
+``EngineConfig`` (one arm's runtime settings, plain values), ``Request`` (token ids and loop bounds),
+``RequestOutput`` (tokens and the exit depth of each), ``EngineStats`` (work counters) and the
+``Engine`` protocol every engine implementation satisfies (``LoopEngine`` here; the harness may load
+another by import path). Nothing here knows about tokenizers, Hydra, timing or files.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from .attention import LAYOUTS
+from .exit_policy import validate_policy
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime configuration of one arm (the runtime sees plain values, never Hydra objects)."""
+
+    max_num_seqs: int = 8
+    block_size: int = 16
+    max_model_len: int = 512           # prompt + output positions per request
+    num_blocks: int | None = None      # None: enough for every slot at max_model_len in every plane
+    kv_layout: str = "native"          # native | alias
+    prefix_tiles: bool = False         # alias only: direct reader for tiles before the first alias
+    tile_size: int = 32
+    attention_backend: str = "torch"   # torch | triton
+    exit_policy: str = "ouro_delayed"  # fixed | ouro | ouro_delayed | replay
+    schedule: Schedule | None = None   # required by replay
+    cuda_graphs: bool = False
+    graph_cache_size: int = 16
+    descriptor_mode: str = "h2d"       # h2d | mapped
+    eos_token_id: int | None = None
+    keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
+    poison_kv: bool = False            # tests/debugging: KV cells without a live value hold NaN
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
+            _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
+        if self.num_blocks is not None:
+            _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
+        for name in ("prefix_tiles", "cuda_graphs", "keep_logits", "poison_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.eos_token_id is not None:
+            _check_int("EngineConfig.eos_token_id", self.eos_token_id, 0)
+        if self.kv_layout not in LAYOUTS:
+            raise ValueError(f"unknown kv_layout {self.kv_layout!r}; expected one of {LAYOUTS}")
+        if self.prefix_tiles and self.kv_layout != "alias":
+            raise ValueError("prefix_tiles applies to kv_layout='alias' only")
+        if self.descriptor_mode not in ("h2d", "mapped"):
+            raise ValueError(f"unknown descriptor_mode {self.descriptor_mode!r}; expected 'h2d' or 'mapped'")
+        validate_policy(self.exit_policy)
+        if (self.exit_policy == "replay") != (self.schedule is not None):
+            raise ValueError("exit_policy='replay' needs a schedule, and a schedule needs exit_policy='replay'")
+        if self.schedule is not None and self.schedule.max_num_seqs != self.max_num_seqs:
+            raise ValueError(f"schedule was captured at max_num_seqs={self.schedule.max_num_seqs}, "
+                             f"engine has max_num_seqs={self.max_num_seqs}: batch composition would differ")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: prompt token ids and its loop bounds."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    min_loops: int = 1
+    max_loops: int = 4
+    exit_threshold: float = 1.0
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise TypeError(f"Request.request_id must be a non-empty string, got {self.request_id!r}")
+        where = f"request {self.request_id!r}"
+        if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__iter__"):
+            raise TypeError(f"{where}: prompt_token_ids must be a sequence of ints, got {self.prompt_token_ids!r}")
+        ids = tuple(self.prompt_token_ids)
+        for t in ids:
+            _check_int(f"{where}: prompt token id", t, 0)
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
+        for name in ("max_tokens", "min_loops", "max_loops"):
+            _check_int(f"{where}: {name}", getattr(self, name), 1)
+        thr = self.exit_threshold
+        if isinstance(thr, bool) or not isinstance(thr, numbers.Real) or not 0.0 < float(thr) <= 1.0:
+            raise ValueError(f"{where}: exit_threshold must be a number in (0, 1], got {thr!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"{where}: ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    """TypeError unless ``value`` is an integer (not a bool); ValueError if it is below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    token_ids: tuple[int, ...]
+    exit_depths: tuple[int, ...]      # depth (number of loops) that produced each output token
+    finish_reason: str                # length | stop | abort
+
+
+@dataclass
+class EngineStats:
+    """Work counters of one engine (equal work across arms is part of the checker's contract)."""
+
+    rows_per_depth: list[int]         # decode rows executed at depth 1..num_planes
+    prefill_tokens: int = 0           # prompt tokens admitted
+    prefill_rows: int = 0             # prompt tokens x loops run
+    decode_tokens: int = 0            # output tokens sampled after a decode loop
+    steps: int = 0
+    decode_steps: int = 0
+    graph_captures: int = 0           # recurrent-core (decode) graphs
+    graph_replays: int = 0
+    graph_fallbacks: int = 0
+    prefill_graph_captures: int = 0   # full-prompt loop graphs, keyed by prompt length
+    prefill_graph_replays: int = 0
+    prefill_graph_fallbacks: int = 0
+    peak_kv_blocks: int = 0
+
+    def as_dict(self) -> dict:
+        """A snapshot: the per-depth list is copied, so later steps do not change it."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in vars(self).items()}
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the benchmark session needs of an engine: submit requests, drain them, read counters.
+
+    ``run`` returns one ``RequestOutput`` per submitted request id once every request has finished;
+    ``stats`` counts the work done so far (the checker requires equal work across arms);
+    ``capture_schedule`` freezes the exits of the natural run just drained (engines that cannot
+    replay a schedule raise ``NotImplementedError``).
+    """
+
+    stats: EngineStats
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def run(self) -> dict[str, RequestOutput]: ...
+
+    def capture_schedule(self) -> Schedule: ...
