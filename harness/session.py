@@ -129,25 +129,6 @@ def engine_config(arm: dict, max_num_seqs: int, max_model_len: int, policy: str,
 
 # --------------------------------------------------------------------------------------- one phase
 
-def _stats_dict(engine) -> dict:
-    s = engine.stats
-    return s.as_dict() if hasattr(s, "as_dict") else dataclasses.asdict(s)
-
-
-def _counter_delta(before: dict, after: dict) -> dict:
-    """Counters of one run from two snapshots of cumulative engine stats (peaks are taken as they are)."""
-    out = {}
-    for key, end in after.items():
-        start = before.get(key)
-        if key.startswith("peak_") or start is None:
-            out[key] = end
-        elif isinstance(end, list):
-            out[key] = [e - s for e, s in zip(end, start)]
-        else:
-            out[key] = end - start
-    return out
-
-
 def begin_repeat_run(engine) -> None:
     """Let ``engine`` run the same request ids again (the measured run after the warmup).
 
@@ -159,7 +140,7 @@ def begin_repeat_run(engine) -> None:
 
 def run_phase(engine, requests: list, device: dict) -> dict:
     """Submit every request and drain; timed from the first submission to the drained outputs."""
-    before = _stats_dict(engine)
+    before = engine.stats.copy()
     if device["kind"] == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -175,21 +156,20 @@ def run_phase(engine, requests: list, device: dict) -> dict:
         elapsed_s = time.perf_counter() - t0
     finally:
         gc.enable()
-    after = _stats_dict(engine)
-    work = _counter_delta(before, after)
+    run = engine.stats.minus(before)
     cuda = device["kind"] == "cuda"
     return {
         "elapsed_s": elapsed_s,
         "outputs": {rid: {"token_ids": [int(t) for t in o.token_ids], "exit_depths": [int(d) for d in o.exit_depths],
                           "finish_reason": o.finish_reason} for rid, o in sorted(outputs.items())},
-        "work": {k: work[k] for k in ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens",
-                                      "steps", "decode_steps") if k in work},
-        # decode-core graphs as captures/replays/fallbacks, other graph kinds under their prefix
-        # (prefill_captures ...): every "*captures" counter of a measured run must be zero.
-        "graphs": {k.replace("graph_", ""): v for k, v in sorted(work.items()) if "graph_" in k},
+        "work": run.work(),
+        # decode-core graphs as captures/replays/fallbacks, prefill graphs under the prefill_ prefix:
+        # every "*captures" counter of a measured run must be zero.
+        "graphs": {**dataclasses.asdict(run.decode_graphs),
+                   **{f"prefill_{k}": v for k, v in dataclasses.asdict(run.prefill_graphs).items()}},
         "memory": {"peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                    "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None},
-        "kv_blocks_used": after.get("peak_kv_blocks"),
+        "kv_blocks_used": run.peak_kv_blocks,
         "trace_sha256": getattr(engine, "trace_sha256", None),
     }
 

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     for i in range(args.repeats + 1):
         if i:
             eng.reset_run()
-        before = eng.stats.as_dict()
+        before = eng.stats.copy()
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -78,13 +78,11 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         el = time.perf_counter() - t0
         schedule.verify(outs)
-        after = eng.stats.as_dict()
-        delta = {k: [a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k]
-                 for k, v in after.items() if not k.startswith("peak_")}
+        delta = eng.stats.minus(before)
         n = sum(len(o.token_ids) for o in outs.values())
         exits = [e for o in outs.values() for e in o.exit_depths[1:]]
-        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  {el / delta['steps'] * 1e3:.2f} "
-              f"ms/step  three-loop share {exits.count(3) / max(1, len(exits)):.3f}  this run: {delta}")
+        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  {el / delta.steps * 1e3:.2f} "
+              f"ms/step  three-loop share {exits.count(3) / max(1, len(exits)):.3f}  this run: {delta.work()} decode graphs {delta.decode_graphs}")
     return 0
 
 

@@ -8,8 +8,8 @@ another by import path). Nothing here knows about tokenizers, Hydra, timing or f
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import astuple, dataclass, field, replace
+from typing import ClassVar, Protocol, runtime_checkable
 
 from .attention import LAYOUTS
 from .exit_policy import validate_policy
@@ -109,6 +109,18 @@ class RequestOutput:
 
 
 @dataclass
+class GraphCounters:
+    """CUDA-graph counters of one graph kind (the decode core, or the full-prompt prefill loop)."""
+
+    captures: int = 0                 # graphs recorded (all in the untimed warmup of a measured arm)
+    replays: int = 0
+    fallbacks: int = 0                # eager runs because the cache was full
+
+    def minus(self, before: GraphCounters) -> GraphCounters:
+        return GraphCounters(*(a - b for a, b in zip(astuple(self), astuple(before))))
+
+
+@dataclass
 class EngineStats:
     """Work counters of one engine (equal work across arms is part of the checker's contract)."""
 
@@ -118,17 +130,32 @@ class EngineStats:
     decode_tokens: int = 0            # output tokens sampled after a decode loop
     steps: int = 0
     decode_steps: int = 0
-    graph_captures: int = 0           # recurrent-core (decode) graphs
-    graph_replays: int = 0
-    graph_fallbacks: int = 0
-    prefill_graph_captures: int = 0   # full-prompt loop graphs, keyed by prompt length
-    prefill_graph_replays: int = 0
-    prefill_graph_fallbacks: int = 0
-    peak_kv_blocks: int = 0
+    peak_kv_blocks: int = 0           # a high-water mark: ``minus`` keeps it as it is
+    decode_graphs: GraphCounters = field(default_factory=GraphCounters)    # recurrent-core graphs, by bucket
+    prefill_graphs: GraphCounters = field(default_factory=GraphCounters)   # full-prompt loop graphs, by length
 
-    def as_dict(self) -> dict:
-        """A snapshot: the per-depth list is copied, so later steps do not change it."""
-        return {k: list(v) if isinstance(v, list) else v for k, v in vars(self).items()}
+    WORK_FIELDS: ClassVar[tuple[str, ...]] = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
+
+    def copy(self) -> EngineStats:
+        """A snapshot: later steps do not change it."""
+        return replace(self, rows_per_depth=list(self.rows_per_depth), decode_graphs=replace(self.decode_graphs),
+                       prefill_graphs=replace(self.prefill_graphs))
+
+    def minus(self, before: EngineStats) -> EngineStats:
+        """The counters of the runs between snapshot ``before`` and this one (peaks taken as they are)."""
+        return EngineStats(
+            rows_per_depth=[a - b for a, b in zip(self.rows_per_depth, before.rows_per_depth)],
+            prefill_tokens=self.prefill_tokens - before.prefill_tokens,
+            prefill_rows=self.prefill_rows - before.prefill_rows,
+            decode_tokens=self.decode_tokens - before.decode_tokens,
+            steps=self.steps - before.steps, decode_steps=self.decode_steps - before.decode_steps,
+            peak_kv_blocks=self.peak_kv_blocks, decode_graphs=self.decode_graphs.minus(before.decode_graphs),
+            prefill_graphs=self.prefill_graphs.minus(before.prefill_graphs))
+
+    def work(self) -> dict:
+        """The work counters the checker holds equal across arms, by name (a fresh dict)."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in
+                ((k, getattr(self, k)) for k in self.WORK_FIELDS)}
 
 
 @runtime_checkable
@@ -136,7 +163,7 @@ class Engine(Protocol):
     """What the benchmark session needs of an engine: submit requests, drain them, read counters.
 
     ``run`` returns one ``RequestOutput`` per submitted request id once every request has finished;
-    ``stats`` counts the work done so far (the checker requires equal work across arms);
+    ``stats`` counts the work done so far, cumulatively (the checker requires equal work across arms);
     ``capture_schedule`` freezes the exits of the natural run just drained (engines that cannot
     replay a schedule raise ``NotImplementedError``).
     """
@@ -150,3 +177,12 @@ class Engine(Protocol):
     def run(self) -> dict[str, RequestOutput]: ...
 
     def capture_schedule(self) -> Schedule: ...
+
+    def reset_run(self) -> None:
+        """Forget finished requests so the same ids can run again (the measured run after the warmup);
+        graphs, buffers and the cumulative ``stats`` stay."""
+
+    @property
+    def trace_sha256(self) -> str | None:
+        """sha256 of the host decisions of the current run (admissions, rows; DESIGN.md "Replay
+        scheduling"), or None for an engine that keeps no row trace."""

@@ -88,9 +88,9 @@ class LoopEngine:
                 raise ValueError(f"cuda_graphs=True needs a CUDA model, got device {dev}")
             if config.attention_backend != "triton":
                 raise ValueError("cuda_graphs=True needs attention_backend='triton' (the torch backend syncs)")
-            self._graphs = GraphCache(self._core, config.graph_cache_size, self.stats, prefix="graph")
-            self._prefill_graphs = GraphCache(self._prefill_core, config.graph_cache_size, self.stats,
-                                              prefix="prefill_graph")
+            self._graphs = GraphCache(self._core, config.graph_cache_size, self.stats.decode_graphs)
+            self._prefill_graphs = GraphCache(self._prefill_core, config.graph_cache_size, self.stats.prefill_graphs,
+                                              name="prefill")
             self._static_desc: dict[int, torch.Tensor] = {}
             self._static_prefill: dict[int, tuple] = {}
         self._queue: list[Request] = []

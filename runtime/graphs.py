@@ -6,7 +6,7 @@ before every replay, and replay returns sliced views of stable outputs. A bucket
 captured while the cache has room (default 16 entries, as in the seed); otherwise the step runs eagerly
 *on the same padded shape*, so a fallback computes exactly what a replay would and the token stream
 never depends on which steps were captured (BRIEF section 5). Captures, replays and fallbacks are
-counted on the engine's stats.
+counted in the ``GraphCounters`` the cache is given (a field of the engine's stats).
 
 The buckets cover every batch size up to 128 with 13 entries, so with the default capacity no
 ``max_num_seqs <= 128`` ever falls back.
@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+
+from .api import GraphCounters
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 
@@ -65,15 +67,12 @@ class GraphCache:
     ``cuda`` is the namespace the CUDA calls go through (``torch.cuda``); tests pass a fake.
     """
 
-    def __init__(self, fn: Callable, capacity: int, stats, *, prefix: str = "graph", cuda=torch.cuda):
-        self.fn, self.capacity, self.stats, self.prefix, self.cuda = fn, capacity, stats, prefix, cuda
+    def __init__(self, fn: Callable, capacity: int, counters: GraphCounters, *, name: str = "decode",
+                 cuda=torch.cuda):
+        self.fn, self.capacity, self.counters, self.name, self.cuda = fn, capacity, counters, name, cuda
         self.graphs: dict[int, tuple[object, tuple]] = {}
         self.pool = cuda.graph_pool_handle()
         self.stream = None                       # the capture stream, made on the first capture
-
-    def _count(self, what: str) -> None:
-        name = f"{self.prefix}_{what}"
-        setattr(self.stats, name, getattr(self.stats, name) + 1)
 
     def run(self, bucket: int, static_inputs: tuple, publish: Callable[[], None],
             warm_inputs: Callable[[], None] | None = None) -> tuple:
@@ -88,16 +87,16 @@ class GraphCache:
         if hit is not None:
             publish()
             hit[0].replay()
-            self._count("replays")
+            self.counters.replays += 1
             return hit[1]
         if len(self.graphs) >= self.capacity:
             publish()
-            self._count("fallbacks")
+            self.counters.fallbacks += 1
             return self.fn(*static_inputs)
         (warm_inputs or publish)()
         graph, outputs = self._warm_and_capture(bucket, static_inputs)
         self.graphs[bucket] = (graph, outputs)
-        self._count("captures")
+        self.counters.captures += 1
         publish()
         graph.replay()
         return outputs
@@ -114,7 +113,7 @@ class GraphCache:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with refuse_kernel_compiles(f"the capture of {self.prefix} bucket {bucket}"), \
+            with refuse_kernel_compiles(f"the capture of {self.name} graph bucket {bucket}"), \
                     cuda.graph(graph, pool=self.pool, stream=self.stream):
                 outputs = self.fn(*static_inputs)
         except Exception as err:
@@ -127,7 +126,7 @@ class GraphCache:
                 cuda.synchronize()
             except Exception as sync_err:        # a sticky device error: report it with the first cause
                 cause += f"; synchronising afterwards failed too: {sync_err}"
-            raise GraphCaptureError(f"CUDA-graph capture of {self.prefix} bucket {bucket} failed: {cause}. "
+            raise GraphCaptureError(f"CUDA-graph capture of {self.name} graph bucket {bucket} failed: {cause}. "
                                     f"The partial graph was discarded; nothing was replayed") from err
         finally:
             if collecting:

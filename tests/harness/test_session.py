@@ -43,13 +43,6 @@ def test_reference_replays_exactly_in_warmup_and_measured_runs(model):
             assert run["graphs"]["captures"] == run["graphs"]["replays"] == run["graphs"]["fallbacks"] == 0
 
 
-def test_counter_delta_keeps_peaks_and_subtracts_lists():
-    before = {"rows_per_depth": [1, 2], "steps": 3, "peak_kv_blocks": 5}
-    after = {"rows_per_depth": [4, 6], "steps": 10, "peak_kv_blocks": 7, "graph_captures": 2}
-    assert session._counter_delta(before, after) == {"rows_per_depth": [3, 4], "steps": 7, "peak_kv_blocks": 7,
-                                                     "graph_captures": 2}
-
-
 def test_cpu_device_and_thread_setting():
     threads = torch.get_num_threads()
     try:
@@ -105,13 +98,14 @@ class _FakeDevice:
 def _fake_runtime(dev: _FakeDevice):
     from types import SimpleNamespace
 
+    from loopbench.runtime.api import EngineStats
+
     class LoopEngine:
         def __init__(self, model, config):
             dev.now += dev.CONSTRUCT_S
             dev.events.append(("construct", dev.now))
             self.queue, self.finished = [], set()
-            self.stats = SimpleNamespace(as_dict=lambda: {"steps": self.steps, "rows_per_depth": [self.steps, 0]})
-            self.steps, self.trace_sha256 = 0, "t"
+            self.stats, self.trace_sha256 = EngineStats(rows_per_depth=[0, 0]), "t"
 
         def add_request(self, req):
             dev.events.append(("submit", dev.now))
@@ -119,7 +113,8 @@ def _fake_runtime(dev: _FakeDevice):
 
         def run(self):
             for _ in range(len(self.queue) + 1):       # prefill, then one decode step per request
-                self.steps += 1
+                self.stats.steps += 1
+                self.stats.rows_per_depth[0] += 1
                 dev.pending += dev.STEP_S
                 dev.events.append(("step", dev.now))
             dev.events.append(("drain", dev.now))

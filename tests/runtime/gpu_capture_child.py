@@ -15,6 +15,7 @@ time (a cold machine). Writes a JSON report to OUT.json; the parent test asserts
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -63,7 +64,7 @@ def workload() -> dict:
                     schedule = eng.capture_schedule()
                 if policy == "replay":
                     schedule.verify(outs)
-                record.update(stats=eng.stats.as_dict(), decode_buckets=sorted(eng._graphs.graphs),
+                record.update(stats=dataclasses.asdict(eng.stats), decode_buckets=sorted(eng._graphs.graphs),
                               prefill_buckets=sorted(eng._prefill_graphs.graphs),
                               outputs={rid: [list(o.token_ids), list(o.exit_depths)] for rid, o in outs.items()})
             except Exception as err:
@@ -79,6 +80,7 @@ def failed_capture() -> dict:
     import triton
     import triton.language as tl
 
+    from loopbench.runtime.api import GraphCounters
     from loopbench.runtime.graphs import GraphCache, GraphCaptureError
 
     @triton.jit
@@ -86,9 +88,6 @@ def failed_capture() -> dict:
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
-
-    class Stats:
-        graph_captures = graph_replays = graph_fallbacks = 0
 
     x = torch.zeros(16, device="cuda")
 
@@ -99,7 +98,7 @@ def failed_capture() -> dict:
         return (t,)
 
     report = {}
-    cache = GraphCache(diverging, 4, Stats(), prefix="graph")
+    cache = GraphCache(diverging, 4, GraphCounters())
     try:
         cache.run(4, (x,), publish=lambda: None)
         report["error"] = None
@@ -108,7 +107,7 @@ def failed_capture() -> dict:
     report["cached_after_failure"] = sorted(cache.graphs)
     # The process must still work: a correct graph captures and replays, eager kernels run.
     y = torch.zeros(16, device="cuda")
-    good = GraphCache(lambda t: (_add_one_kernel[(1,)](t, 16, BLOCK=16), t)[1:], 4, Stats(), prefix="graph")
+    good = GraphCache(lambda t: (_add_one_kernel[(1,)](t, 16, BLOCK=16), t)[1:], 4, GraphCounters())
     good.run(4, (y,), publish=lambda: None)       # warm-up (+1), capture (no effect), replay (+1)
     good.run(4, (y,), publish=lambda: None)       # replay (+1)
     z = (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum()

@@ -93,7 +93,7 @@ def test_native_alias_prefix_bitwise_equal(tiny_ckpt, dtype, tile_size):
             extra = dict(schedule=sched) if policy == "replay" else {}
             eng, outs = run_engine(model, reqs, max_num_seqs=4, exit_policy=policy, keep_logits=True,
                                    tile_size=tile_size, **arm, **extra)
-            results[name] = (outs, eng.logits_log, eng.stats.as_dict())
+            results[name] = (outs, eng.logits_log, eng.stats.copy())
         ref_outs, ref_logits, ref_stats = results["native"]
         assert any(e < 4 for o in ref_outs.values() for e in o.exit_depths[1:]), "no early exits: alias untested"
         for name, (outs, logits, stats) in results.items():
@@ -279,10 +279,10 @@ def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
 
 def test_stats_snapshot_is_not_aliased(model64):
     eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64, exit_policy="fixed", poison_kv=True))
-    before = eng.stats.as_dict()
+    before = eng.stats.copy()
     eng.add_request(make_requests(1, 3, "fixed")[0])
     eng.run()
-    assert before["rows_per_depth"] == [0, 0, 0, 0] and sum(eng.stats.as_dict()["rows_per_depth"]) > 0
+    assert before.rows_per_depth == [0, 0, 0, 0] and sum(eng.stats.rows_per_depth) > 0
 
 
 @pytest.mark.parametrize("field,value,error", [
@@ -311,3 +311,17 @@ def test_max_model_len_beyond_rotary_positions_is_refused(tiny_ckpt):
     model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32)
     with pytest.raises(ValueError, match="max_model_len=2048 exceeds the model's 1024 rotary positions"):
         LoopEngine(model, EngineConfig(max_model_len=2048))
+
+
+def test_stats_minus_subtracts_counters_and_keeps_peaks():
+    from loopbench.runtime.api import EngineStats, GraphCounters
+    before = EngineStats(rows_per_depth=[1, 2], steps=3, peak_kv_blocks=5, decode_graphs=GraphCounters(1, 2, 0))
+    after = EngineStats(rows_per_depth=[4, 6], steps=10, peak_kv_blocks=7, decode_graphs=GraphCounters(2, 9, 1),
+                        prefill_graphs=GraphCounters(3, 0, 0))
+    run = after.minus(before)
+    assert run.rows_per_depth == [3, 4] and run.steps == 7 and run.peak_kv_blocks == 7
+    assert run.decode_graphs == GraphCounters(1, 7, 1) and run.prefill_graphs == GraphCounters(3, 0, 0)
+    snap = after.copy()
+    after.rows_per_depth[0] += 1
+    after.decode_graphs.replays += 1
+    assert snap.rows_per_depth == [4, 6] and snap.decode_graphs.replays == 9, "a snapshot must not move"

@@ -75,7 +75,7 @@ def test_arms_bitwise_equal_graphs_and_descriptor_modes(ckpt, max_num_seqs):
                                 keep_logits=True, **arm)
                 results[(graphs, mode, name)] = (outs, eng.logits_log)
                 if graphs:
-                    assert eng.stats.graph_fallbacks == 0 and eng.stats.graph_replays > 0
+                    assert eng.stats.decode_graphs.fallbacks == 0 and eng.stats.decode_graphs.replays > 0
     # graphs on/off may differ in padding; within each graph setting every arm and mode is bitwise equal
     for graphs in (False, True):
         ref_outs, ref_logits = results[(graphs, "h2d", "native")]
@@ -163,10 +163,11 @@ def test_cold_kernel_cache_captures_every_policy_layout_and_bucket(tmp_path):
     by_policy = {}
     for r in runs:
         what, s = f"{r['policy']} {r['arm']}", r["stats"]
-        assert s["graph_captures"] == len(r["decode_buckets"]) >= 3, f"{what}: decode buckets {r['decode_buckets']}"
-        assert s["prefill_graph_captures"] == len(r["prefill_buckets"]) == 7, f"{what}: {r['prefill_buckets']}"
-        assert s["graph_fallbacks"] == 0 and s["prefill_graph_fallbacks"] == 0, f"{what}: eager fallbacks {s}"
-        assert s["graph_replays"] > 0, what
+        dec, pre = s["decode_graphs"], s["prefill_graphs"]
+        assert dec["captures"] == len(r["decode_buckets"]) >= 3, f"{what}: decode buckets {r['decode_buckets']}"
+        assert pre["captures"] == len(r["prefill_buckets"]) == 7, f"{what}: {r['prefill_buckets']}"
+        assert dec["fallbacks"] == 0 and pre["fallbacks"] == 0, f"{what}: eager fallbacks {s}"
+        assert dec["replays"] > 0, what
         by_policy.setdefault(r["policy"], {})[r["arm"]] = r["outputs"]
     for policy, arms in by_policy.items():
         for arm, outputs in arms.items():

@@ -7,18 +7,10 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
-from dataclasses import dataclass
-
 import pytest
 
+from loopbench.runtime.api import GraphCounters
 from loopbench.runtime.graphs import GraphCache, GraphCaptureError, bucket_for, refuse_kernel_compiles
-
-
-@dataclass
-class Stats:
-    graph_captures: int = 0
-    graph_replays: int = 0
-    graph_fallbacks: int = 0
 
 
 class FakeCuda:
@@ -109,7 +101,7 @@ class Core:
 def make_cache(capacity=4):
     cuda = FakeCuda()
     core = Core(cuda)
-    stats = Stats()
+    stats = GraphCounters()
     return GraphCache(core, capacity, stats, cuda=cuda), core, cuda, stats
 
 
@@ -123,9 +115,9 @@ def test_capture_warms_on_the_capture_stream_then_replays():
     assert warm["stream"] == captured["stream"] != 0, "the warm-up must run on the capture stream"
     assert captured["gc"] is False and gc.isenabled(), "collector paused for the capture only"
     assert published == ["pad", "real"] and cuda.log == ["capture_begin", "capture_end", "replay"]
-    assert (stats.graph_captures, stats.graph_replays) == (1, 0)
+    assert (stats.captures, stats.replays) == (1, 0)
     cache.run(4, ("x",), publish=lambda: published.append("real"))
-    assert (stats.graph_captures, stats.graph_replays, len(core.calls)) == (1, 1, 2)
+    assert (stats.captures, stats.replays, len(core.calls)) == (1, 1, 2)
 
 
 def test_failed_capture_raises_names_bucket_and_cause_and_leaves_the_cache_usable():
@@ -133,12 +125,12 @@ def test_failed_capture_raises_names_bucket_and_cause_and_leaves_the_cache_usabl
     core.fail = RuntimeError("operation not permitted when stream is capturing")
     with pytest.raises(GraphCaptureError, match=r"graph bucket 8 failed: RuntimeError: operation not permitted"):
         cache.run(8, ("x",), publish=lambda: None)
-    assert cache.graphs == {} and stats.graph_captures == 0, "a failed capture must not be cached or counted"
+    assert cache.graphs == {} and stats.captures == 0, "a failed capture must not be cached or counted"
     assert cuda.log[-2:] == ["capture_end", "synchronize"], "the capture is closed, then the device synchronised"
     assert "replay" not in cuda.log and gc.isenabled()
     core.fail = None                              # the cache works again, on a fresh capture stream
     assert cache.run(8, ("x",), publish=lambda: None) == ("x",)
-    assert stats.graph_captures == 1 and cuda.streams_made == 2
+    assert stats.captures == 1 and cuda.streams_made == 2
 
 
 def test_a_kernel_compile_inside_a_capture_is_refused_by_name():
@@ -148,12 +140,12 @@ def test_a_kernel_compile_inside_a_capture_is_refused_by_name():
     core.compile_in_capture = True
     before = knobs.runtime.jit_cache_hook
     with pytest.raises(GraphCaptureError, match=r"_fake_kernel.*was about to be compiled during the capture of "
-                                                r"graph bucket 2"):
+                                                r"decode graph bucket 2"):
         cache.run(2, ("x",), publish=lambda: None)
     assert knobs.runtime.jit_cache_hook is before, "the previous hook must be restored"
     core.compile_in_capture = False
     cache.run(2, ("x",), publish=lambda: None)
-    assert stats.graph_captures == 1
+    assert stats.captures == 1
 
 
 def test_refuse_kernel_compiles_restores_a_hook_that_was_set():

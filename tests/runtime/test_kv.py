@@ -94,7 +94,7 @@ def run_arms(model, reqs, **cfg) -> dict:
     results = {}
     for name, arm in ARMS.items():
         eng, outs, hits = run(model, reqs, spy=name == "native", **cfg, **arm)
-        results[name] = (outs, eng.logits_log, eng.stats.as_dict(), hits)
+        results[name] = (outs, eng.logits_log, eng.stats.copy(), hits)
     return results
 
 
