@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loopbench.audit.auditor import audit, write_verdict
+from loopbench.audit.auditor import EXIT_CODES, audit, write_verdict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in verdict["discrepancies"]:
         print(f"  - {d}")
     print(f"verdict written to {path}")
-    return {"pass": 0, "fail": 1, "incomplete": 3}[verdict["status"]]
+    return EXIT_CODES[verdict["status"]]
 
 
 if __name__ == "__main__":

@@ -41,16 +41,7 @@ def decode_steps(schedule: dict) -> tuple[list[list[dict]], str]:
     steps: list[list[dict]] = []
     while waiting or resident:
         decoding = [resident[s] for s in sorted(resident) if resident[s]["decoding"]]
-        for slot in range(schedule["max_num_seqs"]):
-            if waiting and slot not in resident:
-                rid = waiting.pop(0)
-                r = spec[rid]
-                if not r["exit_depths"] or any(not 1 <= e <= r["max_loops"] for e in r["exit_depths"]):
-                    raise ValueError(f"request {rid!r}: exit depths {r['exit_depths'][:8]}... outside "
-                                     f"1..{r['max_loops']}")
-                resident[slot] = {"id": rid, "slot": slot, "decoding": False, "loop": 1, "pos": 0, "done": 0,
-                                  "spec": r, "first_alias": {}, "exited_at": {}}
-                digest.update(f"A{slot}:{rid!r};".encode())
+        _admit(schedule["max_num_seqs"], spec, waiting, resident, digest)
         for slot in sorted(resident):
             q = resident[slot]
             if q["decoding"]:
@@ -83,6 +74,19 @@ def decode_steps(schedule: dict) -> tuple[list[list[dict]], str]:
             q.update(loop=1, pos=q["pos"] + 1, done=q["done"] + 1)
             _leave_if_done(resident, q)
     return steps, digest.hexdigest()
+
+
+def _admit(max_num_seqs: int, spec: dict, waiting: list, resident: dict, digest) -> None:
+    """Admit waiting requests (admission order) into free slots, lowest slot first."""
+    for slot in range(max_num_seqs):
+        if waiting and slot not in resident:
+            rid = waiting.pop(0)
+            r = spec[rid]
+            if not r["exit_depths"] or any(not 1 <= e <= r["max_loops"] for e in r["exit_depths"]):
+                raise ValueError(f"request {rid!r}: exit depths {r['exit_depths'][:8]}... outside 1..{r['max_loops']}")
+            resident[slot] = {"id": rid, "slot": slot, "decoding": False, "loop": 1, "pos": 0, "done": 0,
+                              "spec": r, "first_alias": {}, "exited_at": {}}
+            digest.update(f"A{slot}:{rid!r};".encode())
 
 
 def _leave_if_done(resident: dict, q: dict) -> None:

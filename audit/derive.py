@@ -2,9 +2,10 @@
 
 Every function here is pure: raw arm records (the JSON the sessions write, one per measured arm) and
 the frozen plan in, the rows of each table, the statistics of each comparison and the summary out.
-Nothing is imported from ``loopbench.harness``; the formulas follow the bundle format documented in
-``harness/evidence.py`` and the statistics documented in ``harness/stats.py`` (their sources cited
-there), re-implemented independently so that a bug in the harness cannot vouch for itself:
+Nothing is imported from ``loopbench.harness``; the formulas follow the bundle format contract
+(``loopbench/bundle_format.json``, audit/FORMAT.md) and the statistics documented in ``harness/stats.py``
+(their sources cited there), re-implemented independently so that a bug in the harness cannot vouch for
+itself:
 
 - tokens/s = C * D / elapsed_s; pair ratio = baseline_s / candidate_s; speedup = median ratio;
 - CI: ``scipy.stats.bootstrap`` of the median, percentile and BCa, a fresh ``default_rng(seed)`` each;
@@ -12,7 +13,8 @@ there), re-implemented independently so that a bug in the harness cannot vouch f
 - Wilcoxon signed-rank p of the log ratios (Wilcoxon 1945): scipy's exact null without ties or zeros;
   with them, the exact distribution conditional on the mid-ranks, here counted by dynamic programming
   over the doubled ranks (the harness enumerates the 2^m sign vectors; both are the same distribution);
-- the predeclared verdict rule and its reason text.
+- the predeclared verdict rule and its reason text;
+- why a run is incomplete, as the contract's status codes (worded as sentences in version-1 summaries).
 """
 from __future__ import annotations
 
@@ -24,19 +26,13 @@ import pandas as pd
 import scipy
 import scipy.stats
 
-SCHEMA_VERSION = 1
-PHASES = ("warmup", "measured")
+from . import contract
+
+PHASES = tuple(contract.DOCS["record"]["phases"])
 GRAPH_KEYS = ("captures", "replays", "fallbacks", "prefill_captures", "prefill_replays", "prefill_fallbacks")
 MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes")
-REFERENCE_FAILED = "the reference capture failed; nothing was measured"
-CHILD_STATES = ("completed", "failed", "killed", "timeout", "interrupted")
-TABLE_KEYS = {
-    "arms": ("job", "seq"),
-    "pairs": ("job", "point", "comparison", "pair"),
-    "requests": ("job", "seq", "phase", "request_id"),
-    "tokens": ("job", "seq", "phase", "request_id", "position"),
-    "telemetry": ("job", "seq", "when"),
-}
+REFERENCE_FAILED = {"code": "reference_failed"}
+TABLE_KEYS = contract.TABLE_KEYS
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -287,32 +283,31 @@ def current_children(children: list[dict]) -> list[dict]:
     return list(latest.values())
 
 
-def stop_reason(interrupted_by: str) -> str:
-    """The words for a child's structured ``interrupted_by``: a signal the controller got, or ``lost``."""
-    if interrupted_by == "lost":
-        return "the controller ended without publishing; its unfinished children were marked interrupted"
-    return f"the controller received {interrupted_by} and stopped its children"
+def stop_code(interrupted_by: str) -> dict:
+    """The status code of a child's structured ``interrupted_by``: a signal the controller got, or ``lost``."""
+    return {"code": "lost"} if interrupted_by == "lost" else {"code": "stopped", "by": interrupted_by}
 
 
-def incomplete_reasons(plan: dict, records: list[dict], children: list[dict], interrupted: str | None) -> list[str]:
-    """How the controller stopped (from the current children), ``interrupted``, each child that did not
-    complete, and the count of arms."""
+def incomplete_reasons(plan: dict, records: list[dict], children: list[dict], interrupted: dict | None) -> list[dict]:
+    """The status codes, in the contract's order: how the controller stopped (from the current children),
+    ``interrupted`` (a failed reference capture), each child that did not complete, the count of arms."""
     current = current_children(children)
-    reasons = [stop_reason(by) for by in dict.fromkeys(c.get("interrupted_by") for c in current) if by]
+    reasons = [stop_code(by) for by in dict.fromkeys(c.get("interrupted_by") for c in current) if by]
     reasons += [interrupted] if interrupted else []
-    reasons += [f"child {child_session(c)} ended {c['state']} with exit code {c['exit_code']}"
+    reasons += [{"code": "child_failed", "child": child_session(c), "state": c["state"], "exit_code": c["exit_code"]}
                 for c in current if c["exit_code"] != 0 or c["state"] != "completed"]
     if len(records) != planned_arms(plan):
-        reasons.append(f"{len(records)} of {planned_arms(plan)} planned arms recorded")
+        reasons.append({"code": "arms_missing", "recorded": len(records), "planned": planned_arms(plan)})
     return reasons
 
 
 def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[dict], *, complete: bool,
-            checks_ok: bool, reference_points: set[str], findings: list, interrupted: str | None) -> dict:
-    """summary.json as the bundle's records, plan and children make it.
+            checks_ok: bool, reference_points: set[str], findings: list, interrupted: dict | None,
+            version: int = contract.VERSION) -> dict:
+    """summary.json as the bundle's records, plan and children make it, in format ``version``.
 
     ``findings`` (the harness checker's messages) cannot be re-derived from files; the caller passes what
-    it can vouch for, and ``interrupted`` (a failed reference capture) as it derived it.
+    it can vouch for, and ``interrupted`` (a failed reference capture's code) as it derived it.
     """
     vd = plan["config"]["verdict"]
     publish = complete and checks_ok
@@ -320,9 +315,11 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
     planned = planned_arms(plan)
     n_requests = sum(len(request_rows(r)) for r in records)
     n_tokens = sum(len(token_tuples(r)) for r in records)
+    reasons = [] if complete else incomplete_reasons(plan, records, children, interrupted)
     return {
-        "schema_version": SCHEMA_VERSION, "name": plan["name"], "status": "complete" if complete else "incomplete",
-        "incomplete_reasons": [] if complete else incomplete_reasons(plan, records, children, interrupted),
+        "schema_version": contract.DOCS["summary"]["schema_version"] if version >= 2 else 1, "name": plan["name"],
+        "status": "complete" if complete else "incomplete",
+        "incomplete_reasons": reasons if version >= 2 else [contract.reason_text(r) for r in reasons],
         "verdicts_published": publish,
         "verdicts_barred_by": None if publish else ("run incomplete" if not complete else "checks failed"),
         "plan_sha256": plan_sha256,

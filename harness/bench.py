@@ -48,7 +48,7 @@ def show(result) -> int:
     print()
     print(report.result_tables(summary))
     print(f"status: {summary['status']}"
-          + (f" ({'; '.join(summary['incomplete_reasons'])})" if summary["incomplete_reasons"] else "")
+          + (f" ({report.reasons_text(summary)})" if summary["incomplete_reasons"] else "")
           + f"; checks {'FAILED' if not summary['checks']['ok'] else 'passed' if summary['status'] == 'complete' else 'passed on what was recorded'}"
           + f"; verdicts {'published' if summary['verdicts_published'] else 'barred: ' + str(summary['verdicts_barred_by'])}"
           + f"; audit {'passed' if code == 0 else 'exit ' + str(code)}")

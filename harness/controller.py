@@ -413,12 +413,12 @@ def run_sessions(plain: dict, executor, bundle: Path, devices: list[dict], child
     return [r.to_dict() for r in results]
 
 
-REFERENCE_FAILED = "the reference capture failed; nothing was measured"
+REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_format.json
 
 
 def reference_failure(plan: dict, children: list[dict]) -> str | None:
-    """The one reason ``children.json`` does not word: the reference child failed (not stopped) or left a
-    point without its frozen reference. The auditor derives the same from the bundle."""
+    """The status code of the one reason ``children.json`` does not show: the reference child failed (not
+    stopped) or left a point without its frozen reference. The auditor derives the same from the bundle."""
     current = evidence.current_children(children)
     if any(c.get("interrupted_by") for c in current):
         return None
@@ -475,7 +475,8 @@ def inputs(plain: dict) -> dict:
     prompts_text = json.dumps(prompts, separators=(",", ":")) + "\n"
     # positions 0..P+D-2: the D-th output token is sampled, never fed back (the engine's admission rule)
     max_model_len = max(len(p) for p in prompts) + plain["workload"]["output_len"] - 1
-    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
+    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p,
+               "requests": evidence.point_requests(p["num_requests"])} for p in plain["points"]]
     return {"prompts": prompts, "prompts_text": prompts_text, "max_model_len": max_model_len, "points": points,
             "devices": devices, "code": code_identity(), "cache": conf.cache_dir(plain)}
 

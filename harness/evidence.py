@@ -1,9 +1,10 @@
 """The evidence bundle: raw arm records in, parquet tables, summary, report, plot and manifest out.
 
-The files of ``results/<date>-<name>-<short sha>/`` are those of the versioned bundle layout contract
-``loopbench/bundle_layout.json`` (:func:`bundle_layout`): every file a bundle may hold, which of them are
-required, and which part writes each; the auditor reads the same file, and ``manifest.json`` records the
-contract's version beside the sha256 and size of every other file. Tables carry :data:`SCHEMA_VERSION`.
+A bundle (``results/<date>-<name>-<short sha>/``) is what the versioned contract
+``loopbench/bundle_format.json`` (:data:`FORMAT`, explained in ``audit/FORMAT.md``) defines: files, table
+columns (type, unit; an undeclared one is never written), JSON documents, status codes. The auditor reads
+the same file; ``manifest.json`` records its version beside the sha256 and size of every other file.
+Why a run is incomplete is a list of status codes (``{"code": "child_failed", ...}``), worded by report.py.
 
 Every file is written atomically (temporary file in the same folder, fsync, rename), so a crash leaves
 either the old file or the new one, and at worst a dot-named ``*.tmp`` that :func:`remove_stale_temp_files`
@@ -16,7 +17,7 @@ children), *published* (``manifest.json`` written last by :func:`finalize`): com
 may be resumed: the resume unpublishes it (:func:`unpublish`) and publishes again when done.
 
 report.py renders report.md; the auditor re-renders the whole report from the raw records with its own
-code (audit/render.py) and requires an exact match.
+code (audit/render.py, driven by the same contract) and requires an exact match.
 """
 from __future__ import annotations
 
@@ -35,22 +36,37 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import stats as _stats
-from .report import plot_ratios, render_report
 
 
-def bundle_layout() -> dict:
-    """The bundle layout contract, ``loopbench/bundle_layout.json`` (shared with the auditor, STYLE rule 10)."""
-    return json.loads(resources.files("loopbench").joinpath("bundle_layout.json").read_text())
+def bundle_format() -> dict:
+    """The bundle format contract, ``loopbench/bundle_format.json`` (shared with the auditor, STYLE rule 10)."""
+    return json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text())
 
 
-SCHEMA_VERSION = 1
-LAYOUT = bundle_layout()
-LAYOUT_VERSION = LAYOUT["version"]
-TABLES = tuple(LAYOUT["tables"])
-UNMANIFESTED = tuple(LAYOUT["unmanifested"])
-# what finalize() writes from the records (and the auditor after it); unpublish() removes the manifest first
-PUBLISHED = ("manifest.json", "audit.json", "summary.json", "report.md", "pair_ratios.png",
-             *(f"tables/{t}.parquet" for t in TABLES))
+FORMAT = bundle_format()
+FORMAT_VERSION = FORMAT["version"]
+SCHEMA_VERSION = FORMAT["tables"]["schema_version"]
+SUMMARY_SCHEMA_VERSION = FORMAT["documents"]["summary"]["schema_version"]
+TABLES = tuple(FORMAT["table_names"])
+UNMANIFESTED = tuple(FORMAT["unmanifested"])
+STATUS_CODES = FORMAT["status_codes"]["codes"]
+
+
+def columns(table: str) -> list[str]:
+    """The declared columns of ``table``, in the contract's order."""
+    return [c["name"] for c in FORMAT["tables"][table]["columns"]]
+
+
+def _published() -> tuple[str, ...]:
+    """What finalize() writes from the records (and the auditor after it): the files of those writers in the
+    contract, the manifest first (unpublish() removes it first)."""
+    writers = ("harness/evidence.py", "harness/report.py", "audit/auditor.py")
+    paths = [f["path"].replace("{table}", t) for f in FORMAT["files"] if f["writer"] in writers
+             for t in (TABLES if "{table}" in f["path"] else [""])]
+    return tuple(sorted(paths, key=lambda p: p != "manifest.json"))
+
+
+PUBLISHED = _published()
 
 
 # ------------------------------------------------------------------------------------------- atomic IO
@@ -212,7 +228,7 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
             sample = (r.get("telemetry") or {}).get(when)
             if sample:
                 tele.append({"job": r["job"], "seq": r["seq"], "arm": r["arm"], "when": when, **sample})
-    tokens = pd.DataFrame(toks, columns=["job", "seq", "phase", "request_id", "position", "token_id", "exit_depth"])
+    tokens = pd.DataFrame(toks, columns=columns("tokens"))
     arms_df = pd.DataFrame(arms)
     return {"arms": arms_df, "pairs": build_pairs(arms_df), "requests": pd.DataFrame(reqs),
             "tokens": tokens.astype({"position": "int32", "token_id": "int64", "exit_depth": "int16"}),
@@ -221,9 +237,6 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
 
 def build_pairs(arms: pd.DataFrame) -> pd.DataFrame:
     """One row per complete pair: both arms' measured seconds and ratio = baseline_s / candidate_s."""
-    cols = ["job", "device", "point", "max_num_seqs", "num_requests", "output_len", "comparison", "pair",
-            "first", "baseline_arm", "candidate_arm", "baseline_seq", "candidate_seq", "baseline_s",
-            "candidate_s", "ratio"]
     rows = []
     if len(arms):
         for key, grp in arms.groupby(["job", "point", "comparison", "pair"], sort=True):
@@ -239,12 +252,23 @@ def build_pairs(arms: pd.DataFrame) -> pd.DataFrame:
                          "baseline_seq": int(b["seq"]), "candidate_seq": int(c["seq"]),
                          "baseline_s": float(b["elapsed_s"]), "candidate_s": float(c["elapsed_s"]),
                          "ratio": float(b["elapsed_s"]) / float(c["elapsed_s"])})
-    return pd.DataFrame(rows, columns=cols)
+    return pd.DataFrame(rows, columns=columns("pairs"))
 
 
 def write_tables(bundle: Path, tables: dict[str, pd.DataFrame]) -> None:
+    """Every table of the format; a column the format does not declare is a bug here, never written."""
     for name in TABLES:
+        extra = [c for c in tables[name].columns if c not in columns(name)]
+        if extra:
+            raise ValueError(f"{name}.parquet would get columns {extra} that loopbench/bundle_format.json "
+                             f"version {FORMAT_VERSION} does not declare")
         write_table(Path(bundle) / "tables" / f"{name}.parquet", tables[name])
+
+
+def point_requests(num_requests: int) -> list[dict]:
+    """A plan point's requests as plan.json lists them: ids r0000.. on the first C prompts of the pool, as
+    ``session.build_requests`` makes them; the auditor reads each request's prompt from this list."""
+    return [{"request_id": f"r{i:04d}", "prompt_index": i} for i in range(num_requests)]
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -257,22 +281,55 @@ def current_children(children: list[dict]) -> list[dict]:
     return list(latest.values())
 
 
-def stop_reason(interrupted_by: str) -> str:
-    """The summary's words for a structured ``interrupted_by`` of a child (the auditor words it alike)."""
-    if interrupted_by == "lost":
-        return "the controller ended without publishing; its unfinished children were marked interrupted"
-    return f"the controller received {interrupted_by} and stopped its children"
+def stop_code(interrupted_by: str) -> dict:
+    """The status code of a child's structured ``interrupted_by``: a signal the controller got, or ``lost``."""
+    return {"code": "lost"} if interrupted_by == "lost" else {"code": "stopped", "by": interrupted_by}
 
 
-def incomplete_reasons(children: list[dict], interrupted: str | None) -> list[str]:
-    """Why the current children make a run incomplete: how the controller stopped, ``interrupted`` (a reason
-    the children do not show: a failed reference capture), then each child that did not complete."""
+def incomplete_reasons(children: list[dict], interrupted: str | None, recorded: int, planned: int) -> list[dict]:
+    """Why a run is incomplete, as the contract's status codes in its order: how the controller stopped,
+    ``interrupted`` (the code of a reason the children do not show: ``reference_failed``), each current
+    child that did not complete, and missing arms."""
+    if interrupted is not None and (interrupted not in STATUS_CODES or STATUS_CODES[interrupted]["fields"]):
+        raise ValueError(f"interrupted = {interrupted!r} is not a field-less status code of the bundle format "
+                         f"({sorted(c for c, d in STATUS_CODES.items() if not d['fields'])})")
     current = current_children(children)
-    reasons = [stop_reason(by) for by in dict.fromkeys(ch.get("interrupted_by") for ch in current) if by]
-    reasons += [interrupted] if interrupted else []
-    reasons += [f"child {ch.get('session', ch['name'])} ended {ch['state']} with exit code {ch['exit_code']}"
-                for ch in current if ch["exit_code"] != 0 or ch["state"] != "completed"]
+    reasons = [stop_code(by) for by in dict.fromkeys(ch.get("interrupted_by") for ch in current) if by]
+    reasons += [{"code": interrupted}] if interrupted else []
+    reasons += [{"code": "child_failed", "child": ch.get("session", ch["name"]), "state": ch["state"],
+                 "exit_code": ch["exit_code"]} for ch in current if ch["exit_code"] != 0 or ch["state"] != "completed"]
+    if recorded != planned:
+        reasons.append({"code": "arms_missing", "recorded": recorded, "planned": planned})
     return reasons
+
+
+def comparison_results(plan: dict, arms: pd.DataFrame, pairs: pd.DataFrame, publish: bool) -> list[dict]:
+    """The summary's ``results``: per (device, point, comparison) of the plan with a complete pair, its
+    statistics and medians of tokens/s; its verdict only when ``publish``."""
+    cfg, results = plan["config"], []
+    vd = cfg["verdict"]
+    groups = dict(iter(pairs.groupby(["job", "point", "comparison"], sort=False))) if len(pairs) else {}
+    for job, point, comp in [(d["name"], pt["key"], c["name"]) for d in plan["devices"] for pt in plan["points"]
+                             for c in cfg["comparisons"]]:
+        if (job, point, comp) not in groups:
+            continue
+        grp = groups[(job, point, comp)].sort_values("pair")
+        st = _stats.compare(grp["baseline_s"].tolist(), grp["candidate_s"].tolist(), confidence=vd["confidence"],
+                            n_resamples=vd["n_resamples"], seed=vd["bootstrap_seed"], min_effect=vd["min_effect"],
+                            min_pairs=vd["min_pairs"])
+        first = grp.iloc[0]
+        sel = arms[(arms["job"] == job) & (arms["point"] == point) & (arms["comparison"] == comp)
+                   & arms["pair"].isin(set(grp["pair"]))]
+        results.append({
+            "job": job, "device": first["device"], "point": point,
+            "max_num_seqs": int(first["max_num_seqs"]), "num_requests": int(first["num_requests"]),
+            "output_len": int(first["output_len"]), "comparison": comp,
+            "baseline": first["baseline_arm"], "candidate": first["candidate_arm"], "pairs": [int(p) for p in grp["pair"]],
+            "baseline_tokens_per_s": float(np.median(sel[sel["position"] == "baseline"]["tokens_per_s"])),
+            "candidate_tokens_per_s": float(np.median(sel[sel["position"] == "candidate"]["tokens_per_s"])),
+            "stats": st.to_dict(), "verdict": st.verdict if publish else None,
+        })
+    return results
 
 
 def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], checks: dict,
@@ -281,45 +338,16 @@ def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], che
 
     ``children`` is every child of every run of the bundle; the latest entry per name decides.
     """
-    cfg = plan["config"]
-    vd = cfg["verdict"]
+    vd = plan["config"]["verdict"]
     arms, pairs = tables["arms"], tables["pairs"]
     planned = sum(len(v) for v in plan["order"].values())
-    reasons = incomplete_reasons(children, interrupted)
-    if len(arms) != planned:
-        reasons.append(f"{len(arms)} of {planned} planned arms recorded")
+    reasons = incomplete_reasons(children, interrupted, int(len(arms)), planned)
     status = "incomplete" if reasons else "complete"
     publish = status == "complete" and checks["ok"]
-    results = []
-    planned_keys = [(d["name"], pt["key"], c["name"]) for d in plan["devices"] for pt in plan["points"]
-                    for c in cfg["comparisons"]]
-    if len(pairs):
-        groups = dict(iter(pairs.groupby(["job", "point", "comparison"], sort=False)))
-        for job, point, comp in planned_keys:
-            if (job, point, comp) not in groups:
-                continue
-            grp = groups[(job, point, comp)].sort_values("pair")
-            st = _stats.compare(grp["baseline_s"].tolist(), grp["candidate_s"].tolist(),
-                                confidence=vd["confidence"], n_resamples=vd["n_resamples"],
-                                seed=vd["bootstrap_seed"], min_effect=vd["min_effect"],
-                                min_pairs=vd["min_pairs"])
-            first = grp.iloc[0]
-            sel = arms[(arms["job"] == job) & (arms["point"] == point) & (arms["comparison"] == comp)
-                       & arms["pair"].isin(set(grp["pair"]))]
-            results.append({
-                "job": job, "device": first["device"], "point": point,
-                "max_num_seqs": int(first["max_num_seqs"]), "num_requests": int(first["num_requests"]),
-                "output_len": int(first["output_len"]), "comparison": comp,
-                "baseline": first["baseline_arm"], "candidate": first["candidate_arm"],
-                "pairs": [int(p) for p in grp["pair"]],
-                "baseline_tokens_per_s": float(np.median(sel[sel["position"] == "baseline"]["tokens_per_s"])),
-                "candidate_tokens_per_s": float(np.median(sel[sel["position"] == "candidate"]["tokens_per_s"])),
-                "stats": st.to_dict(),
-                "verdict": st.verdict if publish else None,
-            })
+    results = comparison_results(plan, arms, pairs, publish)
     barred = None if publish else ("run incomplete" if status != "complete" else "checks failed")
     return {
-        "schema_version": SCHEMA_VERSION, "name": plan["name"], "status": status,
+        "schema_version": SUMMARY_SCHEMA_VERSION, "name": plan["name"], "status": status,
         "incomplete_reasons": reasons, "verdicts_published": publish, "verdicts_barred_by": barred,
         "plan_sha256": plan_sha256,
         "verdict_rule": {"min_effect": vd["min_effect"], "confidence": vd["confidence"], "min_pairs": vd["min_pairs"],
@@ -334,14 +362,14 @@ def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], che
 
 def write_manifest(bundle: Path) -> dict:
     """sha256 and size of every file in the bundle except the manifest itself and the audit verdict, and the
-    version of the layout contract the bundle follows."""
+    version of the format contract the bundle follows."""
     bundle = Path(bundle)
     files = {}
     for p in sorted(bundle.rglob("*")):
         rel = p.relative_to(bundle).as_posix()
         if p.is_file() and rel not in UNMANIFESTED and not p.name.startswith("."):
             files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-    manifest = {"schema_version": SCHEMA_VERSION, "layout_version": LAYOUT_VERSION, "files": files}
+    manifest = {"schema_version": SCHEMA_VERSION, "format_version": FORMAT_VERSION, "files": files}
     atomic_write_json(bundle / "manifest.json", manifest)
     return manifest
 
@@ -355,7 +383,10 @@ def unpublish(bundle: Path) -> None:
 
 def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], environment: dict,
              interrupted: str | None = None) -> dict:
-    """Tables, summary, report, plot and manifest from whatever raw records the bundle holds."""
+    """Tables, summary, report, plot and manifest from whatever raw records the bundle holds; ``interrupted``
+    is the status code of a reason children.json does not show (``"reference_failed"``) or None."""
+    from .report import plot_ratios, render_report   # report reads this module's FORMAT
+
     bundle = Path(bundle)
     records = load_records(bundle)
     tables = build_tables(records)

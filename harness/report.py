@@ -1,7 +1,10 @@
 """The human-readable side of a bundle: the seed-style result table, ``report.md`` and the plot of
-paired ratios. Pure rendering from the summary and the tables that ``evidence.py`` builds; the auditor
-re-renders the whole report from the raw records with its own code (``audit/render.py``) and requires
-``report.md`` to match it line for line, so a wording change here needs the same change there.
+paired ratios. Pure rendering from the summary and the tables that ``evidence.py`` builds.
+
+Every heading, column heading, sentence and number format comes from the ``report`` section of the bundle
+format contract (``loopbench/bundle_format.json``); this module only derives the fields those templates
+name. The auditor re-renders the whole report from the raw records with its own code (``audit/render.py``,
+driven by the same contract) and requires ``report.md`` to match it line for line.
 """
 from __future__ import annotations
 
@@ -11,163 +14,164 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .evidence import FORMAT, atomic_write_bytes
 
-def fmt_speedup(speedup: float, ci: list | None) -> str:
-    ci_text = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "[n/a]"
-    return f"{speedup:.4f}× {ci_text}"
+R = FORMAT["report"]
+WORDS = R["words"]
+CODES = FORMAT["status_codes"]["codes"]
+
+
+def reason_text(reason: dict) -> str:
+    """The contract's words for one status code of ``summary.json`` ``incomplete_reasons``."""
+    return CODES[reason["code"]]["text"].format(**{k: v for k, v in reason.items() if k != "code"})
+
+
+def reasons_text(summary: dict) -> str:
+    """Every incomplete reason of a summary in words, joined as the report joins them ("" when complete)."""
+    return R["reason_separator"].join(reason_text(r) for r in summary["incomplete_reasons"])
+
+
+def table_lines(columns: list[str], rows: list[str]) -> list[str]:
+    """A markdown table: its heading row, the ``---`` row and the rendered rows."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
+
+
+def ci_text(ci: list | None) -> str:
+    return R["ci"].format(*ci) if ci else f"[{WORDS['na']}]"
 
 
 def table_row(res: dict) -> str:
     """One seed-style row (device, B / C, tokens/s of each arm, speedup [CI], change, verdict)."""
     st = res["stats"]
-    verdict = res["verdict"] if res["verdict"] is not None else "none"
-    return (f"| {res['device']} | {res['max_num_seqs']} / {res['num_requests']} | "
-            f"{res['baseline_tokens_per_s']:.2f} | {res['candidate_tokens_per_s']:.2f} | "
-            f"{fmt_speedup(st['speedup'], st['ci'])} | {100 * (st['speedup'] - 1):+.2f}% | {verdict} |")
+    verdict = res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]
+    return R["result"]["row"].format(**{**res, "speedup": st["speedup"], "ci": ci_text(st["ci"]),
+                                        "change_pct": 100 * (st["speedup"] - 1), "verdict": verdict})
 
 
 def result_tables(summary: dict) -> str:
     """The seed's table, one per comparison (GPU, B / C, tokens/s of each arm, speedup [CI], change)."""
-    out = []
+    spec, out = R["result"], []
     comps: dict[str, list[dict]] = {}
     for res in summary["results"]:
         comps.setdefault(res["comparison"], []).append(res)
     for comp, rows in comps.items():
         b, c = rows[0]["baseline"], rows[0]["candidate"]
-        label = f"{comp} (A/A noise floor)" if b == c else comp
-        out += [f"### {label}", "",
-                f"| GPU | B / C | {b} tokens/s | {c} tokens/s | Paired speedup [95% CI] | Throughput change | Verdict |",
-                "|---|---|---|---|---|---|---|"]
-        out += [table_row(r) for r in rows]
+        out += [spec["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
+        out += table_lines([h.format(baseline=b, candidate=c) for h in spec["columns"]], [table_row(r) for r in rows])
         out.append("")
     return "\n".join(out)
-
-
-def _graph_memory_lines(arms: pd.DataFrame) -> list[str]:
-    lines = ["| GPU | B / C | arm | runs | warmup captures | measured captures | measured replays | "
-             "measured fallbacks | measured prefill replays / fallbacks | peak allocated MiB | peak reserved MiB | "
-             "KV blocks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def mib(series) -> str:
-        vals = [v for v in series if v is not None and not pd.isna(v)]
-        return f"{max(vals) / 2**20:.1f}" if vals else "n/a"
-
-    for (dev, b, c, arm), g in arms.groupby(["device", "max_num_seqs", "num_requests", "arm"], sort=True):
-        warm = int(g["warmup_captures"].fillna(0).sum() + g["warmup_prefill_captures"].fillna(0).sum())
-        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {warm} | "
-                     f"{int(g['captures'].sum() + g['prefill_captures'].sum())} | {int(g['replays'].sum())} | "
-                     f"{int(g['fallbacks'].sum())} | "
-                     f"{int(g['prefill_replays'].sum())} / {int(g['prefill_fallbacks'].sum())} | "
-                     f"{mib(g['peak_allocated_bytes'])} | {mib(g['peak_reserved_bytes'])} | "
-                     f"{int(g['kv_blocks_used'].max())} |")
-    return lines
 
 
 def _prompt_label(wl: dict) -> str:
     """The header's prompt lengths: one P, a cycled mix ("31,32,63,33 cycled") or "file"."""
     if wl["prompts_file"]:
-        return "file"
+        return WORDS["prompts_file"]
     if wl.get("prompt_lens"):
-        return ",".join(str(n) for n in wl["prompt_lens"]) + " cycled"
+        return ",".join(str(n) for n in wl["prompt_lens"]) + WORDS["cycled"]
     return str(wl["prompt_len"])
 
 
-COVERAGE_TEXT = (
-    "Counts of one measured run, derived on the host from the frozen schedule and the arm's layout "
-    "(harness/coverage.py; the checker requires the derivation's row trace to be the run's): decode exits "
-    "per depth; key reads from a plane below the query depth, per plane (alias resolves them through the "
-    "exit map, native reads the fill's copies; all zero means the layouts never read differently); keys "
-    "resolved one by one through the exit map; key tiles read directly by the prefix reader; rows whose "
-    "first-alias position lies in their context (a boundary tile), and of those the rows where it is the "
-    "tile's last key; token-planes copied by the native fill (K and V of every layer); CUDA-Graph padding "
-    "rows. Reads are counted per decode row: every layer repeats them.")
+def _header(plan: dict, summary: dict, environment: dict) -> list[str]:
+    cfg, code, ckpt = plan["config"], plan["code"], plan["checkpoint"]
+    wl, ex = cfg["workload"], cfg["exit"]
+    lines = [R["title"].format(name=plan["name"], state=R["state"][summary["status"]]), ""]
+    if summary["status"] != "complete":
+        lines += [R["banner"]["incomplete"].format(reasons=reasons_text(summary)), ""]
+    elif not summary["verdicts_published"]:
+        lines += [R["banner"]["checks_failed"], ""]
+    fields = {"git_sha": code["git_sha"] or WORDS["unknown_sha"], "dirty": WORDS["dirty"] if code["git_dirty"] else "",
+              "plan_sha256": summary["plan_sha256"], "description": ckpt["description"], "dtype": cfg["model"]["dtype"],
+              "checkpoint_sha256": ckpt["sha256"], "prompt": _prompt_label(wl), "output_len": wl["output_len"],
+              "prompts_sha256": plan["prompts"]["sha256"], "reference_arm": plan["reference_arm"], **ex,
+              "pairs": cfg["pairs"], "order_seed": cfg["order_seed"],
+              "warmup": WORDS["warmup"] if cfg["warmup"] else WORDS["no_warmup"],
+              "torch": environment.get("torch", {}).get("version"),
+              "triton": environment.get("packages", {}).get("triton"),
+              "python": environment.get("python", {}).get("version")}
+    return lines + [line.format(**fields) for line in R["header"]]
+
+
+def _statistics(results: list[dict]) -> list[str]:
+    spec, rows = R["statistics"], []
+    for r in results:
+        st = r["stats"]
+        bca = R["ci"].format(*st["bca_ci"]) if st["bca_ci"] else WORDS["undefined"]
+        p = spec["p"].format(p=st["wilcoxon_p"], method=st["wilcoxon_method"]) if st["wilcoxon_p"] is not None \
+            else WORDS["na"]
+        rows.append(spec["row"].format(**{**r, **st, "bca": bca, "p": p}))
+    return [R["headings"]["statistics"], ""] + table_lines(spec["columns"], rows)
+
+
+def _checks(ch: dict) -> list[str]:
+    spec, findings = R["checks"], ch["findings"]
+    most = spec["max_findings"]
+    lines = [R["headings"]["checks"], "",
+             spec["line"].format(**ch, outcome=WORDS["pass"] if ch["ok"] else WORDS["fail"])]
+    lines += [spec["finding"].format(message=f["message"]) for f in findings[:most]]
+    if len(findings) > most:
+        lines.append(spec["more"].format(n=len(findings) - most))
+    return lines + [spec["warning"].format(warning=w) for w in ch.get("warnings") or []]
+
+
+def _mib(series) -> str:
+    vals = [v for v in series if v is not None and not pd.isna(v)]
+    return R["graph_memory"]["mib"].format(max(vals) / 2**20) if vals else WORDS["na"]
+
+
+def _graph_memory(arms: pd.DataFrame) -> list[str]:
+    spec, rows = R["graph_memory"], []
+    for (dev, b, c, arm), g in arms.groupby(spec["group_by"], sort=True):
+        rows.append(spec["row"].format(
+            device=dev, max_num_seqs=b, num_requests=c, arm=arm, runs=len(g),
+            warmup_captures=int(g["warmup_captures"].fillna(0).sum() + g["warmup_prefill_captures"].fillna(0).sum()),
+            captures=int(g["captures"].sum() + g["prefill_captures"].sum()), replays=int(g["replays"].sum()),
+            fallbacks=int(g["fallbacks"].sum()), prefill_replays=int(g["prefill_replays"].sum()),
+            prefill_fallbacks=int(g["prefill_fallbacks"].sum()), peak_allocated_mib=_mib(g["peak_allocated_bytes"]),
+            peak_reserved_mib=_mib(g["peak_reserved_bytes"]), kv_blocks=int(g["kv_blocks_used"].max())))
+    return ["", R["headings"]["graph_memory"], ""] + table_lines(spec["columns"], rows)
 
 
 def _per_run(values) -> str:
     """The one value an arm's runs share ("a/b/c" for a list), or "varies"."""
-    texts = {"/".join(str(int(x)) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else str(int(v))
+    sep = R["coverage"]["list_separator"]
+    texts = {sep.join(str(int(x)) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else str(int(v))
              for v in values}
-    return texts.pop() if len(texts) == 1 else "varies"
+    return texts.pop() if len(texts) == 1 else WORDS["varies"]
 
 
-def _coverage_lines(arms: pd.DataFrame) -> list[str]:
+def _coverage(arms: pd.DataFrame) -> list[str]:
     """Per (GPU, B, C, arm): how often each path where the layouts differ ran in one measured run."""
-    if not len(arms) or "coverage_routed_reads" not in arms.columns:
+    spec = R["coverage"]
+    if "coverage_routed_reads" not in arms.columns:
         return []
-    lines = ["", "## Layout paths per run", "", COVERAGE_TEXT, "",
-             "| GPU | B / C | arm | runs | exits per depth | reads below the query depth, per plane | "
-             "exit-map reads | direct tiles | boundary tiles | at a tile's last key | fill token-planes | "
-             "padding rows |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = ("exits_per_depth", "lower_plane_reads", "routed_reads", "direct_tiles", "boundary_tiles",
-            "boundary_last_key", "fill_token_planes", "padding_rows")
-    for (dev, b, c, arm), g in arms.groupby(["device", "max_num_seqs", "num_requests", "arm"], sort=True):
-        cells = " | ".join(_per_run(g[f"coverage_{k}"]) for k in keys)
-        lines.append(f"| {dev} | {b} / {c} | {arm} | {len(g)} | {cells} |")
-    return lines
+    rows = [spec["row"].format(device=dev, max_num_seqs=b, num_requests=c, arm=arm, runs=len(g),
+                               cells=" | ".join(_per_run(g[f"coverage_{k}"]) for k in spec["counts"]))
+            for (dev, b, c, arm), g in arms.groupby(spec["group_by"], sort=True)]
+    return ["", R["headings"]["coverage"], "", spec["text"], ""] + table_lines(spec["columns"], rows)
+
+
+def _children(children: list[dict]) -> list[str]:
+    spec = R["children"]
+    rows = [spec["row"].format(**{**c, "session": c.get("session", c["name"]),
+                                  "wall": spec["wall"].format(c["wall_s"]) if c["wall_s"] is not None else WORDS["na"]})
+            for c in children]   # wall_s None: a child never started, or its controller died
+    return [R["headings"]["children"], ""] + table_lines(spec["columns"], rows)
 
 
 def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict) -> str:
-    cfg = plan["config"]
-    code = plan["code"]
-    head = "complete" if summary["status"] == "complete" else "INCOMPLETE: no verdict"
-    lines = [f"# loopbench: {plan['name']} ({head})", ""]
-    if summary["status"] != "complete":
-        lines += ["**This run is incomplete and publishes no verdict:** " + "; ".join(summary["incomplete_reasons"]), ""]
-    elif not summary["verdicts_published"]:
-        lines += ["**Checks failed: every verdict is barred** (see Checks).", ""]
-    wl = cfg["workload"]
-    ex = cfg["exit"]
-    lines += [
-        f"- Code: `{code['git_sha'] or 'unknown'}`{' (dirty tree)' if code['git_dirty'] else ''}; plan sha256 `{summary['plan_sha256']}`",
-        f"- Model: {plan['checkpoint']['description']}, {cfg['model']['dtype']}, checkpoint sha256 "
-        f"`{plan['checkpoint']['sha256']}`",
-        f"- Workload: P{_prompt_label(wl)} / D{wl['output_len']}, "
-        f"prompts sha256 `{plan['prompts']['sha256']}`; fixed schedule from a natural `{plan['reference_arm']}` run "
-        f"({ex['policy']} {ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']})",
-        f"- Protocol: {cfg['pairs']} balanced pairs per point and comparison, order seed {cfg['order_seed']}, "
-        f"{'one full untimed warmup per arm' if cfg['warmup'] else 'NO warmup'}, fresh engine per arm",
-        f"- Torch {environment.get('torch', {}).get('version')}, triton {environment.get('packages', {}).get('triton')}, "
-        f"python {environment.get('python', {}).get('version')}",
-        "", "## Result", "",
-        result_tables(summary),
-        "Tokens/s are medians over an arm's measured runs within the comparison; speedup is the median paired "
-        f"ratio baseline_s / candidate_s; the interval is a percentile bootstrap of the median over pairs "
-        f"({cfg['verdict']['n_resamples']:,} resamples, seed {cfg['verdict']['bootstrap_seed']}). Verdict rule: "
-        f"faster / slower when the whole {cfg['verdict']['confidence']:.0%} CI lies above / below 1 and the "
-        f"effect is at least {cfg['verdict']['min_effect']:.2%}, with at least {cfg['verdict']['min_pairs']} pairs; "
-        "otherwise inconclusive. The intervals bootstrap "
-        "pairs within one persistent session per device, not independent sessions.", "",
-        "## Statistics", "",
-        "| GPU | B / C | comparison | pairs | BCa CI | Wilcoxon p | distinct resamples | rule outcome |",
-        "|---|---|---|---|---|---|---|---|"]
-    for r in summary["results"]:
-        st = r["stats"]
-        bca = f"[{st['bca_ci'][0]:.4f}, {st['bca_ci'][1]:.4f}]" if st["bca_ci"] else "undefined"
-        p = f"{st['wilcoxon_p']:.4g} ({st['wilcoxon_method']})" if st["wilcoxon_p"] is not None else "n/a"
-        lines.append(f"| {r['device']} | {r['max_num_seqs']} / {r['num_requests']} | {r['comparison']} | "
-                     f"{st['n_pairs']} | {bca} | {p} | {st['distinct_resamples']:,} | {st['verdict']}: "
-                     f"{st['verdict_reason']} |")
-    ch = summary["checks"]
-    lines += ["", "## Checks", "",
-              f"{'PASS' if ch['ok'] else 'FAIL'}: {ch['arms_checked']} arms, {ch['phases_checked']} runs "
-              f"(warmup and measured), {ch['requests_checked']:,} requests and {ch['tokens_checked']:,} output "
-              "tokens compared with the frozen references (tokens, exit depths, work counters, row trace); "
-              "measured arms must show zero new Graph captures; paired Graph coverage must be equal."]
-    for f in ch["findings"][:25]:
-        lines.append(f"- {f['message']}")
-    if len(ch["findings"]) > 25:
-        lines.append(f"- ... and {len(ch['findings']) - 25} more (summary.json)")
-    lines += [f"- warning: {w}" for w in ch.get("warnings") or []]
-    lines += ["", "## Graph counters and memory", ""] + _graph_memory_lines(arms) if len(arms) else []
-    lines += _coverage_lines(arms)
-    lines += ["", "## Children", "", "| child | device | state | exit code | wall s |", "|---|---|---|---|---|"]
-    for c in summary["children"]:
-        wall = f"{c['wall_s']:.1f}" if c["wall_s"] is not None else "n/a"   # a child never started, or lost
-        lines.append(f"| {c.get('session', c['name'])} | {c['device']} | {c['state']} | {c['exit_code']} | {wall} |")
-    lines += ["", "![paired ratios](pair_ratios.png)", ""]
-    return "\n".join(lines)
+    """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms)."""
+    sections = {
+        "header": lambda: _header(plan, summary, environment),
+        "result": lambda: ["", R["headings"]["result"], "", result_tables(summary),
+                           R["result"]["rule"].format(**plan["config"]["verdict"]), ""],
+        "statistics": lambda: _statistics(summary["results"]),
+        "checks": lambda: ["", *_checks(summary["checks"])],
+        "graph_memory": lambda: _graph_memory(arms) if len(arms) else [],
+        "coverage": lambda: _coverage(arms) if len(arms) else [],
+        "children": lambda: ["", *_children(summary["children"])],
+        "plot": lambda: ["", R["plot"], ""],
+    }
+    return "\n".join(line for name in R["sections"] for line in sections[name]())
 
 
 def plot_ratios(summary: dict, pairs: pd.DataFrame, path: Path) -> None:
@@ -198,10 +202,4 @@ def plot_ratios(summary: dict, pairs: pd.DataFrame, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)
-    from .evidence import atomic_write_bytes  # evidence imports this module
-
     atomic_write_bytes(Path(path), buf.getvalue())
-
-
-# ------------------------------------------------------------------------------------------ manifest
-

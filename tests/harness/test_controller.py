@@ -171,7 +171,8 @@ def test_prompt_files(tmp_path):
 def test_failed_reference_capture_measures_nothing_and_is_incomplete(tmp_path, cache):
     result = run(tmp_path, cache, "executor.reference_timeout_s=0.3", "reuse_references=false")
     s = result.summary
-    assert s["status"] == "incomplete" and "reference capture failed" in " ".join(s["incomplete_reasons"])
+    assert s["status"] == "incomplete" and {"code": "reference_failed"} in s["incomplete_reasons"]
+    assert "the reference capture failed; nothing was measured" in (result.bundle / "report.md").read_text()
     assert [c["name"] for c in s["children"]] == ["reference"] and s["children"][0]["state"] == "timeout"
     assert s["counts"]["arms_recorded"] == 0 and s["results"] == []
     verdict = audit(result.bundle)

@@ -69,3 +69,24 @@ def test_plot_writes_a_png(tmp_path):
     report.plot_ratios(summary, pairs, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["r.png"]
+
+
+def test_incomplete_reasons_are_status_codes_of_the_contract():
+    child = {"name": "cpu0", "session": "cpu0.r1", "device": "cpu", "exit_code": None, "state": "interrupted",
+             "wall_s": None, "log": "cpu0.r1.log", "interrupted_by": "SIGTERM"}
+    reasons = evidence.incomplete_reasons([{**child, "session": "cpu0", "state": "completed", "exit_code": 0,
+                                            "interrupted_by": None}, child], None, 3, 8)
+    assert reasons == [{"code": "stopped", "by": "SIGTERM"},
+                       {"code": "child_failed", "child": "cpu0.r1", "state": "interrupted", "exit_code": None},
+                       {"code": "arms_missing", "recorded": 3, "planned": 8}]
+    assert all(r["code"] in evidence.STATUS_CODES for r in reasons)
+    assert report.reasons_text({"incomplete_reasons": reasons}) == (
+        "the controller received SIGTERM and stopped its children; child cpu0.r1 ended interrupted with exit code "
+        "None; 3 of 8 planned arms recorded")
+    assert evidence.incomplete_reasons([], "reference_failed", 0, 0) == [{"code": "reference_failed"}]
+
+
+def test_plan_point_requests_name_their_prompts():
+    assert evidence.point_requests(3) == [{"request_id": "r0000", "prompt_index": 0},
+                                          {"request_id": "r0001", "prompt_index": 1},
+                                          {"request_id": "r0002", "prompt_index": 2}]

@@ -115,7 +115,8 @@ def test_sigterm_stops_the_children_and_publishes_an_incomplete_bundle(stopped):
     summary = json.loads((bundle / "summary.json").read_text())
     assert summary["status"] == "incomplete" and not summary["verdicts_published"]
     assert all(r["verdict"] is None for r in summary["results"])
-    assert summary["incomplete_reasons"][0] == "the controller received SIGTERM and stopped its children"
+    assert summary["incomplete_reasons"][0] == {"code": "stopped", "by": "SIGTERM"}
+    assert "the controller received SIGTERM and stopped its children" in (bundle / "report.md").read_text()
     children = json.loads((bundle / "children.json").read_text())
     assert [(c["name"], c["state"], c["interrupted_by"]) for c in children] == \
         [("reference", "completed", None), ("cpu0", "interrupted", "SIGTERM")]
@@ -150,8 +151,9 @@ def test_sigkill_then_finish_publishes_the_same_incomplete_state(dirs):
     assert audit(bundle)["status"] == "incomplete"
     summary = json.loads((bundle / "summary.json").read_text())
     assert summary["status"] == "incomplete" and not summary["verdicts_published"]
-    assert summary["incomplete_reasons"][0] == \
-        "the controller ended without publishing; its unfinished children were marked interrupted"
+    assert summary["incomplete_reasons"][0] == {"code": "lost"}
+    assert "the controller ended without publishing; its unfinished children were marked interrupted" in \
+        (bundle / "report.md").read_text()
     cpu0 = json.loads((bundle / "children.json").read_text())[-1]
     assert (cpu0["state"], cpu0["interrupted_by"], cpu0["exit_code"]) == ("interrupted", "lost", None)
     assert not [p for p in bundle.rglob(".*")]

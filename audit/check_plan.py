@@ -1,0 +1,151 @@
+"""Checks of the frozen plan: its hashes, each point's request list (the prompt of every request), the
+frozen references against the prompts, and the seeded balanced measurement order of the records."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+
+from . import contract
+from .context import Audit
+from .values import canonical, prompt_sha256, sha256_file
+
+PLAN = contract.DOCS["plan"]
+
+
+def point_requests(ctx: Audit, pt: dict) -> list[dict]:
+    """The requests a plan point lists (format 2); a version-1 point lists none, and by its rule request
+    r<i> is prompts[i] for the first C prompts."""
+    if ctx.version < PLAN["point_requests_since"]:
+        return [{"request_id": f"r{i:04d}", "prompt_index": i} for i in range(pt["num_requests"])]
+    return pt["requests"]
+
+
+def check_plan(ctx: Audit, plan: dict) -> None:
+    """The config's, prompts' and references' sha256s are the ones plan.json records."""
+    cfg_sha = hashlib.sha256(canonical(plan["config"])).hexdigest()
+    if cfg_sha != plan["config_sha256"]:
+        ctx.fail("plan", f"config sha256 is {cfg_sha}, plan.json says {plan['config_sha256']}")
+    got = sha256_file(ctx.bundle / plan["prompts"]["file"])
+    if got != plan["prompts"]["sha256"]:
+        ctx.fail("plan", f"prompts sha256 is {got}, plan.json says {plan['prompts']['sha256']}")
+    for pt in plan["points"]:
+        ref = pt.get("reference")
+        if not ref:  # an incomplete run may have failed to capture it; the summary check says so
+            continue
+        for f, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
+            if (ctx.bundle / f).is_file() and sha256_file(ctx.bundle / f) != want:
+                ctx.fail("plan", f"{f} sha256 is {sha256_file(ctx.bundle / f)}, plan.json says {want}")
+
+
+def check_point_requests(ctx: Audit, plan: dict) -> None:
+    """Each point has the contract's fields and lists C distinct requests, each on a prompt of the pool."""
+    n_prompts = plan["prompts"].get("count")
+    fields = {k: v for k, v in PLAN["point_fields"].items() if k != "requests" or ctx.version >= 2}
+    for pt in plan["points"]:
+        problem = contract.fields_problem(pt, fields, f"point {pt.get('key')!r}: ", PLAN["point_optional"])
+        if problem is not None:
+            ctx.fail("plan", problem)
+            continue
+        reqs = point_requests(ctx, pt)
+        problems = (contract.fields_problem(q, PLAN["point_request_fields"], "") if isinstance(q, dict)
+                    else f"{q!r} is not an object" for q in reqs)
+        bad = next((p for p in problems if p is not None), None)
+        if bad is not None:
+            ctx.fail("plan", f"point {pt['key']}: requests: {bad}")
+            continue
+        if len(reqs) != pt["num_requests"] or len({q["request_id"] for q in reqs}) != len(reqs):
+            ctx.fail("plan", f"point {pt['key']} lists {len(reqs)} requests "
+                             f"({len({q['request_id'] for q in reqs})} distinct ids) for C{pt['num_requests']}")
+        for q in reqs:
+            if not 0 <= q["prompt_index"] < (n_prompts if n_prompts is not None else math.inf):
+                ctx.fail("plan", f"point {pt['key']} request {q['request_id']}: prompt_index {q['prompt_index']} "
+                                 f"is not in the pool of {n_prompts} prompts")
+
+
+def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
+    """Every frozen reference runs exactly its point's requests, each on the prompt the plan gives it, for
+    D tokens with exit depths in 1..max_loops."""
+    cfg = plan["config"]
+    prompts = json.loads((ctx.bundle / plan["prompts"]["file"]).read_text())
+    D, ex = cfg["workload"]["output_len"], cfg["exit"]
+    for pt in plan["points"]:
+        sched = refs.get(pt["key"], {}).get("schedule")
+        if sched is None:
+            continue
+        if sched["max_num_seqs"] != pt["max_num_seqs"] or len(sched["requests"]) != pt["num_requests"]:
+            ctx.fail("reference", f"{pt['key']}: schedule has B{sched['max_num_seqs']}/C{len(sched['requests'])}")
+        planned = {q["request_id"]: q["prompt_index"] for q in point_requests(ctx, pt)}
+        for r in sched["requests"]:
+            where = f"{pt['key']} request {r['request_id']}"
+            i = planned.get(r["request_id"])
+            if i is None:
+                ctx.fail("reference", f"{where} is not a request of the plan's point")
+            elif not 0 <= i < len(prompts) or r["prompt_sha256"] != prompt_sha256(prompts[i]):
+                ctx.fail("reference", f"{where}: prompt sha256 does not match prompts.json[{i}], the plan's "
+                                      "prompt_index")
+            if len(r["token_ids"]) != D or len(r["exit_depths"]) != D:
+                ctx.fail("reference", f"{where}: {len(r['token_ids'])} tokens, {len(r['exit_depths'])} depths, "
+                                      f"expected {D}")
+            if any(not 1 <= d <= ex["max_loops"] for d in r["exit_depths"]):
+                ctx.fail("reference", f"{where}: exit depth outside 1..{ex['max_loops']}")
+            ctx.count("reference_requests")
+
+
+def balanced_order(plan: dict) -> list[dict]:
+    """The seeded balanced order: per point, pair i of every comparison, first arm ceil/floor balanced."""
+    cfg = plan["config"]
+    n, comps = cfg["pairs"], cfg["comparisons"]
+    expected, seq = [], 0
+    for pi, pt in enumerate(plan["points"]):
+        firsts = []
+        for ci in range(len(comps)):
+            base = ["baseline"] * math.ceil(n / 2) + ["candidate"] * (n // 2)
+            perm = np.random.default_rng([cfg["order_seed"], pi, ci]).permutation(n)
+            firsts.append([base[i] for i in perm])
+        for pair in range(n):
+            for ci, comp in enumerate(comps):
+                pos = ("baseline", "candidate") if firsts[ci][pair] == "baseline" else ("candidate", "baseline")
+                for slot, p in enumerate(pos):
+                    expected.append({"seq": seq, "point": pt["key"], "comparison": comp["name"], "pair": pair,
+                                     "position": p, "slot": slot, "arm": comp[p]})
+                    seq += 1
+    return expected
+
+
+def check_order(ctx: Audit, plan: dict, records: list[dict]) -> None:
+    """plan.json's order is the seeded one; each record sits at its planned place with its planned arm,
+    config and workload, and a device's records were measured in their order."""
+    expected = balanced_order(plan)
+    for dev in plan["devices"]:
+        if plan["order"].get(dev["name"]) != expected:
+            ctx.fail("order", f"{dev['name']}: plan.json's measurement order is not the seeded balanced order")
+    if set(plan["order"]) != {d["name"] for d in plan["devices"]}:
+        ctx.fail("order", f"plan.json orders sessions {sorted(plan['order'])}, its devices are "
+                          f"{sorted(d['name'] for d in plan['devices'])}")
+    by_seq = {(d["name"], it["seq"]): it for d in plan["devices"] for it in plan["order"].get(d["name"], [])}
+    last: dict[str, tuple[int, float]] = {}
+    for r in records:
+        _check_record_place(ctx, plan, r, by_seq.get((r["job"], r["seq"])))
+        start = (r.get("wall_clock") or {}).get("measured_start_unix_s")
+        prev = last.get(r["job"])
+        if prev is not None and start is not None and start < prev[1]:
+            ctx.fail("order", f"{r['job']} seq {r['seq']} was measured before seq {prev[0]}")
+        if start is not None:
+            last[r["job"]] = (r["seq"], start)
+        ctx.count("records_in_order")
+
+
+def _check_record_place(ctx: Audit, plan: dict, r: dict, item: dict | None) -> None:
+    cfg, where = plan["config"], f"record {r['job']} seq {r['seq']}"
+    if item is None or any(r[f] != item[f] for f in PLAN["order_item_fields"] if f != "seq"):
+        ctx.fail("order", f"{where} ({r['arm']}) is not at its planned place")
+    if r["arm_config"] != cfg["arms"].get(r["arm"]):
+        ctx.fail("order", f"{where}: arm {r['arm']!r} ran a config other than planned")
+    pt = next((p for p in plan["points"] if p["key"] == r["point"]), {})
+    planned = (pt.get("max_num_seqs"), pt.get("num_requests"), cfg["workload"]["output_len"])
+    if (r["max_num_seqs"], r["num_requests"], r["output_len"]) != planned:
+        ctx.fail("order", f"{where}: B{r['max_num_seqs']}/C{r['num_requests']}/D{r['output_len']}, the plan "
+                          f"says B{planned[0]}/C{planned[1]}/D{planned[2]}")

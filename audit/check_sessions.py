@@ -1,0 +1,109 @@
+"""Checks of who measured what: children ran on the plan's devices and ended; each record names a
+session child of its job on its planned device; a pair is measured by one session; a job's sessions
+follow each other in its order; a completed session measured exactly the seqs its job file asked for."""
+from __future__ import annotations
+
+from . import contract, derive
+from .context import Audit
+
+CHILDREN = contract.DOCS["children"]
+
+
+def check_devices(ctx: Audit, plan: dict, records: list[dict], children: list[dict]) -> None:
+    """Children run on the plan's devices; each record was measured on its session's planned device."""
+    devices = {d["name"]: d for d in plan["devices"]}
+    first = plan["devices"][0]["label"] if plan["devices"] else None
+    for c in children:
+        label = first if c["name"] == "reference" else devices.get(c["name"], {}).get("label")
+        if label is None:
+            ctx.fail("devices", f"children.json lists child {c['name']!r}, which the plan does not run")
+        elif c["device"] != label:
+            ctx.fail("devices", f"children.json: child {c['name']} ran on {c['device']!r}, the plan says {label!r}")
+        if c.get("log") != f"{derive.child_session(c)}.log":
+            ctx.fail("devices", f"children.json: child {c['name']} logs to {c.get('log')!r}, not "
+                                f"{derive.child_session(c)}.log")
+    child = {c["name"] for c in children}
+    session_device: dict[str, dict] = {}
+    for r in records:
+        where, dev, d = f"record {r['job']} seq {r['seq']}", r["device"], devices.get(r["job"])
+        if d is None:
+            ctx.fail("devices", f"{where}: job {r['job']!r} is not a device of the plan")
+            continue
+        if r["job"] not in child:
+            ctx.fail("devices", f"{where}: written by {r['job']}, which children.json does not list")
+        # A Slurm GPU job learns its GPU only when it starts; every other session is pinned by the plan.
+        pinned = not (d["kind"] == "cuda" and d["gpu_index"] is None)
+        got = (dev.get("kind"), dev.get("label"), dev.get("gpu_index")) if pinned else (dev.get("kind"),)
+        want = (d["kind"], d["label"], d["gpu_index"]) if pinned else (d["kind"],)
+        if got != want:
+            ctx.fail("devices", f"{where}: device (kind, label, gpu_index) {got} is not the plan's {want} "
+                                f"for {r['job']}")
+        if session_device.setdefault(r["job"], dev) != dev:
+            ctx.fail("devices", f"{where}: device {dev} differs from the session's earlier arms")
+
+
+def check_child_states(ctx: Audit, children: list[dict]) -> None:
+    """A published bundle's children all ended (``finish`` resolves the ``running`` ones of a lost
+    controller); an ``interrupted`` child names what interrupted it, and only such a child does."""
+    ended = tuple(CHILDREN["ended_states"])
+    for c in children:
+        where = f"children.json: {derive.child_session(c)}"
+        problem = contract.fields_problem(c, CHILDREN["entry_fields"], "", CHILDREN["entry_optional"])
+        if problem is not None:
+            ctx.fail("sessions", f"{where}: {problem}")
+        if c.get("state") not in ended:
+            ctx.fail("sessions", f"{where} is {c.get('state')!r}, not an ended state {ended}")
+        elif (c["state"] == "interrupted") != bool(c.get("interrupted_by")):
+            ctx.fail("sessions", f"{where} is {c['state']} with interrupted_by {c.get('interrupted_by')!r}")
+
+
+def _sessions_by_id(ctx: Audit, children: list[dict]) -> dict[str, dict]:
+    sessions: dict[str, dict] = {}
+    for c in children:
+        sid = derive.child_session(c)
+        if sid in sessions:
+            ctx.fail("sessions", f"children.json lists session {sid} twice")
+        sessions[sid] = c
+    return sessions
+
+
+def check_sessions(ctx: Audit, plan: dict, records: list[dict], children: list[dict]) -> None:
+    """Which session measured which pair (see the module docstring)."""
+    sessions = _sessions_by_id(ctx, children)
+    measured: dict[str, list[int]] = {}
+    pair_sessions: dict[tuple, set] = {}
+    last: dict[str, tuple[int, str, int]] = {}
+    for r in records:
+        sid, where = derive.record_session(r), f"record {r['job']} seq {r['seq']}"
+        c = sessions.get(sid)
+        if c is None or c["name"] != r["job"]:
+            ctx.fail("sessions", f"{where}: session {sid!r} is not a session of {r['job']} in children.json")
+            continue
+        measured.setdefault(sid, []).append(r["seq"])
+        pair_sessions.setdefault((r["job"], r["point"], r["comparison"], r["pair"]), set()).add(sid)
+        attempt, prev = c.get("attempt", 0), last.get(r["job"])
+        if prev is not None and attempt < prev[0]:
+            ctx.fail("sessions", f"{where} by {sid} (run {attempt}) follows seq {prev[2]} by {prev[1]} "
+                                 f"(run {prev[0]})")
+        last[r["job"]] = (attempt, sid, r["seq"])
+    for (job, point, comp, pair), sids in sorted(pair_sessions.items()):
+        if len(sids) > 1:
+            ctx.fail("sessions", f"{job} {point} {comp} pair {pair} was measured by sessions {sorted(sids)}")
+    _check_asked_seqs(ctx, plan, sessions, measured)
+    ctx.count("sessions", len(sessions))
+
+
+def _check_asked_seqs(ctx: Audit, plan: dict, sessions: dict[str, dict], measured: dict[str, list[int]]) -> None:
+    """A completed session measured exactly the seqs its job file asked for (all of its order without a list)."""
+    devices = {d["name"] for d in plan["devices"]}
+    for sid, c in sessions.items():
+        if c["name"] not in devices or c.get("state") != "completed":
+            continue
+        job = ctx.read_json(f"jobs/session-{sid}.json", "sessions")
+        if not isinstance(job, dict):
+            continue
+        asked = job.get("seqs")
+        asked = [it["seq"] for it in plan["order"].get(c["name"], [])] if asked is None else asked
+        if sorted(measured.get(sid, [])) != sorted(asked):
+            ctx.fail("sessions", f"{sid} completed, but measured seqs {sorted(measured.get(sid, []))}, its job "
+                                 f"asked for {sorted(asked)}")

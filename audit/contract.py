@@ -1,0 +1,179 @@
+"""The bundle format contract as the auditor reads it: ``loopbench/bundle_format.json`` (audit/FORMAT.md).
+
+The file is read as data (package data of ``loopbench``, never an import of the harness), and everything
+the auditor knows about a bundle's shape comes from it: the files and where each may sit (the layout),
+the tables and their declared columns, the JSON documents and their fields' types, the status codes and
+their words, the report's sections. It also says which older versions this auditor still audits, and
+by which rules (``versions``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+def _read_format() -> dict:
+    return json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text())
+
+
+FORMAT = _read_format()
+VERSION = FORMAT["version"]
+SUPPORTED = tuple(FORMAT["supported_versions"])
+WHERE = f"loopbench/bundle_format.json version {VERSION}"
+TABLES = tuple(FORMAT["table_names"])
+UNMANIFESTED = tuple(FORMAT["unmanifested"])
+DOCS = FORMAT["documents"]
+CODES = FORMAT["status_codes"]["codes"]
+TABLE_KEYS = {name: tuple(FORMAT["tables"][name]["key"]) for name in TABLES}
+ABSENT = object()
+
+_JSON_TYPES = {"string": (str,), "int": (int,), "number": (int, float), "bool": (bool,), "object": (dict,),
+               "list": (list,), "null": (type(None),)}
+
+
+# ---------------------------------------------------------------------------------------- JSON fields
+
+def is_kind(value: Any, kind: str) -> bool:
+    """``value`` is of the contract's JSON type ``kind`` ("int", "number|null", ...); a bool is only a bool."""
+    for k in kind.split("|"):
+        if isinstance(value, bool):
+            if k == "bool":
+                return True
+        elif isinstance(value, _JSON_TYPES[k]):
+            return True
+    return False
+
+
+def fields_problem(data: dict, fields: dict[str, str], where: str, optional: dict[str, str] | None = None) -> str | None:
+    """Why ``data`` lacks a required field of ``fields`` or holds one (or an optional one) of the wrong type."""
+    for key, kind in fields.items():
+        value = data.get(key, ABSENT)
+        if value is ABSENT:
+            return f"{where}{key} is missing"
+        if not is_kind(value, kind):
+            return f"{where}{key} is {value!r}"
+    for key, kind in (optional or {}).items():
+        if key in data and not is_kind(data[key], kind):
+            return f"{where}{key} is {data[key]!r}"
+    return None
+
+
+def reason_problem(reason: Any) -> str | None:
+    """Why one ``incomplete_reasons`` entry is not a status code of the contract (with exactly its fields)."""
+    if not isinstance(reason, dict) or not isinstance(reason.get("code"), str):
+        return f"{reason!r} is not a status code object"
+    spec = CODES.get(reason["code"])
+    if spec is None:
+        return f"code {reason['code']!r} is not a status code of {WHERE} ({sorted(CODES)})"
+    extra = sorted(set(reason) - {"code"} - set(spec["fields"]))
+    if extra:
+        return f"code {reason['code']!r} has fields {extra} that {WHERE} does not define"
+    return fields_problem(reason, spec["fields"], f"code {reason['code']!r}: ")
+
+
+def reason_text(reason: dict) -> str:
+    """The contract's words for a status code (report.md; a version-1 summary's sentence)."""
+    return CODES[reason["code"]]["text"].format(**{k: v for k, v in reason.items() if k != "code"})
+
+
+def manifest_version(manifest: dict) -> Any:
+    """The format version a manifest records: ``format_version``, or version 1's ``layout_version``, or
+    (a manifest from before either field) 1."""
+    return manifest.get("format_version", manifest.get("layout_version", 1))
+
+
+# ------------------------------------------------------------------------------------------ columns
+
+def declared_columns(table: str) -> dict[str, dict]:
+    return {c["name"]: c for c in FORMAT["tables"][table]["columns"]}
+
+
+def _arrow_family(arrow_type: str) -> str:
+    if "string" in arrow_type:
+        return "string"
+    if arrow_type.startswith("list"):
+        return "list<int64>" if "int" in arrow_type else arrow_type
+    if arrow_type.startswith(("int", "uint")):
+        return "int"
+    return {"double": "float", "float": "float", "bool": "bool", "null": "null"}.get(arrow_type, arrow_type)
+
+
+def column_type_problem(table: str, name: str, arrow_type: str) -> str | None:
+    """Why a parquet column's arrow type is not its declared one (None when it is, or may be, as declared)."""
+    col = declared_columns(table)[name]
+    want, got = col["type"], _arrow_family(arrow_type)
+    want_family = "int" if want.startswith("int") else "float" if want.startswith("float") else want
+    if got == want_family:
+        return None
+    if col.get("nullable") and (got == "null" or (want_family == "int" and got == "float")):
+        return None
+    return f"column {name!r} is of arrow type {arrow_type}, the format declares {want}"
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def device_sessions(devices: list[str], ran: set[str]) -> list[str]:
+    """The ids in ``ran`` of a device's session: its name (a bundle's first run) or ``<name>.r<k>`` (k-th resume)."""
+    def of_device(sid: str) -> bool:
+        name, sep, k = sid.rpartition(".r")
+        return sid in devices or (bool(sep) and name in devices and k.isdigit())
+    return sorted(s for s in ran if of_device(s))
+
+
+def layout_domains(plan: dict, ran: set[str]) -> dict[str, dict[str, list[str] | None]]:
+    """Per ``required`` condition of the contract's files, the values each placeholder takes in this bundle
+    (None: any one path segment). ``ran``: the sessions that children.json or a raw record shows ran."""
+    devices = [d["name"] for d in plan.get("devices", [])]
+    anywhere = {"point": [pt["key"] for pt in plan.get("points", [])], "device": devices,
+                "session": sorted(set(devices) | set(device_sessions(devices, ran))),
+                "reference_device": devices[:1], "table": list(TABLES), "record": None}
+    return {"always": anywhere, "optional": anywhere,
+            "point_with_reference": {**anywhere, "point": [pt["key"] for pt in plan.get("points", [])
+                                                           if pt.get("reference")]},
+            "session_ran": {**anywhere, "device": [d for d in devices if d in ran],
+                            "session": device_sessions(devices, ran)}}
+
+
+def layout_required(plan: dict, ran: set[str]) -> list[str]:
+    """Every path the contract requires of this bundle, in the contract's order."""
+    domains, out = layout_domains(plan, ran), []
+    for entry in FORMAT["files"]:
+        if entry["required"] == "optional":
+            continue
+        paths = [entry["path"]]
+        for name in _PLACEHOLDER.findall(entry["path"]):
+            values = domains[entry["required"]][name]
+            if values is None:
+                raise ValueError(f"the format requires {entry['path']!r}, whose {{{name}}} has no listed values")
+            paths = [p.replace(f"{{{name}}}", v, 1) for p in paths for v in values]
+        out += paths
+    return out
+
+
+def layout_pattern(template: str, domain: dict[str, list[str] | None]) -> re.Pattern:
+    """The regular expression of the paths a file template stands for in a bundle with ``domain``."""
+    rx = ""
+    for part in re.split(r"(\{\w+\})", template):
+        m = _PLACEHOLDER.fullmatch(part)
+        if m is None:
+            rx += re.escape(part)
+        elif domain[m.group(1)] is None:
+            rx += "[^/]+"
+        else:
+            rx += "(?:" + "|".join(re.escape(v) for v in domain[m.group(1)]) + ")" if domain[m.group(1)] else "(?!)"
+    return re.compile(rx)
+
+
+def layout_strays(bundle: Path, plan: dict, sessions: set[str] = frozenset()) -> list[str]:
+    """Every file in ``bundle`` (dotfiles included) that matches no path of the contract;
+    ``sessions``: the session ids children.json and the records name (a resume's job and log files)."""
+    domain = layout_domains(plan, set(sessions))["optional"]
+    patterns = [layout_pattern(entry["path"], domain) for entry in FORMAT["files"]]
+    rels = [p.relative_to(bundle).as_posix() for p in sorted(Path(bundle).rglob("*")) if p.is_file()]
+    return [rel for rel in rels if not any(rx.fullmatch(rel) for rx in patterns)]

@@ -1,0 +1,100 @@
+"""A forger's tools: edit a bundle's files and rewrite its manifest to match, so that it is the auditor's
+re-derivation that must catch the edit, not the manifest's hashes."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from loopbench.audit.auditor import audit
+from loopbench.harness import evidence, stats
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rewrite_manifest(bundle: Path) -> None:
+    """A forger's manifest: every file now in the bundle, dotfiles included, with its true sha256, and the
+    format version the bundle's manifest recorded."""
+    files = {}
+    for p in sorted(bundle.rglob("*")):
+        rel = p.relative_to(bundle).as_posix()
+        if p.is_file() and rel not in ("manifest.json", "audit.json"):
+            files[rel] = {"sha256": evidence.sha256_file(p), "bytes": p.stat().st_size}
+    old = json.loads((bundle / "manifest.json").read_text()) if (bundle / "manifest.json").is_file() else {}
+    version = {k: old[k] for k in ("format_version", "layout_version") if k in old} \
+        or {"format_version": evidence.FORMAT_VERSION}
+    evidence.atomic_write_json(bundle / "manifest.json", {"schema_version": 1, **version, "files": files})
+
+
+def edit_table(bundle: Path, name: str, fn) -> None:
+    df = pd.read_parquet(bundle / "tables" / f"{name}.parquet")
+    evidence.write_table(bundle / "tables" / f"{name}.parquet", fn(df))
+
+
+def edit_json(path: Path, fn) -> None:
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def edit_report(bundle: Path, fn) -> None:
+    path = bundle / "report.md"
+    path.write_text("\n".join(fn(path.read_text().split("\n"))))
+
+
+def raw(bundle: Path, seq: int) -> Path:
+    return next((bundle / "raw" / "cpu0").glob(f"{seq:05d}-*.json"))
+
+
+def failed(bundle: Path) -> str:
+    verdict = audit(bundle)
+    assert verdict["status"] == "fail"
+    return "\n".join(verdict["discrepancies"])
+
+
+def tampered(value):
+    """A different value of the same kind."""
+    if isinstance(value, (bool, np.bool_)):
+        return not value
+    if isinstance(value, (int, np.integer)):
+        return int(value) + 1
+    if isinstance(value, (float, np.floating)):
+        return 1.0 if np.isnan(value) else float(value) * 1.5 + 1
+    if isinstance(value, str):
+        return value + "x"
+    if value is None:
+        return 1
+    return [int(v) + 1 for v in value]
+
+
+def leaves(data, path=""):
+    """(path, value) of every leaf of a JSON document, paths spelt as the auditor spells them."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from leaves(v, f"{path}.{k}" if path else k)
+    elif isinstance(data, list) and data:
+        for i, v in enumerate(data):
+            yield from leaves(v, f"{path}[{i}]")
+    else:
+        yield path, data
+
+
+def set_leaf(data, path: str, value) -> None:
+    keys = [int(k) if k.isdigit() else k for k in path.replace("[", ".").replace("]", "").split(".")]
+    for k in keys[:-1]:
+        data = data[k]
+    data[keys[-1]] = value
+
+
+def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
+    """Change one measured elapsed_s in its raw record and let the harness re-derive everything from it
+    (tokens/s, tables, summary, report, plot, manifest), as a forger with the harness would."""
+    path = raw(bundle, seq)
+    rec = json.loads(path.read_text())
+    fn(rec)
+    rec["tokens_per_s"] = stats.tokens_per_s(rec["num_requests"], rec["output_len"], rec["measured"]["elapsed_s"])
+    path.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
+    plan, summary, children, env = (json.loads((bundle / f"{name}.json").read_text())
+                                    for name in ("plan", "summary", "children", "environment"))
+    evidence.finalize(bundle, plan, summary["checks"], children, env)
+    return rec

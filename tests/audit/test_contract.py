@@ -1,0 +1,168 @@
+"""Writer and auditor implement one contract, loopbench/bundle_format.json: every column the writer writes
+is declared (type and unit) and an undeclared one is refused on both sides; status is a code of the
+contract, worded only from it; each request's prompt is the plan's prompt_index, never parsed from its id."""
+import json
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from loopbench.audit import contract
+from loopbench.audit.auditor import audit
+from loopbench.harness import controller, evidence, report
+from tests.audit.tamper import REPO, edit_json, edit_table, failed, raw, rewrite_manifest
+
+GPU_BUNDLE = REPO / "results" / "2026-12-01-ouro-1.4b-e4b8faf"   # a bundle whose tables have every column
+
+
+def test_every_column_the_writer_writes_is_declared_with_type_and_unit(honest_bundle):
+    for name in evidence.TABLES:
+        schema = pq.read_schema(honest_bundle / "tables" / f"{name}.parquet")
+        declared = contract.declared_columns(name)
+        rows = pq.read_metadata(honest_bundle / "tables" / f"{name}.parquet").num_rows
+        for field in schema:
+            assert field.name in declared, (name, field.name)
+            assert {"name", "type", "unit", "what"} <= set(declared[field.name]), (name, field.name)
+            if rows:
+                assert contract.column_type_problem(name, field.name, str(field.type)) is None, (name, field)
+
+
+def test_no_declared_column_is_dead():
+    """Every declared column is one the writer has written (the GPU bundle has all; a CPU one lacks telemetry)."""
+    for name in evidence.TABLES:
+        written = set(pq.read_schema(GPU_BUNDLE / "tables" / f"{name}.parquet").names)
+        assert set(contract.declared_columns(name)) == written, name
+
+
+def test_undeclared_column_is_refused_by_writer_and_auditor(bundle):
+    tables = {name: pd.read_parquet(bundle / "tables" / f"{name}.parquet") for name in evidence.TABLES}
+    tables["arms"]["speed_of_light"] = 1.0
+    with pytest.raises(ValueError, match=r"arms.parquet would get columns \['speed_of_light'\]"):
+        evidence.write_tables(bundle, tables)
+    edit_table(bundle, "arms", lambda df: df.assign(speed_of_light=1.0))
+    rewrite_manifest(bundle)
+    assert f"arms.parquet: has column 'speed_of_light', which {contract.WHERE} does not declare" in failed(bundle)
+
+
+def test_column_of_another_type_is_named(bundle):
+    edit_table(bundle, "pairs", lambda df: df.assign(pair=df["pair"].astype(str)))
+    rewrite_manifest(bundle)
+    assert "pairs.parquet: column 'pair' is of arrow type large_string, the format declares int64" in failed(bundle)
+
+
+def test_status_code_unknown_to_the_contract_is_a_finding(bundle):
+    edit_json(bundle / "summary.json", lambda s: s.update(incomplete_reasons=[{"code": "gremlins"}]))
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert f"summary.json: incomplete_reasons[0]: code 'gremlins' is not a status code of {contract.WHERE}" in text
+
+
+def test_status_code_with_undefined_fields_is_a_finding(bundle):
+    edit_json(bundle / "summary.json", lambda s: s.update(incomplete_reasons=[{"code": "stopped", "by": "SIGTERM",
+                                                                               "why": "tired"}]))
+    rewrite_manifest(bundle)
+    assert "incomplete_reasons[0]: code 'stopped' has fields ['why'] that" in failed(bundle)
+
+
+def test_incomplete_status_is_a_code_worded_by_the_report(bundle):
+    """A lost arm, re-published by the harness: the summary lists the code, the report words it, the audit
+    says incomplete; a sentence of the report changed alone is a report discrepancy, not a status."""
+    raw(bundle, 7).unlink()
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    children[-1].update(state="failed", exit_code=1)
+    evidence.unpublish(bundle)
+    summary = controller.publish(bundle, plan, children, env).summary
+    assert summary["incomplete_reasons"] == [{"code": "child_failed", "child": "cpu0", "state": "failed", "exit_code": 1},
+                                             {"code": "arms_missing", "recorded": 7, "planned": 8}]
+    assert "**This run is incomplete and publishes no verdict:** child cpu0 ended failed with exit code 1; 7 of 8 " \
+           "planned arms recorded" in (bundle / "report.md").read_text()
+    verdict = audit(bundle)
+    assert verdict["status"] == "incomplete", verdict["discrepancies"]
+    text = (bundle / "report.md").read_text().replace("ended failed with exit code 1", "ended completed with exit code 0")
+    (bundle / "report.md").write_text(text)
+    rewrite_manifest(bundle)
+    assert "report.md: line 3 (header) reads '**This run is incomplete" in failed(bundle)
+
+
+@pytest.mark.parametrize("reason", [{"code": "stopped", "by": "SIGINT"}, {"code": "lost"}, {"code": "reference_failed"},
+                                    {"code": "child_failed", "child": "gpu0.r1", "state": "timeout", "exit_code": None},
+                                    {"code": "arms_missing", "recorded": 3, "planned": 56}])
+def test_writer_and_auditor_word_a_code_alike(reason):
+    assert contract.reason_problem(reason) is None
+    assert report.reason_text(reason) == contract.reason_text(reason)
+    assert set(contract.CODES) == set(evidence.STATUS_CODES)
+
+
+def test_writer_refuses_an_interrupted_sentence():
+    with pytest.raises(ValueError, match="not a field-less status code"):
+        evidence.incomplete_reasons([], "the reference capture failed; nothing was measured", 0, 0)
+
+
+def test_plan_points_list_the_requests_the_session_builds(honest_bundle):
+    from loopbench.harness import session
+
+    plan = json.loads((honest_bundle / "plan.json").read_text())
+    prompts = json.loads((honest_bundle / "prompts.json").read_text())
+    exit_conf = plan["config"]["exit"]
+    for pt in plan["points"]:
+        built = session.build_requests(prompts, pt["num_requests"], 4, exit_conf)
+        assert pt["requests"] == evidence.point_requests(pt["num_requests"])
+        assert [(q.request_id, list(q.prompt_token_ids)) for q in built] == \
+            [(q["request_id"], prompts[q["prompt_index"]]) for q in pt["requests"]]
+
+
+def test_request_whose_prompt_is_not_the_plans_prompt_index_is_named(bundle):
+    """The plan says r0001 ran prompts.json[2]; the frozen reference's prompt hash is of prompts.json[1]."""
+    edit_json(bundle / "plan.json", lambda p: p["points"][0]["requests"][1].update(prompt_index=2))
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert "reference: B2C3 request r0001: prompt sha256 does not match prompts.json[2], the plan's prompt_index" \
+        in text, text
+
+
+def test_plan_point_without_its_request_list_is_named(bundle):
+    edit_json(bundle / "plan.json", lambda p: p["points"][0].pop("requests"))
+    rewrite_manifest(bundle)
+    assert "plan: point 'B2C3': requests is missing" in failed(bundle)
+
+
+def test_plan_point_listing_too_few_requests_is_named(bundle):
+    edit_json(bundle / "plan.json", lambda p: p["points"][0]["requests"].pop())
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert "plan: point B2C3 lists 2 requests (2 distinct ids) for C3" in text
+    assert "reference: B2C3 request r0002 is not a request of the plan's point" in text
+
+
+def test_older_format_versions_are_audited_by_their_rules_and_others_refused(bundle):
+    assert contract.SUPPORTED == (1, 2) and contract.VERSION == 2
+    assert set(contract.FORMAT["versions"]) == {str(v) for v in contract.SUPPORTED}
+    edit_json(bundle / "manifest.json", lambda m: (m.pop("format_version"), m.update(layout_version=0)))
+    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2]" \
+        in failed(bundle)
+
+
+def _as_version_1(bundle):
+    """An incomplete bundle as format version 1 wrote it: reasons as sentences, no request lists, layout_version."""
+    raw(bundle, 7).unlink()
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    children[-1].update(state="failed", exit_code=1)
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    old_sha = evidence.sha256_file(bundle / "plan.json")
+    edit_json(bundle / "plan.json", lambda p: [pt.pop("requests") for pt in p["points"]])
+    new_sha = evidence.sha256_file(bundle / "plan.json")
+    edit_json(bundle / "summary.json", lambda s: s.update(
+        schema_version=1, plan_sha256=new_sha, incomplete_reasons=[report.reason_text(r) for r in s["incomplete_reasons"]]))
+    (bundle / "report.md").write_text((bundle / "report.md").read_text().replace(old_sha, new_sha))
+    (bundle / "manifest.json").write_text(json.dumps({"layout_version": 1}))
+    rewrite_manifest(bundle)
+
+
+def test_version_1_bundle_is_audited_by_its_rules(bundle):
+    _as_version_1(bundle)
+    verdict = audit(bundle)
+    assert verdict["status"] == "incomplete", verdict["discrepancies"]
+    edit_json(bundle / "summary.json", lambda s: s.update(incomplete_reasons=[{"code": "arms_missing"}]))
+    rewrite_manifest(bundle)
+    assert "summary.json: incomplete_reasons[0]: {'code': 'arms_missing'} is not a sentence" in failed(bundle)
