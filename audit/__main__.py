@@ -16,10 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
-        return 2
+        return EXIT_CODES["usage"]
     if not Path(argv[0]).is_dir():
         print(f"no bundle directory at {argv[0]!r}\nusage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
-        return 2
+        return EXIT_CODES["usage"]
     bundle = Path(argv[0])
     verdict = audit(bundle)
     path = write_verdict(bundle, verdict)

@@ -50,11 +50,11 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import check_files, check_plan, check_runs, check_sessions, check_summary, check_tables, load
+from . import check_files, check_plan, check_runs, check_sessions, check_summary, check_tables, contract, load
 from .context import Audit
 
 AUDITOR_VERSION = 4   # 4: implements bundle format 2 (status codes, point request lists), audits format 1 too
-EXIT_CODES = {"pass": 0, "fail": 1, "incomplete": 3}
+EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
 def _check_files(ctx: Audit, plan, children, records: list[dict]) -> None:

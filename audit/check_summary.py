@@ -21,7 +21,7 @@ def interruption(ctx: Audit, plan: dict, children: list[dict]) -> dict | None:
         return None
     ref = next((c for c in current if c["name"] == "reference"), None)
     if ref is None or ref["exit_code"] != 0 or any(not pt.get("reference") for pt in plan["points"]):
-        return dict(derive.REFERENCE_FAILED)
+        return {"code": "reference_failed"}
     return None
 
 

@@ -31,8 +31,6 @@ from . import contract
 PHASES = tuple(contract.DOCS["record"]["phases"])
 GRAPH_KEYS = ("captures", "replays", "fallbacks", "prefill_captures", "prefill_replays", "prefill_fallbacks")
 MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes")
-REFERENCE_FAILED = {"code": "reference_failed"}
-TABLE_KEYS = contract.TABLE_KEYS
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -129,7 +127,7 @@ def expected_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
         "arms": pd.DataFrame([arm_row(r) for r in records]),
         "pairs": pd.DataFrame(pair_rows(records)),
         "requests": pd.DataFrame([q for r in records for q in request_rows(r)]),
-        "tokens": pd.DataFrame(tokens, columns=list(TABLE_KEYS["tokens"]) + ["token_id", "exit_depth"]),
+        "tokens": pd.DataFrame(tokens, columns=list(contract.TABLE_KEYS["tokens"]) + ["token_id", "exit_depth"]),
         "telemetry": pd.DataFrame([t for r in records for t in telemetry_rows(r)]),
     }
 

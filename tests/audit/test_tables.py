@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from loopbench.audit import derive
+from loopbench.audit import contract
 from loopbench.harness import evidence
 from tests.audit.tamper import failed, edit_table, rewrite_manifest, tampered
 
@@ -39,7 +39,7 @@ def test_every_table_column_is_compared_with_the_raw_records(bundle, table):
         evidence.write_table(path, changed)
         rewrite_manifest(bundle)
         text = failed(bundle)
-        if col in derive.TABLE_KEYS[table]:
+        if col in contract.TABLE_KEYS[table]:
             assert f"{table}.parquet: lacks the row of {where}" in text, (col, text)
         else:
             assert f"{table}.parquet: {col} of {where} is " in text, (col, text)
