@@ -9,37 +9,38 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    ``loopbench/bundle_format.json`` (:mod:`.contract`; dotfiles included) and every file it requires; the
    manifest records a format version this auditor audits (older ones by their own rules, see the
    contract's ``versions``) and lists every file in the bundle with its sha256 and size, and nothing else;
-2. raw records (:mod:`.load`): each parses, has the record's fields of the contract's types, and sits at
-   ``raw/<job>/<seq>-...json``; each table has only declared columns of their declared types;
+2. documents (:mod:`.load`): each raw record parses, has the record's fields of the contract's types, and
+   sits at ``raw/<job>/<seq>-...json``; plan, references and children.json have their contract fields;
+   each table has only declared columns, of their declared types;
 3. plan (:mod:`.check_plan`): the config's, prompts' and references' sha256s; each point lists its C
    requests with their prompt_index; every frozen reference runs those requests on those prompts;
-4. order: the seeded balanced order (first arm ceil/floor per comparison, the same numpy
-   permutation); every record at its planned place with its planned arm, point and workload, measured
-   in that order;
-5. devices (:mod:`.check_sessions`): each record's device is its session's device in the plan and in children.json;
-   sessions: every child ended (none still ``running``); each record names a session child of its job,
-   a pair is measured by one session, a job's sessions follow each other in its order, and a completed
-   session measured exactly the seqs its job file asked for;
-6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and telemetry equals what the
-   raw records give, and no row is missing or extra; tokens/s = C * D / elapsed_s; each measured
-   elapsed_s lies within its record's wall-clock span;
-7. references (:mod:`.check_runs`): every warmup and measured arm reproduces its frozen reference token for token and
-   exit for exit, with the reference's work counters and row trace, zero measured Graph captures and
-   equal Graph coverage within a pair;
-8. coverage: each record of schema 2 carries the coverage counts that the auditor derives itself from
-   the frozen schedule and the arm's config (:mod:`.coverage`), whose row trace must be the frozen one;
-9. summary (:mod:`.check_summary`): every field re-derived (status, reasons as status codes, counts, checks, children, verdict rule, and per
-   comparison the names, pairs, tokens/s, ratios, speedup, CIs, Wilcoxon p, verdict and its reason);
-   complete or incomplete follows from children.json's structured fields (the latest entry per child:
-   its state, exit code and ``interrupted_by``) and the records, never from words; a status code the
-   contract does not define is a discrepancy;
-10. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the re-derived figures
-   (no extra, hidden or edited line; no raw HTML).
+4. order (:mod:`.check_plan`): the seeded balanced order (first arm ceil/floor per comparison, the same
+   numpy permutation); every record at its planned place with its planned arm, point and workload,
+   measured in that order;
+5. devices and sessions (:mod:`.check_sessions`): each record's device is its session's device in the
+   plan and in children.json; every child ended (none still ``running``); each record names a session
+   child of its job, a pair is measured by one session, a job's sessions follow each other in its order,
+   and a completed session measured exactly the seqs its job file asked for;
+6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and
+   telemetry equals what the raw records give, and no row is missing or extra; tokens/s = C * D /
+   elapsed_s; each measured elapsed_s lies within its record's wall-clock span;
+7. references (:mod:`.check_runs`): every warmup and measured arm reproduces its frozen reference token
+   for token and exit for exit, with the reference's work counters and row trace, zero measured Graph
+   captures and equal Graph coverage within a pair;
+8. coverage (:mod:`.check_runs`): each record of schema 2 carries the coverage counts that the auditor
+   derives itself from the frozen schedule and the arm's config (:mod:`.coverage`), whose row trace must
+   be the frozen one;
+9. summary (:mod:`.check_summary`): every field re-derived (status, reasons as status codes, counts,
+   checks, children, verdict rule, and per comparison the names, pairs, tokens/s, ratios, speedup, CIs,
+   Wilcoxon p, verdict and its reason); complete or incomplete follows from children.json's structured
+   fields (the latest entry per child: its state, exit code and ``interrupted_by``) and the records,
+   never from words; a status code the contract does not define is a discrepancy;
+10. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
+   re-derived figures (no extra, hidden or edited line; no raw HTML).
 
 The verdict goes to ``audit.json`` in the bundle (outside the manifest by design) and the exit status:
 0 pass, 1 discrepancies, 3 consistent but incomplete (an honest partial run: nothing to vouch for).
 """
-
 from __future__ import annotations
 
 import json

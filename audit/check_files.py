@@ -21,6 +21,11 @@ def check_manifest(ctx: Audit) -> None:
             ctx.fail("manifest", f"lists {rel!r}, which cannot be a file of the bundle")
             continue
         p = ctx.bundle / rel
+        problem = contract.fields_problem(entry, contract.DOCS["manifest"]["entry_fields"], f"{rel}: ") \
+            if isinstance(entry, dict) else f"{rel}: {entry!r}"
+        if problem is not None:
+            ctx.fail("manifest", f"lists {problem}")
+            continue
         if not p.is_file():
             ctx.fail("manifest", f"{rel} is listed but missing")
             continue

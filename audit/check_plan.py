@@ -24,7 +24,11 @@ def point_requests(ctx: Audit, pt: dict) -> list[dict]:
 
 
 def check_plan(ctx: Audit, plan: dict) -> None:
-    """The config's, prompts' and references' sha256s are the ones plan.json records."""
+    """plan.json has the contract's fields; the config's, prompts' and references' sha256s are the ones it
+    records."""
+    problem = contract.fields_problem(plan, PLAN["fields"], "plan.json: ")
+    if problem is not None:
+        ctx.fail("plan", problem)
     cfg_sha = hashlib.sha256(canonical(plan["config"])).hexdigest()
     if cfg_sha != plan["config_sha256"]:
         ctx.fail("plan", f"config sha256 is {cfg_sha}, plan.json says {plan['config_sha256']}")
@@ -43,7 +47,8 @@ def check_plan(ctx: Audit, plan: dict) -> None:
 def check_point_requests(ctx: Audit, plan: dict) -> None:
     """Each point has the contract's fields and lists C distinct requests, each on a prompt of the pool."""
     n_prompts = plan["prompts"].get("count")
-    fields = {k: v for k, v in PLAN["point_fields"].items() if k != "requests" or ctx.version >= 2}
+    fields = {k: v for k, v in PLAN["point_fields"].items()
+              if k != "requests" or ctx.version >= PLAN["point_requests_since"]}
     for pt in plan["points"]:
         problem = contract.fields_problem(pt, fields, f"point {pt.get('key')!r}: ", PLAN["point_optional"])
         if problem is not None:

@@ -47,7 +47,8 @@ def is_kind(value: Any, kind: str) -> bool:
     return False
 
 
-def fields_problem(data: dict, fields: dict[str, str], where: str, optional: dict[str, str] | None = None) -> str | None:
+def fields_problem(data: dict, fields: dict[str, str], where: str,
+                   optional: dict[str, str] | None = None) -> str | None:
     """Why ``data`` lacks a required field of ``fields`` or holds one (or an optional one) of the wrong type."""
     for key, kind in fields.items():
         value = data.get(key, ABSENT)

@@ -11,6 +11,7 @@ from . import contract
 from .context import Audit
 
 RECORD = contract.DOCS["record"]
+REFERENCES = contract.DOCS["references"]
 
 
 def _phase_problem(data: Any, phase: str) -> str | None:
@@ -105,9 +106,24 @@ def load_references(ctx: Audit, plan: dict) -> dict[str, dict]:
         if not ref:
             continue
         schedule, meta = ctx.read_json(ref["file"], "reference"), ctx.read_json(ref["meta_file"], "reference")
-        if isinstance(schedule, dict) and isinstance(meta, dict):
-            refs[pt["key"]] = {"schedule": schedule, "work": meta["work"]}
+        if not (isinstance(schedule, dict) and isinstance(meta, dict)):
+            continue
+        problem = _reference_problem(schedule, meta)
+        if problem is not None:
+            ctx.fail("reference", f"{pt['key']}: {problem}")
+            continue
+        refs[pt["key"]] = {"schedule": schedule, "work": meta["work"]}
     return refs
+
+
+def _reference_problem(schedule: dict, meta: dict) -> str | None:
+    """Why a frozen reference's schedule or meta lacks a field of the contract (or has one of another type)."""
+    problem = contract.fields_problem(schedule, REFERENCES["schedule_fields"], "schedule ") \
+        or contract.fields_problem(meta, REFERENCES["meta_fields"], "meta ")
+    for r in schedule["requests"] if problem is None else []:
+        problem = problem or (contract.fields_problem(r, REFERENCES["schedule_request_fields"], "schedule request ")
+                              if isinstance(r, dict) else f"schedule request {r!r}")
+    return problem
 
 
 def load_tables(ctx: Audit) -> dict[str, pd.DataFrame]:

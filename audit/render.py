@@ -27,7 +27,8 @@ def result_row(res: dict) -> str:
     """One seed-style row: GPU, B / C, tokens/s of each arm, speedup [CI], change, verdict."""
     st = res["stats"]
     return R["result"]["row"].format(**{
-        **res, "speedup": st["speedup"], "ci": _ci(st["ci"], f"[{WORDS['na']}]"), "change_pct": 100 * (st["speedup"] - 1),
+        **res, "speedup": st["speedup"], "ci": _ci(st["ci"], f"[{WORDS['na']}]"),
+        "change_pct": 100 * (st["speedup"] - 1),
         "verdict": res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]})
 
 

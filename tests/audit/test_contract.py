@@ -72,13 +72,15 @@ def test_incomplete_status_is_a_code_worded_by_the_report(bundle):
     children[-1].update(state="failed", exit_code=1)
     evidence.unpublish(bundle)
     summary = controller.publish(bundle, plan, children, env).summary
-    assert summary["incomplete_reasons"] == [{"code": "child_failed", "child": "cpu0", "state": "failed", "exit_code": 1},
-                                             {"code": "arms_missing", "recorded": 7, "planned": 8}]
+    assert summary["incomplete_reasons"] == [
+        {"code": "child_failed", "child": "cpu0", "state": "failed", "exit_code": 1},
+        {"code": "arms_missing", "recorded": 7, "planned": 8}]
     assert "**This run is incomplete and publishes no verdict:** child cpu0 ended failed with exit code 1; 7 of 8 " \
            "planned arms recorded" in (bundle / "report.md").read_text()
     verdict = audit(bundle)
     assert verdict["status"] == "incomplete", verdict["discrepancies"]
-    text = (bundle / "report.md").read_text().replace("ended failed with exit code 1", "ended completed with exit code 0")
+    text = (bundle / "report.md").read_text().replace("ended failed with exit code 1",
+                                                      "ended completed with exit code 0")
     (bundle / "report.md").write_text(text)
     rewrite_manifest(bundle)
     assert "report.md: line 3 (header) reads '**This run is incomplete" in failed(bundle)
@@ -153,7 +155,8 @@ def _as_version_1(bundle):
     edit_json(bundle / "plan.json", lambda p: [pt.pop("requests") for pt in p["points"]])
     new_sha = evidence.sha256_file(bundle / "plan.json")
     edit_json(bundle / "summary.json", lambda s: s.update(
-        schema_version=1, plan_sha256=new_sha, incomplete_reasons=[report.reason_text(r) for r in s["incomplete_reasons"]]))
+        schema_version=1, plan_sha256=new_sha,
+        incomplete_reasons=[report.reason_text(r) for r in s["incomplete_reasons"]]))
     (bundle / "report.md").write_text((bundle / "report.md").read_text().replace(old_sha, new_sha))
     (bundle / "manifest.json").write_text(json.dumps({"layout_version": 1}))
     rewrite_manifest(bundle)
@@ -166,3 +169,16 @@ def test_version_1_bundle_is_audited_by_its_rules(bundle):
     edit_json(bundle / "summary.json", lambda s: s.update(incomplete_reasons=[{"code": "arms_missing"}]))
     rewrite_manifest(bundle)
     assert "summary.json: incomplete_reasons[0]: {'code': 'arms_missing'} is not a sentence" in failed(bundle)
+
+
+@pytest.mark.parametrize("doc, edit, expected", [
+    ("plan.json", lambda p: p.pop("reference_arm"), "plan: plan.json: reference_arm is missing"),
+    ("references/B2C3.meta.json", lambda m: m.pop("work"), "reference: B2C3: meta work is missing"),
+    ("references/B2C3.schedule.json", lambda s: s["requests"][0].update(prompt_sha256=None),
+     "reference: B2C3: schedule request prompt_sha256 is None"),
+    ("children.json", lambda c: c[0].update(wall_s="long"), "sessions: children.json: reference: wall_s is 'long'"),
+])
+def test_document_without_its_contract_fields_is_named(bundle, doc, edit, expected):
+    edit_json(bundle / doc, edit)
+    rewrite_manifest(bundle)
+    assert expected in failed(bundle)
