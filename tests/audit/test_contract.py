@@ -182,3 +182,38 @@ def test_document_without_its_contract_fields_is_named(bundle, doc, edit, expect
     edit_json(bundle / doc, edit)
     rewrite_manifest(bundle)
     assert expected in failed(bundle)
+
+
+def _shape_problem(doc: dict, fields: dict, where: str, optional: dict | None = None) -> str | None:
+    """A problem of the contract's field check, or a key the contract does not define."""
+    extra = sorted(set(doc) - set(fields) - set(optional or {}))
+    return f"{where} has {extra}" if extra else contract.fields_problem(doc, fields, where, optional)
+
+
+def test_writer_and_auditor_summaries_have_the_contracts_fields(honest_bundle):
+    """The writer's summary.json (which the auditor re-derives field for field) is the contract's document."""
+    spec = contract.DOCS["summary"]
+    summary = json.loads((honest_bundle / "summary.json").read_text())
+    assert summary["schema_version"] == spec["schema_version"] and summary["status"] in spec["status"]
+    assert summary["verdicts_barred_by"] in spec["verdicts_barred_by"]
+    problems = [_shape_problem(summary, spec["fields"], "summary"),
+                _shape_problem(summary["counts"], spec["counts_fields"], "counts"),
+                _shape_problem(summary["checks"], spec["checks_fields"], "checks", spec["checks_optional"]),
+                _shape_problem(summary["verdict_rule"], spec["verdict_rule_fields"], "verdict_rule")]
+    for r in summary["results"]:
+        problems += [_shape_problem(r, spec["result_fields"], "result"),
+                     _shape_problem(r["stats"], spec["stats_fields"], "stats")]
+        assert r["stats"]["verdict"] in spec["verdicts"]
+    children = json.loads((honest_bundle / "children.json").read_text())
+    docs = contract.DOCS["children"]
+    problems += [_shape_problem(c, docs["entry_fields"], "child", docs["entry_optional"]) for c in children]
+    manifest = json.loads((honest_bundle / "manifest.json").read_text())
+    problems.append(_shape_problem(manifest, contract.DOCS["manifest"]["fields"], "manifest"))
+    assert [p for p in problems if p] == []
+
+
+def test_checker_findings_have_the_contracts_fields():
+    from loopbench.harness import checker
+
+    finding = checker.Finding("tokens", "cpu0", "B2C3", "c", 0, "native", "measured", "r0000", 2, 5, 6)
+    assert _shape_problem(finding.to_dict(), contract.DOCS["summary"]["finding_fields"], "finding") is None
