@@ -3,17 +3,47 @@
 ``EngineConfig`` (one arm's runtime settings, plain values), ``Request`` (token ids and loop bounds),
 ``RequestOutput`` (tokens and the exit depth of each), ``EngineStats`` (work counters) and the
 ``Engine`` protocol every engine implementation satisfies (``LoopEngine`` here; the harness may load
-another by import path). Nothing here knows about tokenizers, Hydra, timing or files.
+another by import path), and the choice enums of the config's string fields. Nothing here knows about
+tokenizers, Hydra, timing or files.
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import astuple, dataclass, field, replace
+from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
 
-from .attention import LAYOUTS
-from .exit_policy import validate_policy
 from .schedule import Schedule
+
+
+class KVLayout(StrEnum):
+    """How a token's skipped planes are served: copied on exit (native) or routed by the exit map (alias)."""
+    NATIVE = "native"
+    ALIAS = "alias"
+
+
+class ExitPolicyName(StrEnum):
+    """When a token stops looping (formulas in exit_policy.py)."""
+    FIXED = "fixed"
+    OURO = "ouro"
+    OURO_DELAYED = "ouro_delayed"
+    REPLAY = "replay"
+
+
+class AttentionBackendName(StrEnum):
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+class DescriptorMode(StrEnum):
+    """How a step's host descriptor reaches the device: an async copy (h2d) or a mapped pinned read."""
+    H2D = "h2d"
+    MAPPED = "mapped"
+
+
+def choice_values(enum: type[StrEnum]) -> tuple[str, ...]:
+    """The accepted strings of a choice enum, in declaration order (as error messages list them)."""
+    return tuple(m.value for m in enum)
 
 
 @dataclass(frozen=True)
@@ -24,15 +54,15 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int = 512           # prompt + output positions per request
     num_blocks: int | None = None      # None: enough for every slot at max_model_len in every plane
-    kv_layout: str = "native"          # native | alias
+    kv_layout: str = "native"          # a KVLayout value: native | alias
     prefix_tiles: bool = False         # alias only: direct reader for tiles before the first alias
     tile_size: int = 32
-    attention_backend: str = "torch"   # torch | triton
-    exit_policy: str = "ouro_delayed"  # fixed | ouro | ouro_delayed | replay
+    attention_backend: str = "torch"   # an AttentionBackendName value: torch | triton
+    exit_policy: str = "ouro_delayed"  # an ExitPolicyName value: fixed | ouro | ouro_delayed | replay
     schedule: Schedule | None = None   # required by replay
     cuda_graphs: bool = False
     graph_cache_size: int = 16
-    descriptor_mode: str = "h2d"       # h2d | mapped
+    descriptor_mode: str = "h2d"       # a DescriptorMode value: h2d | mapped
     eos_token_id: int | None = None
     keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
     poison_kv: bool = False            # tests/debugging: KV cells without a live value hold NaN
@@ -47,14 +77,19 @@ class EngineConfig:
                 raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.eos_token_id is not None:
             _check_int("EngineConfig.eos_token_id", self.eos_token_id, 0)
-        if self.kv_layout not in LAYOUTS:
-            raise ValueError(f"unknown kv_layout {self.kv_layout!r}; expected one of {LAYOUTS}")
-        if self.prefix_tiles and self.kv_layout != "alias":
+        if self.kv_layout not in choice_values(KVLayout):
+            raise ValueError(f"unknown kv_layout {self.kv_layout!r}; expected one of {choice_values(KVLayout)}")
+        if self.prefix_tiles and self.kv_layout != KVLayout.ALIAS:
             raise ValueError("prefix_tiles applies to kv_layout='alias' only")
-        if self.descriptor_mode not in ("h2d", "mapped"):
+        if self.attention_backend not in choice_values(AttentionBackendName):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; expected one of "
+                             f"{choice_values(AttentionBackendName)}")
+        if self.descriptor_mode not in choice_values(DescriptorMode):
             raise ValueError(f"unknown descriptor_mode {self.descriptor_mode!r}; expected 'h2d' or 'mapped'")
-        validate_policy(self.exit_policy)
-        if (self.exit_policy == "replay") != (self.schedule is not None):
+        if self.exit_policy not in choice_values(ExitPolicyName):
+            raise ValueError(f"unknown exit policy {self.exit_policy!r}; expected one of "
+                             f"{choice_values(ExitPolicyName)}")
+        if (self.exit_policy == ExitPolicyName.REPLAY) != (self.schedule is not None):
             raise ValueError("exit_policy='replay' needs a schedule, and a schedule needs exit_policy='replay'")
         if self.schedule is not None and self.schedule.max_num_seqs != self.max_num_seqs:
             raise ValueError(f"schedule was captured at max_num_seqs={self.schedule.max_num_seqs}, "

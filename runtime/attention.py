@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("native", "alias")
-BACKENDS = ("torch", "triton")
+from .api import AttentionBackendName, KVLayout, choice_values
+
+LAYOUTS = choice_values(KVLayout)
+BACKENDS = choice_values(AttentionBackendName)
 
 
 def key_planes(row_depth: torch.Tensor, row_pos: torch.Tensor, row_slot: torch.Tensor,

@@ -11,19 +11,25 @@ Formulas (BRIEF section 1; Ouro, arXiv 2510.25741): after loop r the gate gives 
   ``min(r + 1, max_loops)``, so an asynchronous runtime may launch loop r+1 before reading loop r's gate.
 - ``replay``: the exit depth is forced from a frozen schedule; the gate is still computed.
 
-The step function is vectorised over rows and has no host synchronisation; it works on any device.
+A policy is one object with the same methods for both kinds (:class:`NaturalPolicy`,
+:class:`ReplayPolicy`, made by :func:`make_policy`): the scheduler asks it for the host-known exits of
+a step's rows, the runner for the device exit rule, the engine for the exits after a step and whether a
+request is done. The device methods are vectorised over rows and never synchronise with the host; only
+``NaturalPolicy.exits_after_step`` reads the device (the gate decides there, so the host must learn it).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 
-POLICIES = ("fixed", "ouro", "ouro_delayed", "replay")
+from .api import ExitPolicyName, choice_values
 
+if TYPE_CHECKING:
+    from .api import Request
+    from .schedule import Schedule, ScheduledRequest
 
-def validate_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise ValueError(f"unknown exit policy {name!r}; expected one of {POLICIES}")
-    return name
+POLICIES = choice_values(ExitPolicyName)
 
 
 def exit_step(policy: str, hazard: torch.Tensor, depth: torch.Tensor, survival: torch.Tensor,
@@ -39,11 +45,99 @@ def exit_step(policy: str, hazard: torch.Tensor, depth: torch.Tensor, survival: 
     """
     s = survival * (1.0 - hazard)
     at_max = depth >= max_loops
-    if policy == "fixed":
+    if policy == ExitPolicyName.FIXED:
         return at_max, s, triggered
     test = (threshold < 1.0) & (depth >= min_loops) & ((1.0 - s) >= threshold)
-    if policy == "ouro":
+    if policy == ExitPolicyName.OURO:
         return at_max | test, s, triggered | test
-    if policy == "ouro_delayed":
+    if policy == ExitPolicyName.OURO_DELAYED:
         return at_max | triggered, s, triggered | test
     raise ValueError(f"exit_step does not apply to policy {policy!r}")
+
+
+class SlotBounds(Protocol):
+    """The per-slot exit-rule inputs resident on the device: [S + 1] min_loops, max_loops int32 and
+    threshold float (row S is the padding scratch slot)."""
+
+    min_loops: torch.Tensor
+    max_loops: torch.Tensor
+    threshold: torch.Tensor
+
+
+class NaturalPolicy:
+    """``fixed``, ``ouro`` or ``ouro_delayed``: the gate decides on the device; the host reads the exit
+    flags once per step and, for requests that stop at EOS, the sampled tokens of exiting rows."""
+
+    def __init__(self, name: str, eos_token_id: int | None):
+        if name not in POLICIES or name == ExitPolicyName.REPLAY:
+            raise ValueError(f"{name!r} is not a natural exit policy")
+        self.name, self.eos_token_id = name, eos_token_id
+
+    def check_request(self, req: Request) -> None:
+        """ValueError if the request cannot run under this policy."""
+        if not req.ignore_eos and self.eos_token_id is None:
+            raise ValueError(f"request {req.request_id!r}: ignore_eos=False needs EngineConfig.eos_token_id")
+
+    def entry_for(self, req: Request) -> ScheduledRequest | None:
+        return None
+
+    def forced_exits(self, rows: list) -> list[bool]:
+        """The descriptor's forced-exit column for decode rows (none: the gate decides)."""
+        return [False] * len(rows)
+
+    def device_step(self, hazard, depth, survival, triggered, forced, bounds: SlotBounds, sl):
+        """The exit rule on the device for N rows of slots ``sl`` [N] int64 (see :func:`exit_step`);
+        ``forced`` is ignored. Returns (exit_now [N] bool, S_r [N], triggered [N] bool)."""
+        return exit_step(self.name, hazard, depth, survival, triggered, bounds.min_loops[sl],
+                         bounds.max_loops[sl], bounds.threshold[sl])
+
+    def exits_after_step(self, forced: list[bool], exit_flags: torch.Tensor) -> list[bool]:
+        """Which of a step's rows exited: read from the device flags ([n] bool; one host sync)."""
+        return exit_flags.tolist()
+
+    def needs_host_tokens(self, req: Request) -> bool:
+        """Whether the host must see this request's tokens (to stop at EOS)."""
+        return not req.ignore_eos
+
+    def schedule_done(self, entry: ScheduledRequest | None, n_out: int) -> bool:
+        return False
+
+
+class ReplayPolicy:
+    """``replay``: every exit depth comes from the frozen schedule, so the host knows each step's exits
+    before it runs and never reads the device inside a step; the gate is still computed."""
+
+    name = ExitPolicyName.REPLAY.value
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+
+    def check_request(self, req: Request) -> None:
+        """ValueError unless the request is the schedule's (same prompt and bounds)."""
+        self.schedule.check_fits(req)
+
+    def entry_for(self, req: Request) -> ScheduledRequest:
+        return self.schedule.check_fits(req)
+
+    def forced_exits(self, rows: list) -> list[bool]:
+        """Per decode row: does the loop it runs now reach its token's scheduled exit depth."""
+        return [r.depth == r.entry.exit_depths[r.n_out] for r in rows]
+
+    def device_step(self, hazard, depth, survival, triggered, forced, bounds: SlotBounds, sl):
+        """Forced exits ``forced > 0`` ([N] int32); survival advances as the gate says."""
+        return forced > 0, survival * (1.0 - hazard), triggered
+
+    def exits_after_step(self, forced: list[bool], exit_flags: torch.Tensor) -> list[bool]:
+        return forced
+
+    def needs_host_tokens(self, req: Request) -> bool:
+        return False
+
+    def schedule_done(self, entry: ScheduledRequest | None, n_out: int) -> bool:
+        """The natural run stopped here (EOS) and the replay follows it."""
+        return n_out >= len(entry.exit_depths)
+
+
+def make_policy(name: str, schedule: Schedule | None, eos_token_id: int | None) -> NaturalPolicy | ReplayPolicy:
+    """The policy object for ``EngineConfig.exit_policy`` (validated there)."""
+    return ReplayPolicy(schedule) if name == ExitPolicyName.REPLAY else NaturalPolicy(name, eos_token_id)

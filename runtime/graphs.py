@@ -1,12 +1,14 @@
-"""CUDA Graphs for the recurrent core: one captured loop per padded batch bucket.
+"""CUDA Graphs for the engine: one manager (:class:`CudaGraphs`) over one captured graph per padded
+decode bucket and one per prompt length of the full-prompt prefill loop.
 
-A pure function maps a batch of n rows to its bucket (:func:`bucket_for`); the descriptor of a step
-([4, bucket] int32: slot, depth, position, first-alias) sits in stable device storage that is refreshed
-before every replay, and replay returns sliced views of stable outputs. A bucket not yet captured is
-captured while the cache has room (default 16 entries, as in the seed); otherwise the step runs eagerly
-*on the same padded shape*, so a fallback computes exactly what a replay would and the token stream
-never depends on which steps were captured (BRIEF section 5). Captures, replays and fallbacks are
-counted in the ``GraphCounters`` the cache is given (a field of the engine's stats).
+vLLM v1 style: a pure function maps a batch of n rows to its bucket (:func:`bucket_for`); the descriptor
+of a step ([DESC_ROWS, bucket] int32: slot, depth, position, first-alias, forced exit) is padded with
+``PADDING_ROW`` columns and published into stable device storage before every replay, and replay returns
+views of the stable outputs sliced to the n live rows. A bucket not yet captured is captured while the
+cache has room (default 16 entries, as in the seed); otherwise the step runs eagerly *on the same padded
+shape*, so a fallback computes exactly what a replay would and the token stream never depends on which
+steps were captured (BRIEF section 5). Captures, replays and fallbacks are counted in the
+``GraphCounters`` each cache is given (fields of the engine's stats).
 
 The buckets cover every batch size up to 128 with 13 entries, so with the default capacity no
 ``max_num_seqs <= 128`` ever falls back.
@@ -17,9 +19,11 @@ import gc
 from contextlib import contextmanager
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .api import GraphCounters
+from .descriptors import DESC_ROWS, PADDING_ROW, DescriptorBanks
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 
@@ -60,7 +64,7 @@ class GraphCache:
     - initialise per-stream library state (cuBLAS keeps a workspace per handle and stream): the warm-up
       runs on the capture stream itself, not on a stream of its own;
     - run a finaliser: Python's cyclic collector may free objects that own CUDA resources (an earlier
-      engine is such a cycle: its cache holds its bound ``_core``; its graphs, events and pinned banks make
+      engine is such a cycle: its cache holds its runner's bound ``decode_core``; its graphs, events and pinned banks make
       CUDA calls when destroyed), and torch no longer collects before a capture; the collector is paused
       for the capture.
 
@@ -132,6 +136,67 @@ class GraphCache:
             if collecting:
                 gc.enable()
         return graph, outputs
+
+
+_PADDING_COLUMNS = np.array(PADDING_ROW, dtype=np.int32)[:, None]
+
+
+class CudaGraphs:
+    """The engine's CUDA graphs: the decode core by padded bucket, the prefill loop by prompt length.
+
+    Owns the buckets, the static inputs of each graph (allocated on a bucket's first use, then reused),
+    the padding of a decode step and the slicing of its outputs. ``decode_fn(slot, depth, pos,
+    first_alias, forced)`` takes [bucket] int32 rows and returns (exit [bucket] bool, token [bucket]
+    int64, logits [bucket, vocab]); ``prefill_fn(x, slot, depth, positions)`` takes x [T, hidden] and
+    [T] int32 rows and returns (x_out [T, hidden],). Neither may synchronise with the host.
+    """
+
+    def __init__(self, decode_fn: Callable, prefill_fn: Callable, *, max_num_seqs: int, capacity: int,
+                 decode_counters: GraphCounters, prefill_counters: GraphCounters, banks: DescriptorBanks,
+                 device: torch.device):
+        self.max_num_seqs, self.banks, self.device = max_num_seqs, banks, device
+        self.decode = GraphCache(decode_fn, capacity, decode_counters)
+        self.prefill = GraphCache(prefill_fn, capacity, prefill_counters, name="prefill")
+        self._desc: dict[int, torch.Tensor] = {}          # bucket -> [DESC_ROWS, bucket] int32 on device
+        self._prefill_inputs: dict[int, tuple] = {}       # T -> (x [T, hidden], slot, depth, positions [T] int32)
+
+    def bucket(self, n: int) -> int:
+        """The padded batch size a decode step of n rows runs on (:func:`bucket_for`)."""
+        return bucket_for(n, self.max_num_seqs)
+
+    def run_decode(self, bank: torch.Tensor, host: np.ndarray, n: int) -> tuple:
+        """Run the decode core on a descriptor bank ([DESC_ROWS, bucket] int32 host view; ``host`` its numpy
+        view, the first n columns written): pads the rest, publishes it into the bucket's static
+        descriptor and replays (or captures, or falls back eagerly on the same shape).
+        Returns (exit [n] bool, token [n] int64, logits [n, vocab]): views of the graph's static outputs,
+        valid until the next decode step."""
+        bucket = host.shape[1]
+        host[:, n:] = _PADDING_COLUMNS
+        static = self._desc.get(bucket)
+        if static is None:
+            static = self._desc[bucket] = torch.empty((DESC_ROWS, bucket), dtype=torch.int32, device=self.device)
+        outs = self.decode.run(
+            bucket, tuple(static), publish=lambda: self.banks.publish(bank, into=static),
+            warm_inputs=lambda: static.copy_(torch.tensor(PADDING_ROW, dtype=torch.int32)[:, None]))
+        return outs if n == bucket else tuple(o[:n] for o in outs)
+
+    def run_prefill(self, x: torch.Tensor, slot: int, depth: int) -> torch.Tensor:
+        """One full-prompt loop for x [T, hidden] of ``slot`` at ``depth`` through the graph of length T;
+        returns a fresh x_out [T, hidden] (not the graph's static output)."""
+        T = x.shape[0]
+        static = self._prefill_inputs.get(T)
+        if static is None:
+            static = (torch.empty_like(x), torch.empty(T, dtype=torch.int32, device=self.device),
+                      torch.empty(T, dtype=torch.int32, device=self.device),
+                      torch.arange(T, device=self.device, dtype=torch.int32))
+            self._prefill_inputs[T] = static
+
+        def publish():
+            static[0].copy_(x)
+            static[1].fill_(slot)
+            static[2].fill_(depth)
+
+        return self.prefill.run(T, static, publish, warm_inputs=publish)[0].clone()
 
 
 class KernelCompileInCapture(RuntimeError):

@@ -66,6 +66,18 @@ class Schedule:
                    admission_order=tuple(raw["admission_order"]), requests=reqs,
                    num_steps=raw["num_steps"], trace_sha256=raw["trace_sha256"])
 
+    @classmethod
+    def from_run(cls, runs, *, max_num_seqs: int, num_steps: int, trace_sha256: str) -> "Schedule":
+        """Freeze a drained natural run: ``runs`` is (Request, RequestOutput) per request in admission order."""
+        reqs = tuple(ScheduledRequest(request_id=req.request_id, prompt_sha256=prompt_sha256(req.prompt_token_ids),
+                                      prompt_len=len(req.prompt_token_ids), max_tokens=req.max_tokens,
+                                      min_loops=req.min_loops, max_loops=req.max_loops,
+                                      exit_threshold=req.exit_threshold, token_ids=out.token_ids,
+                                      exit_depths=out.exit_depths) for req, out in runs)
+        return cls(version=cls.FORMAT_VERSION, max_num_seqs=max_num_seqs,
+                   admission_order=tuple(req.request_id for req, _ in runs), requests=reqs,
+                   num_steps=num_steps, trace_sha256=trace_sha256)
+
     def check_fits(self, request) -> ScheduledRequest:
         """The schedule entry for ``request`` (an engine Request); ValueError naming what differs."""
         entry = self.by_id().get(request.request_id)

@@ -76,7 +76,7 @@ def _replay(model, reqs, data, arm: dict):
     T = arm["tile_size"]
     steps, seen = [], {"lower_plane_reads": [0, 0, 0], "routed_reads": 0, "direct_tiles": 0, "boundary_tiles": 0,
                        "boundary_last_key": 0, "fill_token_planes": 0}
-    core, fill = eng._core, eng.backend.native_fill
+    core, fill = eng.runner.decode_core, eng.runner.backend.native_fill
 
     def spy_core(row_slot, row_depth, row_pos, row_fa, row_forced):
         rows = list(zip(*(t.tolist() for t in (row_slot, row_depth, row_pos, row_fa, row_forced))))
@@ -98,8 +98,8 @@ def _replay(model, reqs, data, arm: dict):
             seen["fill_token_planes"] += max(0, m - e) if s >= 0 else 0
         return fill(k_all, v_all, block_tables, slot, pos, exit_depth, max_depth)
 
-    eng._core = spy_core
-    eng.backend = dataclasses.replace(eng.backend, native_fill=spy_fill)
+    eng.runner.decode_core = spy_core
+    eng.runner.backend = dataclasses.replace(eng.runner.backend, native_fill=spy_fill)
     for r in reqs:
         eng.add_request(r)
     eng.run()

@@ -64,8 +64,8 @@ def workload() -> dict:
                     schedule = eng.capture_schedule()
                 if policy == "replay":
                     schedule.verify(outs)
-                record.update(stats=dataclasses.asdict(eng.stats), decode_buckets=sorted(eng._graphs.graphs),
-                              prefill_buckets=sorted(eng._prefill_graphs.graphs),
+                record.update(stats=dataclasses.asdict(eng.stats), decode_buckets=sorted(eng.runner.graphs.decode.graphs),
+                              prefill_buckets=sorted(eng.runner.graphs.prefill.graphs),
                               outputs={rid: [list(o.token_ids), list(o.exit_depths)] for rid, o in outs.items()})
             except Exception as err:
                 record["error"] = "".join(traceback.format_exception(err))

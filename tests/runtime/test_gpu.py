@@ -14,7 +14,8 @@ import torch
 from loopbench.harness.fixtures import write_synthetic_checkpoint
 from loopbench.runtime.checkpoint import load_checkpoint
 from loopbench.runtime.api import EngineConfig, Request
-from loopbench.runtime.engine import DESC_ROWS, DescriptorBanks, LoopEngine
+from loopbench.runtime.descriptors import DESC_ROWS, DescriptorBanks
+from loopbench.runtime.engine import LoopEngine
 from loopbench.runtime.model import OuroModel
 from loopbench.runtime.reference import NaiveOuro
 

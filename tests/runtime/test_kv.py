@@ -20,7 +20,8 @@ import torch
 
 from loopbench.runtime.attention import get_backend
 from loopbench.runtime.api import EngineConfig, Request
-from loopbench.runtime.engine import DESC_ROWS, PADDING_ROW, LoopEngine
+from loopbench.runtime.descriptors import DESC_ROWS, PADDING_ROW
+from loopbench.runtime.engine import LoopEngine
 from loopbench.runtime.kv_cache import DepthKVCache
 from loopbench.runtime.model import OuroModel
 from loopbench.runtime.schedule import Schedule, ScheduledRequest, prompt_sha256
@@ -55,13 +56,13 @@ def run(model, reqs, *, spy=False, **cfg):
     eng = make_engine(model, keep_logits=True, **cfg)
     hits = [0]
     if spy:
-        fill = eng.backend.native_fill
+        fill = eng.runner.backend.native_fill
 
         def counting_fill(k, v, bt, slot, pos, exit_depth, max_depth):
             hits[0] += fill_collisions(slot, pos, exit_depth, max_depth)
             return fill(k, v, bt, slot, pos, exit_depth, max_depth)
 
-        eng.backend = dataclasses.replace(eng.backend, native_fill=counting_fill)
+        eng.runner.backend = dataclasses.replace(eng.runner.backend, native_fill=counting_fill)
     for r in reqs:
         eng.add_request(r)
     return eng, eng.run(), hits[0]
@@ -342,7 +343,7 @@ def test_layouts_bitwise_with_depth_1_exits(model64, naive):
 def engine_state(eng: LoopEngine) -> dict[str, torch.Tensor]:
     """Every piece of resident state a step may write, live slots only (row S is the padding scratch)."""
     S = eng.config.max_num_seqs
-    live = {name: getattr(eng, name)[:S].clone() for name in
+    live = {name: getattr(eng.runner, name)[:S].clone() for name in
             ("hidden", "last_token", "out_tokens", "n_out", "survival", "triggered", "min_loops", "max_loops",
              "threshold")}
     return {**live, "kv.k": eng.kv.k.clone(), "kv.v": eng.kv.v.clone(), "kv.exit_map": eng.kv.exit_map.clone(),
@@ -361,11 +362,11 @@ def test_padding_rows_change_no_live_state(model64, model32, backend, arm):
         eng.add_request(r)
     for _ in range(6):                     # every slot past prefill (4 loops), then decode steps
         eng.step()
-    assert all(r is not None and r.phase == "decode" for r in eng._slots), "expected three decoding slots"
+    assert all(r is not None and r.phase == "decode" for r in eng.scheduler.slots), "expected three decoding slots"
     before = engine_state(eng)
     bucket = 4
     desc = torch.tensor(PADDING_ROW, dtype=torch.int32)[:, None].expand(DESC_ROWS, bucket).contiguous()
-    eng._core(*desc)
+    eng.runner.decode_core(*desc)
     after = engine_state(eng)
     changed = [name for name in before if not same_bits(before[name], after[name])]
     assert not changed, f"{backend} {arm}: padding rows changed live state: {changed}"
