@@ -167,9 +167,7 @@ class LoopEngine:
     def _after_token(self, run: Running) -> None:
         if run.n_out >= run.req.max_tokens:
             self._finish(run, "length")
-        elif self.policy.needs_host_tokens(run.req) and run.host_tokens[-1] == self.config.eos_token_id:
-            self._finish(run, "stop")
-        elif self.policy.schedule_done(run.entry, run.n_out):
+        elif self.policy.stops(run):       # EOS (natural), or the end of the schedule's entry (replay)
             self._finish(run, "stop")
 
     def _finish(self, run: Running, reason: str) -> None:

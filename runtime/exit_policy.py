@@ -14,7 +14,7 @@ Formulas (BRIEF section 1; Ouro, arXiv 2510.25741): after loop r the gate gives 
 A policy is one object with the same methods for both kinds (:class:`NaturalPolicy`,
 :class:`ReplayPolicy`, made by :func:`make_policy`): the scheduler asks it for the host-known exits of
 a step's rows, the runner for the device exit rule, the engine for the exits after a step and whether a
-request is done. The device methods are vectorised over rows and never synchronise with the host; only
+request stops early. The device methods are vectorised over rows and never synchronise with the host; only
 ``NaturalPolicy.exits_after_step`` reads the device (the gate decides there, so the host must learn it).
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .api import ExitPolicyName, choice_values
 if TYPE_CHECKING:
     from .api import Request
     from .schedule import Schedule, ScheduledRequest
+    from .scheduler import Running
 
 POLICIES = choice_values(ExitPolicyName)
 
@@ -99,8 +100,9 @@ class NaturalPolicy:
         """Whether the host must see this request's tokens (to stop at EOS)."""
         return not req.ignore_eos
 
-    def schedule_done(self, entry: ScheduledRequest | None, n_out: int) -> bool:
-        return False
+    def stops(self, run: Running) -> bool:
+        """Whether a request stops before ``max_tokens`` after its latest token: it was EOS."""
+        return not run.req.ignore_eos and run.host_tokens[-1] == self.eos_token_id
 
 
 class ReplayPolicy:
@@ -133,9 +135,10 @@ class ReplayPolicy:
     def needs_host_tokens(self, req: Request) -> bool:
         return False
 
-    def schedule_done(self, entry: ScheduledRequest | None, n_out: int) -> bool:
-        """The natural run stopped here (EOS) and the replay follows it."""
-        return n_out >= len(entry.exit_depths)
+    def stops(self, run: Running) -> bool:
+        """Whether a request stops before ``max_tokens`` after its latest token: its schedule entry holds
+        no more tokens (the natural run stopped there at EOS, and the replay follows it)."""
+        return run.n_out >= len(run.entry.exit_depths)
 
 
 def make_policy(name: str, schedule: Schedule | None, eos_token_id: int | None) -> NaturalPolicy | ReplayPolicy:

@@ -7,7 +7,8 @@ import torch
 
 from loopbench.harness.fixtures import write_synthetic_checkpoint
 from loopbench.runtime.checkpoint import load_checkpoint
-from loopbench.runtime.api import EngineConfig, Request
+from loopbench.runtime.api import (AttentionBackendName, DescriptorMode, EngineConfig, ExitPolicyName, KVLayout,
+                                   Request)
 from loopbench.runtime.engine import LoopEngine
 from loopbench.runtime.model import PRESETS, OuroModel, tensor_shapes
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
@@ -208,6 +209,39 @@ def test_bad_requests_and_configs_are_refused(model64):
         EngineConfig(kv_layout="paged")
     with pytest.raises(ValueError, match="exit policy 'early'"):
         EngineConfig(exit_policy="early")
+    with pytest.raises(ValueError, match="attention backend 'cuda'"):
+        EngineConfig(attention_backend="cuda")
+    with pytest.raises(ValueError, match="descriptor_mode 'zero'"):
+        EngineConfig(descriptor_mode="zero")
+
+
+def test_config_choices_are_enums_that_accept_plain_strings():
+    members = EngineConfig(kv_layout=KVLayout.ALIAS, exit_policy=ExitPolicyName.FIXED,
+                           attention_backend=AttentionBackendName.TRITON, descriptor_mode=DescriptorMode.MAPPED)
+    plain = EngineConfig(kv_layout="alias", exit_policy="fixed", attention_backend="triton", descriptor_mode="mapped")
+    assert members == plain and f"{members.kv_layout}" == "alias"
+
+
+def test_the_scheduler_plans_on_the_host_into_a_frozen_plan(model64):
+    """A step's plan names the admissions (lowest slot first), one prefill loop each, and later the decode
+    rows with their descriptor; the trace records exactly those decisions, in that order."""
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64, exit_policy="fixed"))
+    for r in make_requests(3, 2, "fixed", lens=[3, 5, 7]):
+        eng.add_request(r)
+    plan = eng.scheduler.schedule()
+    assert [r.req.request_id for r in plan.admitted] == ["r0", "r1"] and [r.slot for r in plan.admitted] == [0, 1]
+    assert [(p.slot, p.depth, p.final) for p in plan.prefill] == [(0, 1, False), (1, 1, False)]
+    assert plan.decode == () and plan.rows is None and [r.request_id for r in eng.scheduler.queue] == ["r2"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.decode = ()
+    eng2 = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64, exit_policy="fixed"))
+    for r in make_requests(3, 2, "fixed", lens=[3, 5, 7]):
+        eng2.add_request(r)
+    for _ in range(4):                        # r0 has max_loops 4: four prefill loops, then it decodes
+        eng2.step()
+    plan = eng2.scheduler.schedule()
+    assert [r.req.request_id for r in plan.decode] == ["r0"]
+    assert plan.rows.tolist() == [[0, 1, 3, 4, 0]] and plan.forced == [False]   # slot, depth, pos, first-alias
 
 
 def test_calibrated_gate_gives_about_three_quarters_three_loop_tokens(tmp_path):
