@@ -82,7 +82,7 @@ class NaturalPolicy:
     def entry_for(self, req: Request) -> ScheduledRequest | None:
         return None
 
-    def forced_exits(self, rows: list) -> list[bool]:
+    def forced_exits(self, rows: list[Running]) -> list[bool]:
         """The descriptor's forced-exit column for decode rows (none: the gate decides)."""
         return [False] * len(rows)
 
@@ -121,7 +121,7 @@ class ReplayPolicy:
     def entry_for(self, req: Request) -> ScheduledRequest:
         return self.schedule.check_fits(req)
 
-    def forced_exits(self, rows: list) -> list[bool]:
+    def forced_exits(self, rows: list[Running]) -> list[bool]:
         """Per decode row: does the loop it runs now reach its token's scheduled exit depth."""
         return [r.depth == r.entry.exit_depths[r.n_out] for r in rows]
 
