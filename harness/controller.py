@@ -39,7 +39,7 @@ from .executors import REPO_ROOT, ChildSpec, LocalExecutor, StopSignals, Submiti
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
 from .plan import make_plan, point_entries
-from .spec import BenchSpec
+from .spec import BenchSpec, ExecutorSpec
 
 REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_format.json
 
@@ -157,23 +157,22 @@ def freeze_plan(spec: BenchSpec, got: Inputs, ckpt: dict, points: list[dict], bu
     return plan
 
 
-def run_sessions(config: dict, executor, bundle: Path, devices: list[dict], children: list[dict], stop: StopSignals,
-                 attempt: int = 0, seqs: dict[str, list[int]] | None = None) -> list[dict]:
+def run_sessions(ex: ExecutorSpec, executor, bundle: Path, devices: list[dict], children: list[dict],
+                 stop: StopSignals, attempt: int = 0, seqs: dict[str, list[int]] | None = None) -> list[dict]:
     """Start one session child per device (measuring ``seqs[name]`` of its order, or all of it), wait for
-    them or for ``stop``; returns their children.json entries. ``config``: the plan's ``config``."""
-    ex = config["executor"]
+    them or for ``stop``; returns their children.json entries."""
     specs = []
     for d in devices:
         sid = session_id(d["name"], attempt)
         extra = {"session": sid} if seqs is None else {"session": sid, "seqs": seqs[d["name"]]}
         specs.append(ChildSpec(d["name"], write_job(bundle, "session", d, sid, **extra),
-                               bundle / "logs" / f"{sid}.log", d["gpu_index"], d["label"], ex["session_timeout_s"],
+                               bundle / "logs" / f"{sid}.log", d["gpu_index"], d["label"], ex.session_timeout_s,
                                sid, attempt))
     write_children(bundle, children + [running_result(s).to_dict() for s in specs])
     total = sum(len(v) for v in json.loads((bundle / "plan.json").read_text())["order"].values())
     update, close = _progress(bundle, total)
     try:
-        results = executor.run(specs, progress=update, poll_s=ex["poll_s"], stop=stop, grace_s=ex["stop_grace_s"])
+        results = executor.run(specs, progress=update, poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)
     finally:
         close()
     return [r.to_dict() for r in results]
@@ -245,7 +244,7 @@ def run(cfg: DictConfig | dict) -> RunResult:
             plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
             # no sessions after a failed or stopped reference capture
             if children[0]["state"] == "completed" and all("reference" in pt for pt in points):
-                children += run_sessions(plan["config"], executor, bundle, got.devices, children, stop)
+                children += run_sessions(spec.executor, executor, bundle, got.devices, children, stop)
             return publish(bundle, plan, children, prepared.environment)
     finally:
         os.close(lock)

@@ -190,6 +190,37 @@ def _unlike_manifest(bundle: Path) -> str | None:
     return None
 
 
+def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict) -> tuple[BenchSpec, inputs.Inputs, dict]:
+    """This run's plan must be the bundle's: ValueError naming each difference, before anything changes.
+
+    Returns (this run's spec with the bundle's locations, its inputs, the bundle's environment).
+    """
+    ours = _as_planned(spec, plan["config"])
+    got = inputs.gather(ours)
+    fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache), point_entries(ours))
+    diffs = _differences(_comparable_plan(plan), _comparable_plan(_as_json(fresh)))
+    if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
+        diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
+    env = json.loads((bundle / "environment.json").read_text())
+    diffs += [(f"environment.{p}", a, b) for p, a, b in
+              _differences(_environment_identity(env), _environment_identity(_as_json(machine.environment(got.devices))))]
+    if diffs:
+        raise ValueError(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
+    for pt in plan["points"]:
+        ref = pt.get("reference")
+        if not ref:
+            raise ValueError(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
+                             "capture did not finish); start a new run")
+        for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
+            if not (bundle / rel).is_file() or sha256_file(bundle / rel) != want:
+                raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
+    changed = _unlike_manifest(bundle)
+    if changed:
+        raise ValueError(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
+                         "resume would publish them again as measured")
+    return ours, got, env
+
+
 def resume(spec: BenchSpec) -> RunResult:
     """Measure the rest of the incomplete bundle ``spec.resume`` (see the module docstring)."""
     bundle = Path(spec.resume).expanduser()
@@ -202,30 +233,7 @@ def resume(spec: BenchSpec) -> RunResult:
         if _published_status(bundle) == "complete":
             raise ValueError(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
                              "resumed (start a new run instead)")
-        # --- this run's plan must be the bundle's: refused, naming the difference, before anything changes
-        ours = _as_planned(spec, plan["config"])
-        got = inputs.gather(ours)
-        fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache), point_entries(ours))
-        diffs = _differences(_comparable_plan(plan), _comparable_plan(_as_json(fresh)))
-        if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
-            diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
-        env = json.loads((bundle / "environment.json").read_text())
-        diffs += [(f"environment.{p}", a, b) for p, a, b in
-                  _differences(_environment_identity(env), _environment_identity(_as_json(machine.environment(got.devices))))]
-        if diffs:
-            raise ValueError(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
-        for pt in plan["points"]:
-            ref = pt.get("reference")
-            if not ref:
-                raise ValueError(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
-                                 "capture did not finish); start a new run")
-            for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
-                if not (bundle / rel).is_file() or sha256_file(bundle / rel) != want:
-                    raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
-        changed = _unlike_manifest(bundle)
-        if changed:
-            raise ValueError(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
-                             "resume would publish them again as measured")
+        ours, got, env = _refuse_unlike_plan(spec, bundle, plan)
         todo, discard = _kept_and_todo(bundle, plan)
 
         # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions
@@ -238,16 +246,15 @@ def resume(spec: BenchSpec) -> RunResult:
                   "resume measures the pair again)", flush=True)
             path.unlink()
         attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
-        planned = sum(len(v) for v in plan["order"].values())
-        print(f"loopbench: resuming {bundle} (run {attempt}): {planned - sum(len(v) for v in todo.values())} of "
-              f"{planned} arms kept, {sum(len(v) for v in todo.values())} to measure", flush=True)
+        planned, left = sum(len(v) for v in plan["order"].values()), sum(len(v) for v in todo.values())
+        print(f"loopbench: resuming {bundle} (run {attempt}): {planned - left} of {planned} arms kept, {left} to "
+              "measure", flush=True)
         write_children(bundle, children)
         with StopSignals() as stop:
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)
-                children += run_sessions(plan["config"], executor, bundle, devices, children, stop, attempt,
+                children += run_sessions(ours.executor, executor, bundle, devices, children, stop, attempt,
                                          {d["name"]: todo[d["name"]] for d in devices})
             return publish(bundle, plan, children, env)
     finally:
         os.close(lock)
-
