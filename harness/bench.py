@@ -19,20 +19,12 @@ measured and exits 1. SIGTERM or Ctrl-C stops the run's children and publishes a
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from . import conf, report
 
 _EXIT_CODES: list[int] = []
-
-
-def audit(bundle: Path) -> int:
-    """Run the auditor on ``bundle`` in its own interpreter; returns its exit code."""
-    from .executors import child_env
-
-    return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None)).returncode
 
 
 def task(cfg) -> int:
@@ -43,6 +35,8 @@ def task(cfg) -> int:
 
 def show(result) -> int:
     """Audit the run's bundle, print its tables, status and failed children's log tails; the exit status."""
+    from .controller import audit
+
     code = audit(result.bundle)
     summary = result.summary
     print()

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WORK_KEYS = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
+from loopbench.runtime.api import EngineStats
+
+WORK_KEYS = EngineStats.WORK_FIELDS   # the runtime's work counters, by name
 PHASES = ("warmup", "measured")
 
 

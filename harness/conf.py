@@ -4,12 +4,13 @@ The YAML files in ``configs/`` are presets only (``cpu-smoke``, ``ouro-1.4b``); 
 is declared here with its type, so Hydra rejects a misspelt key or a wrong type at composition time,
 naming the key, before anything is built or measured. Choices are Enums, so a misspelt value
 (``model.dtype=bf61``) fails the same way. Cross-key rules that a type cannot express (a comparison
-naming an unknown arm, ``min_loops > max_loops``...) are checked by :func:`validate`, which raises a
-``ValueError`` naming the key and value; the controller calls it before it freezes the plan, and
-:func:`check_fits_model` (exit depths and positions against the model's config) before it writes anything.
+naming an unknown arm, ``min_loops > max_loops``, an arm's ``engine`` path naming no factory...) are
+checked by :func:`validate` (harness/rules.py), which raises a ``ValueError`` naming key and value and
+returns the frozen :class:`~spec.BenchSpec`; ``spec.check_fits_model`` checks exit depths and positions
+against the model's config before anything is written.
 
-Nothing downstream sees Hydra objects: :func:`to_plain` turns a validated config into plain JSON data
-(the frozen plan's ``config``), and the sessions rebuild runtime configs from that.
+Nothing downstream sees Hydra objects: stages take the ``BenchSpec``; its ``to_plain()`` is the frozen
+plan's ``config``, from which the sessions rebuild what they need.
 
 Names follow the seed's protocol (BRIEF section 2): a *point* is (B = ``max_num_seqs``, C = number of
 requests); an *arm* is a named runtime configuration; a *comparison* is (baseline arm, candidate arm);
@@ -17,15 +18,19 @@ requests); an *arm* is a named runtime configuration; a *comparison* is (baselin
 """
 from __future__ import annotations
 
-import math
+import copy
 import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from . import rules
+from .records import DEFAULT_ENGINE
+from .spec import BenchSpec
 
 
 class DType(Enum):
@@ -116,7 +121,7 @@ class ExitConf:
 
 @dataclass
 class ArmConf:
-    """One runtime configuration (maps one to one onto the engine's ``EngineConfig``)."""
+    """One runtime configuration (``records.ArmSpec.engine_config`` maps it onto the engine's ``EngineConfig``)."""
 
     kv_layout: KVLayout = KVLayout.native
     prefix_tiles: bool = False
@@ -126,6 +131,8 @@ class ArmConf:
     descriptor_mode: DescriptorMode = DescriptorMode.h2d
     block_size: int = 16
     tile_size: int = 32
+    # the engine's factory, "package.module:factory" called as factory(model, EngineConfig) (harness/engines.py)
+    engine: str = DEFAULT_ENGINE
 
 
 @dataclass
@@ -218,13 +225,10 @@ register()
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-def cache_dir(cfg: Any) -> Path:
-    raw = _get(cfg, "cache_dir") or os.environ.get("LOOPBENCH_CACHE") or "~/.cache/loopbench"
+def cache_dir(spec: BenchSpec) -> Path:
+    """Where synthetic checkpoints and frozen references are cached."""
+    raw = spec.cache_dir or os.environ.get("LOOPBENCH_CACHE") or "~/.cache/loopbench"
     return Path(raw).expanduser()
-
-
-def _get(cfg: Any, key: str) -> Any:
-    return cfg.get(key) if isinstance(cfg, (dict, DictConfig)) else getattr(cfg, key)
 
 
 def to_plain(cfg: DictConfig | BenchConf) -> dict:
@@ -242,167 +246,13 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         return _compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def validate(cfg: DictConfig | dict) -> dict:
-    """Check the rules a type cannot express; return the plain config. ValueError names key and value."""
-    plain = cfg if isinstance(cfg, dict) else to_plain(cfg)
-    _check_keys(plain, BenchConf, "")
+def validate(cfg: DictConfig | dict) -> BenchSpec:
+    """The checked, frozen configuration of a composed config (or of its plain data, which is not changed).
 
-    positive = _positive_int
-
-    def seed(key: str, value: Any) -> None:
-        # numpy's default_rng takes non-negative integers only; fail here, not in a child or the summary
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{key} must be a non-negative integer seed, got {value!r}")
-
-    if not plain["name"] or any(c in plain["name"] for c in "/\\ "):
-        raise ValueError(f"name must be a non-empty token without '/', '\\' or spaces, got {plain['name']!r}")
-    seed("model.seed", plain["model"]["seed"])
-    seed("workload.prompt_seed", plain["workload"]["prompt_seed"])
-    seed("order_seed", plain["order_seed"])
-    seed("verdict.bootstrap_seed", plain["verdict"]["bootstrap_seed"])
-    wl = plain["workload"]
-    positive("workload.output_len", wl["output_len"])
-    _check_prompt_lengths(wl)
-    if not plain["points"]:
-        raise ValueError("points must list at least one (max_num_seqs, num_requests) point")
-    seen = set()
-    for i, pt in enumerate(plain["points"]):
-        positive(f"points[{i}].max_num_seqs", pt["max_num_seqs"])
-        positive(f"points[{i}].num_requests", pt["num_requests"])
-        key = (pt["max_num_seqs"], pt["num_requests"])
-        if key in seen:
-            raise ValueError(f"points[{i}] = B{key[0]}/C{key[1]} is listed twice")
-        seen.add(key)
-    ex = plain["exit"]
-    positive("exit.min_loops", ex["min_loops"])
-    positive("exit.max_loops", ex["max_loops"])
-    if ex["min_loops"] > ex["max_loops"]:
-        raise ValueError(f"exit.min_loops={ex['min_loops']} exceeds exit.max_loops={ex['max_loops']}")
-    if not (0.0 < ex["threshold"] <= 1.0):
-        raise ValueError(f"exit.threshold must be in (0, 1], got {ex['threshold']!r}")
-    if not plain["arms"]:
-        raise ValueError("arms must name at least one arm")
-    for name, arm in plain["arms"].items():
-        positive(f"arms.{name}.block_size", arm["block_size"])
-        positive(f"arms.{name}.tile_size", arm["tile_size"])
-        positive(f"arms.{name}.graph_cache_size", arm["graph_cache_size"])
-        if arm["prefix_tiles"] and arm["kv_layout"] != "alias":
-            raise ValueError(f"arms.{name}.prefix_tiles needs kv_layout=alias, got {arm['kv_layout']!r}")
-    if not plain["comparisons"]:
-        raise ValueError("comparisons must list at least one (baseline, candidate) comparison")
-    names = set()
-    for i, comp in enumerate(plain["comparisons"]):
-        for role in ("baseline", "candidate"):
-            if comp[role] not in plain["arms"]:
-                raise ValueError(f"comparisons[{i}].{role} = {comp[role]!r} is not an arm; arms are "
-                                 f"{sorted(plain['arms'])}")
-        comp["name"] = comp["name"] or f"{comp['baseline']}_vs_{comp['candidate']}"
-        if comp["name"] in names or any(c in comp["name"] for c in "/\\ "):
-            raise ValueError(f"comparisons[{i}].name = {comp['name']!r} is repeated or not a plain token")
-        names.add(comp["name"])
-    ref = plain["reference_arm"]
-    if ref is not None and ref not in plain["arms"]:
-        raise ValueError(f"reference_arm = {ref!r} is not an arm; arms are {sorted(plain['arms'])}")
-    positive("pairs", plain["pairs"])
-    vd = plain["verdict"]
-    if not (0.0 < vd["confidence"] < 1.0):
-        raise ValueError(f"verdict.confidence must be in (0, 1), got {vd['confidence']!r}")
-    if not (math.isfinite(vd["min_effect"]) and vd["min_effect"] >= 0):
-        raise ValueError(f"verdict.min_effect must be >= 0, got {vd['min_effect']!r}")
-    positive("verdict.n_resamples", vd["n_resamples"])
-    positive("verdict.min_pairs", vd["min_pairs"])
-    exe = plain["executor"]
-    for key in ("session_timeout_s", "reference_timeout_s", "poll_s", "stop_grace_s"):
-        if not exe[key] > 0:
-            raise ValueError(f"executor.{key} must be > 0, got {exe[key]!r}")
-    if exe["gpus"] is not None and len(set(exe["gpus"])) != len(exe["gpus"]):
-        raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
-    positive("executor.slurm.jobs", exe["slurm"]["jobs"])
-    positive("executor.cpu_threads", exe["cpu_threads"])
-    if plain["resume"] is not None and not Path(plain["resume"]).expanduser().is_dir():
-        raise ValueError(f"resume = {plain['resume']!r} is not a bundle directory")
-    kill = plain["fault"]["kill_after_arms"]
-    if kill is not None and (isinstance(kill, bool) or kill < 0):
-        raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")
-    return plain
-
-
-def _check_prompt_lengths(wl: dict) -> None:
-    """Exactly one source of prompt lengths: ``prompts_file``, ``prompt_lens`` or ``prompt_len``."""
-    if wl["prompts_file"] is not None:
-        if wl["prompt_lens"] is not None:
-            raise ValueError(f"workload.prompts_file={wl['prompts_file']!r} and workload.prompt_lens="
-                             f"{wl['prompt_lens']} are both set; a file's prompts keep their own lengths, so set "
-                             "workload.prompt_lens=null")
-        if not Path(wl["prompts_file"]).expanduser().is_file():
-            raise ValueError(f"workload.prompts_file {wl['prompts_file']!r} does not exist")
-        return
-    if wl["prompt_lens"] is None:
-        if wl["prompt_len"] is None:
-            raise ValueError("workload.prompt_len is null: set workload.prompt_len, workload.prompt_lens or "
-                             "workload.prompts_file")
-        _positive_int("workload.prompt_len", wl["prompt_len"])
-        return
-    if wl["prompt_len"] is not None:
-        raise ValueError(f"workload.prompt_len={wl['prompt_len']} and workload.prompt_lens={wl['prompt_lens']} "
-                         "are both set; set one and the other to null (e.g. workload.prompt_lens=null "
-                         "for prompts of one length)")
-    if not wl["prompt_lens"]:
-        raise ValueError("workload.prompt_lens must list at least one length, got []")
-    for i, n in enumerate(wl["prompt_lens"]):
-        _positive_int(f"workload.prompt_lens[{i}]", n)
-
-
-def _positive_int(key: str, value: Any) -> None:
-    """ValueError naming ``key`` unless ``value`` is an int >= 1 (a bool is not)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-
-
-def check_fits_model(plain: dict, model_config: dict, max_prompt_len: int) -> None:
-    """The rules that need the model's config (``config.json`` keys): ValueError names key and limit.
-
-    Exit depths run 1..``exit.max_loops`` loops of the model's ``total_ut_steps``; a request of a
-    P-token prompt and D output tokens occupies positions 0..P+D-2, so P + D - 1 must fit in
-    ``max_position_embeddings``. The controller calls this before anything is written or measured.
+    ValueError names the key and the value of the first rule broken (harness/rules.py), before anything
+    is built or measured; an arm's ``engine`` path is imported here, so a bad one fails here too.
     """
-    loops = model_config["total_ut_steps"]
-    if plain["exit"]["max_loops"] > loops:
-        raise ValueError(f"exit.max_loops={plain['exit']['max_loops']} exceeds the model's total_ut_steps={loops}")
-    positions = model_config["max_position_embeddings"]
-    need = max_prompt_len + plain["workload"]["output_len"] - 1
-    if need > positions:
-        wl = plain["workload"]
-        prompt_key = ("the longest prompt of workload.prompts_file" if wl["prompts_file"]
-                      else "the longest of workload.prompt_lens" if wl["prompt_lens"] else "workload.prompt_len")
-        raise ValueError(f"{prompt_key} ({max_prompt_len}) + workload.output_len ({plain['workload']['output_len']}) "
-                         f"- 1 = {need} positions exceed the model's max_position_embeddings={positions}")
-
-
-def _check_keys(data: Any, schema: type, prefix: str) -> None:
-    """Unknown keys fail even where Hydra's ``+key=`` append lifted the struct flag."""
-    import dataclasses
-    import typing
-
-    if not isinstance(data, dict):
-        return
-    hints = typing.get_type_hints(schema)
-    for key, value in data.items():
-        if key not in hints:
-            raise ValueError(f"unknown config key {prefix + key!r}; {schema.__name__} has "
-                             f"{sorted(hints)}")
-        hint = hints[key]
-        args = typing.get_args(hint)
-        if dataclasses.is_dataclass(hint):
-            _check_keys(value, hint, f"{prefix}{key}.")
-        elif typing.get_origin(hint) in (dict, typing.Dict) and dataclasses.is_dataclass(args[1]):
-            for name, item in (value or {}).items():
-                _check_keys(item, args[1], f"{prefix}{key}.{name}.")
-        elif typing.get_origin(hint) in (list, typing.List) and args and dataclasses.is_dataclass(args[0]):
-            for i, item in enumerate(value or []):
-                _check_keys(item, args[0], f"{prefix}{key}[{i}].")
-
-
-def reference_arm(plain: dict) -> str:
-    """The arm whose natural run is frozen: ``reference_arm`` or the first comparison's baseline."""
-    return plain["reference_arm"] or plain["comparisons"][0]["baseline"]
+    plain = copy.deepcopy(cfg) if isinstance(cfg, dict) else to_plain(cfg)
+    rules.check_keys(plain, BenchConf)
+    rules.check(plain)
+    return BenchSpec.from_plain(plain)

@@ -85,6 +85,18 @@ def _requests(schedule: dict) -> list[_Req]:
                  tuple(by_id[rid]["exit_depths"])) for rid in schedule["admission_order"]]
 
 
+def _replayable_requests(schedule: dict, num_planes: int) -> list[_Req]:
+    """The schedule's requests in admission order; ValueError for one that cannot be replayed."""
+    queue = _requests(schedule)
+    for r in queue:
+        if not r.exit_depths or not 1 <= r.max_loops <= num_planes or any(
+                not 1 <= e <= r.max_loops for e in r.exit_depths):
+            raise ValueError(f"request {r.request_id!r} of the schedule cannot be replayed: max_loops "
+                             f"{r.max_loops}, exit depths {sorted(set(r.exit_depths))} (num_planes {num_planes})")
+        r.lower = [0] * num_planes
+    return queue
+
+
 def simulate(schedule: dict, num_planes: int):
     """The decode steps of a replay of ``schedule`` (``Schedule.to_json`` data) and its row-trace hash.
 
@@ -93,13 +105,7 @@ def simulate(schedule: dict, num_planes: int):
     exit depth outside 1..max_loops, an empty exit list, or a ``max_loops`` above ``num_planes``).
     """
     S = schedule["max_num_seqs"]
-    queue = _requests(schedule)
-    for r in queue:
-        if not r.exit_depths or not 1 <= r.max_loops <= num_planes or any(
-                not 1 <= e <= r.max_loops for e in r.exit_depths):
-            raise ValueError(f"request {r.request_id!r} of the schedule cannot be replayed: max_loops "
-                             f"{r.max_loops}, exit depths {sorted(set(r.exit_depths))} (num_planes {num_planes})")
-        r.lower = [0] * num_planes
+    queue = _replayable_requests(schedule, num_planes)
     slots: list[_Req | None] = [None] * S
     trace = hashlib.sha256()
     steps: list[list[DecodeRow]] = []

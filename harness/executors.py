@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,3 +261,36 @@ def _exit_code(job, default: int) -> int:
     proc = getattr(job, "_process", None)
     code = getattr(proc, "returncode", None)
     return int(code) if code is not None and code != 0 else default
+
+
+class StopSignals:
+    """While the controller has children, SIGTERM and SIGINT (Ctrl-C) become a stop request (issue 8, item 4).
+
+    The handler only records the first signal's name; the executors poll it (``stop()``), stop their
+    children, and the controller then publishes an incomplete bundle. Later signals are ignored: the stop
+    is bounded by ``executor.stop_grace_s`` and publishing takes seconds. Outside the main thread (where
+    Python cannot install handlers) it never fires. The previous handlers come back on exit.
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __call__(self) -> str | None:
+        return self.signal
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            print(f"\nloopbench: {self.signal} received: stopping the children, then publishing an incomplete "
+                  "bundle", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

@@ -214,6 +214,38 @@ def plan_shards(cfg: OuroConfig, dtype: torch.dtype, max_shard_bytes: int | None
     return shards
 
 
+def _config_of(preset_or_config: str | OuroConfig) -> OuroConfig:
+    if isinstance(preset_or_config, str):
+        if preset_or_config not in PRESETS:
+            raise ValueError(f"unknown preset {preset_or_config!r}; known: {sorted(PRESETS)}")
+        return PRESETS[preset_or_config]
+    if isinstance(preset_or_config, OuroConfig):
+        return preset_or_config
+    raise TypeError(f"preset_or_config must be a preset name or an OuroConfig, got {preset_or_config!r}")
+
+
+def _write_shards(out: Path, cfg: OuroConfig, shards: list[list[str]], single: bool, seed: int, dtype: torch.dtype,
+                  gate_bias: float, gate_sigma: float) -> tuple[dict[str, str], int]:
+    """Generate and write each shard's tensors (one file at a time); returns (weight map, total bytes)."""
+    shapes = tensor_shapes(cfg)
+    # One metadata key only: safetensors keeps metadata in a hash map, so with several keys the header
+    # order (and the file bytes) would vary from run to run.
+    metadata = {"format": "pt"}
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for k, names in enumerate(shards, start=1):
+        file_name = SINGLE_FILE_NAME if n == 1 and single else f"model-{k:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for name in names:
+            tensors[name] = _synthetic_tensor(name, shapes[name], seed, gate_bias, gate_sigma).to(dtype)
+            total_bytes += tensors[name].numel() * tensors[name].element_size()
+            weight_map[name] = file_name
+        save_file(tensors, out / file_name, metadata=metadata)
+        del tensors
+    return weight_map, total_bytes
+
+
 def write_synthetic_checkpoint(path: str | Path, preset_or_config: str | OuroConfig, *, seed: int = 0,
                                dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None,
                                three_loop_fraction_target: float = THREE_LOOP_FRACTION,
@@ -245,14 +277,7 @@ def write_synthetic_checkpoint(path: str | Path, preset_or_config: str | OuroCon
     Raises ValueError for an unknown preset, a non-floating dtype, a bad shard size, or a ``path`` that
     exists and is not an empty directory.
     """
-    if isinstance(preset_or_config, str):
-        if preset_or_config not in PRESETS:
-            raise ValueError(f"unknown preset {preset_or_config!r}; known: {sorted(PRESETS)}")
-        cfg = PRESETS[preset_or_config]
-    elif isinstance(preset_or_config, OuroConfig):
-        cfg = preset_or_config
-    else:
-        raise TypeError(f"preset_or_config must be a preset name or an OuroConfig, got {preset_or_config!r}")
+    cfg = _config_of(preset_or_config)
     if dtype not in DTYPE_HF_NAMES:
         raise ValueError(f"dtype must be a floating dtype in {sorted(HF_DTYPE_NAMES)}, got {dtype}")
     if not is_int(seed):
@@ -265,24 +290,8 @@ def write_synthetic_checkpoint(path: str | Path, preset_or_config: str | OuroCon
         gate_bias = gate_bias_for_mix(three_loop_fraction_target, gate_sigma)
     elif not is_number(gate_bias):
         raise ValueError(f"gate_bias must be a finite number or None, got {gate_bias!r}")
-    shapes = tensor_shapes(cfg)
     out.mkdir(parents=True, exist_ok=True)
-
-    # One metadata key only: safetensors keeps metadata in a hash map, so with several keys the header
-    # order (and the file bytes) would vary from run to run.
-    metadata = {"format": "pt"}
-    n = len(shards)
-    weight_map: dict[str, str] = {}
-    total_bytes = 0
-    for k, names in enumerate(shards, start=1):
-        file_name = SINGLE_FILE_NAME if n == 1 and max_shard_bytes is None else f"model-{k:05d}-of-{n:05d}.safetensors"
-        tensors = {}
-        for name in names:
-            tensors[name] = _synthetic_tensor(name, shapes[name], seed, gate_bias, gate_sigma).to(dtype)
-            total_bytes += tensors[name].numel() * tensors[name].element_size()
-            weight_map[name] = file_name
-        save_file(tensors, out / file_name, metadata=metadata)
-        del tensors
+    weight_map, total_bytes = _write_shards(out, cfg, shards, max_shard_bytes is None, seed, dtype, gate_bias, gate_sigma)
     if max_shard_bytes is not None:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -20,13 +20,17 @@ controller, and ``jobs/``, held by a live child; while either is held they refus
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
-from . import evidence
-from .controller import (RunResult, StopSignals, _executor, environment, inputs, make_plan, prepare_checkpoint,
-                         publish, run_sessions, write_children)
+from . import evidence, inputs, machine
+from .controller import RunResult, make_executor, prepare_checkpoint, publish, run_sessions, write_children
+from .executors import StopSignals
+from .fileio import sha256_file, try_lock
+from .plan import make_plan, point_entries
+from .spec import BenchSpec
 
 # how long finish / resume wait for the children of a dead controller to exit (Linux SIGTERMs them at once)
 CHILD_EXIT_WAIT_S = 30.0
@@ -62,13 +66,10 @@ def _as_json(data):
     return json.loads(json.dumps(data))
 
 
-def _as_planned(plain: dict, planned: dict) -> dict:
+def _as_planned(spec: BenchSpec, planned: dict) -> BenchSpec:
     """This run's config with the keys that only say where bundles live (``resume``, ``results_dir``)
     taken from the bundle's: a bundle may be resumed where it lies now."""
-    ours = {**plain, "resume": None}
-    if "results_dir" in planned:
-        ours["results_dir"] = planned["results_dir"]
-    return ours
+    return dataclasses.replace(spec, resume=None, results_dir=planned.get("results_dir", spec.results_dir))
 
 
 def _comparable_plan(plan: dict) -> dict:
@@ -87,12 +88,12 @@ def _environment_identity(env: dict) -> dict:
 
 def _claim(bundle: Path) -> int:
     """The bundle's exclusive lock, once no controller and no child of it runs; ValueError otherwise."""
-    lock = evidence.try_lock(bundle)
+    lock = try_lock(bundle)
     if lock is None:
         raise ValueError(f"{bundle} is held by a running controller; stop it (SIGTERM publishes the bundle) "
                          "or wait for it")
     if (bundle / "jobs").is_dir():
-        jobs = evidence.try_lock(bundle / "jobs", wait_s=CHILD_EXIT_WAIT_S)
+        jobs = try_lock(bundle / "jobs", wait_s=CHILD_EXIT_WAIT_S)
         if jobs is None:
             os.close(lock)
             raise ValueError(f"a child of {bundle} still runs {CHILD_EXIT_WAIT_S:.0f} s after its controller "
@@ -184,49 +185,55 @@ def _unlike_manifest(bundle: Path) -> str | None:
         f = bundle / rel
         if not f.is_file():
             return f"{rel} is missing"
-        if evidence.sha256_file(f) != entry.get("sha256"):
+        if sha256_file(f) != entry.get("sha256"):
             return f"{rel} changed"
     return None
 
 
-def resume(plain: dict) -> RunResult:
-    """Measure the rest of the incomplete bundle ``plain["resume"]`` (see the module docstring)."""
-    bundle = Path(plain["resume"]).expanduser()
+def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict) -> tuple[BenchSpec, inputs.Inputs, dict]:
+    """This run's plan must be the bundle's: ValueError naming each difference, before anything changes.
+
+    Returns (this run's spec with the bundle's locations, its inputs, the bundle's environment).
+    """
+    ours = _as_planned(spec, plan["config"])
+    got = inputs.gather(ours)
+    fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache), point_entries(ours))
+    diffs = _differences(_comparable_plan(plan), _comparable_plan(_as_json(fresh)))
+    if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
+        diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
+    env = json.loads((bundle / "environment.json").read_text())
+    diffs += [(f"environment.{p}", a, b) for p, a, b in
+              _differences(_environment_identity(env), _environment_identity(_as_json(machine.environment(got.devices))))]
+    if diffs:
+        raise ValueError(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
+    for pt in plan["points"]:
+        ref = pt.get("reference")
+        if not ref:
+            raise ValueError(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
+                             "capture did not finish); start a new run")
+        for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
+            if not (bundle / rel).is_file() or sha256_file(bundle / rel) != want:
+                raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
+    changed = _unlike_manifest(bundle)
+    if changed:
+        raise ValueError(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
+                         "resume would publish them again as measured")
+    return ours, got, env
+
+
+def resume(spec: BenchSpec) -> RunResult:
+    """Measure the rest of the incomplete bundle ``spec.resume`` (see the module docstring)."""
+    bundle = Path(spec.resume).expanduser()
     bundle = (bundle if bundle.is_absolute() else Path.cwd() / bundle).resolve()
     if not (bundle / "plan.json").is_file():
-        raise ValueError(f"resume = {plain['resume']!r}: {bundle} has no plan.json, so there is no plan to resume")
+        raise ValueError(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
     lock = _claim(bundle)
     try:
         plan = json.loads((bundle / "plan.json").read_text())
         if _published_status(bundle) == "complete":
-            raise ValueError(f"resume = {plain['resume']!r}: the bundle is complete; a complete bundle cannot be "
+            raise ValueError(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
                              "resumed (start a new run instead)")
-        # --- this run's plan must be the bundle's: refused, naming the difference, before anything changes
-        ours = _as_planned(plain, plan["config"])
-        got = inputs(ours)
-        ckpt = prepare_checkpoint(ours, got["cache"])
-        fresh = make_plan(ours, got["code"], ckpt, got["prompts"], got["prompts_text"], got["max_model_len"],
-                          got["points"], got["devices"])
-        diffs = _differences(_comparable_plan(plan), _comparable_plan(_as_json(fresh)))
-        if (bundle / plan["prompts"]["file"]).read_text() != got["prompts_text"]:
-            diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
-        env = json.loads((bundle / "environment.json").read_text())
-        diffs += [(f"environment.{p}", a, b) for p, a, b in
-                  _differences(_environment_identity(env), _environment_identity(_as_json(environment(got["devices"]))))]
-        if diffs:
-            raise ValueError(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
-        for pt in plan["points"]:
-            ref = pt.get("reference")
-            if not ref:
-                raise ValueError(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
-                                 "capture did not finish); start a new run")
-            for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
-                if not (bundle / rel).is_file() or evidence.sha256_file(bundle / rel) != want:
-                    raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
-        changed = _unlike_manifest(bundle)
-        if changed:
-            raise ValueError(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
-                             "resume would publish them again as measured")
+        ours, got, env = _refuse_unlike_plan(spec, bundle, plan)
         todo, discard = _kept_and_todo(bundle, plan)
 
         # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions
@@ -239,16 +246,15 @@ def resume(plain: dict) -> RunResult:
                   "resume measures the pair again)", flush=True)
             path.unlink()
         attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
-        planned = sum(len(v) for v in plan["order"].values())
-        print(f"loopbench: resuming {bundle} (run {attempt}): {planned - sum(len(v) for v in todo.values())} of "
-              f"{planned} arms kept, {sum(len(v) for v in todo.values())} to measure", flush=True)
+        planned, left = sum(len(v) for v in plan["order"].values()), sum(len(v) for v in todo.values())
+        print(f"loopbench: resuming {bundle} (run {attempt}): {planned - left} of {planned} arms kept, {left} to "
+              "measure", flush=True)
         write_children(bundle, children)
         with StopSignals() as stop:
             if devices:
-                executor = _executor(plan["config"], bundle, got["cache"], devices)
-                children += run_sessions(plan["config"], executor, bundle, devices, children, stop, attempt,
+                executor = make_executor(ours, bundle, got.cache, devices)
+                children += run_sessions(ours.executor, executor, bundle, devices, children, stop, attempt,
                                          {d["name"]: todo[d["name"]] for d in devices})
             return publish(bundle, plan, children, env)
     finally:
         os.close(lock)
-

@@ -10,11 +10,15 @@ that the controller wrote into the bundle:
 - ``session``: loads the model once, then for each arm of the frozen measurement order builds a fresh
   engine replaying the point's schedule, runs one full untimed warmup of the whole workload, then one
   measured run timed from the first submission to full drain. Each completed arm is written at once as
-  one raw JSON record (atomic), so a killed session leaves every completed arm behind. A job may name
-  the ``seqs`` of the plan's order it measures (a resumed run's session measures the rest) and its
-  ``session`` id, which every record it writes carries. A record also carries the arm's ``coverage``:
-  how often each path where the layouts differ ran, derived from the frozen schedule on the host after
-  the measured run (harness/coverage.py), never counted while timed.
+  one raw JSON record (atomic, :class:`records.ArmRecord`), so a killed session leaves every completed
+  arm behind. A job may name the ``seqs`` of the plan's order it measures (a resumed run's session
+  measures the rest) and its ``session`` id, which every record it writes carries. A record also
+  carries the arm's ``coverage``: how often each path where the layouts differ ran, derived from the
+  frozen schedule on the host after the measured run (harness/coverage.py), never counted while timed.
+
+Every engine is built by its arm's factory (harness/engines.py) and driven only through the ``Engine``
+protocol (runtime/api.py). This process never loads the bundle writer (pandas, pyarrow): it writes
+through harness/fileio.py, and tests/test_layering.py holds it to that.
 
 Stopping: SIGTERM ends the child at once (an arm in flight is not recorded, and a record being written
 is either whole or absent); on Linux the kernel sends that SIGTERM when the controller dies, even by
@@ -26,70 +30,31 @@ copies the tokens to the host, i.e. the drain); on CUDA a ``torch.cuda.synchroni
 reads. The garbage collector is collected before and disabled inside the timed region, as ``timeit``
 does, so a collection of earlier garbage cannot land in one arm. Checking, telemetry and file writing
 are outside the timer. Peak memory is reset before and read after each phase (CUDA; None on CPU).
-
-This module is the only harness module that drives the runtime; it sees the plan as plain JSON.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import telemetry
-from .evidence import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
+from . import coverage, engines, machine, telemetry
+from .fileio import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
+from .records import ArmRecord, ArmSpec, OrderItem, PhaseResult
 from .stats import tokens_per_s
 
-RECORD_SCHEMA = 2   # 2: records carry ``coverage`` (harness/coverage.py)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
 
 
-def _runtime():
-    # Imported lazily: the controller imports this module for job helpers without loading the runtime.
-    from loopbench.runtime import checkpoint, engine, model, schedule
-    return checkpoint, engine, model, schedule
-
-
-# ------------------------------------------------------------------------------------------ device
-
-def resolve_device(job: dict) -> dict:
-    """This child's device: torch device string, NVML index and a label for tables ("H200 #0", "cpu").
-
-    A CPU job runs torch with ``cpu_threads`` intra-op threads (default 1): the CPU arms are tiny, and
-    OpenMP threads that spin-wait for cores held by other processes made single arms 10-80x slower
-    on a busy 2-core machine (measured), which is noise, not signal.
-    """
-    if job["device"]["kind"] == "cpu":
-        torch.set_num_threads(job["device"].get("cpu_threads", 1))
-        return {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": _cpu_name(), "uuid": None}
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"job {job['name']} asks for CUDA, but torch.cuda.is_available() is False")
-    index = job["device"].get("gpu_index")
-    if index is None:  # a Slurm job: the scheduler pinned one GPU through CUDA_VISIBLE_DEVICES
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0]
-        index = int(first) if first.isdigit() else None
-    info = telemetry.device_info(index) if index is not None else None
-    name = (info or {}).get("name") or torch.cuda.get_device_name(0)
-    short = name.replace("NVIDIA ", "").replace("GeForce ", "")
-    return {"kind": "cuda", "torch": "cuda:0", "gpu_index": index, "name": name,
-            "label": f"{short} #{index if index is not None else 0}", "uuid": (info or {}).get("uuid")}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _sync(device: dict) -> None:
@@ -100,48 +65,47 @@ def _sync(device: dict) -> None:
 # ------------------------------------------------------------------------------------------ inputs
 
 def load_model(checkpoint_path: str, dtype: str, device: dict, max_model_len: int):
-    ckpt, _, model, _ = _runtime()
-    cfg, tensors = ckpt.load_checkpoint(checkpoint_path, dtype=_DTYPES[dtype], device=device["torch"])
-    return model.OuroModel.from_tensors(cfg, tensors, device=device["torch"], dtype=_DTYPES[dtype],
-                                        rope_len=max_model_len)
+    """The checkpoint cast to ``dtype`` (a ``TORCH_DTYPES`` name) on ``device["torch"]``, rotary tables
+    for ``max_model_len`` positions."""
+    from loopbench.runtime.checkpoint import load_checkpoint
+    from loopbench.runtime.model import OuroModel
+
+    cfg, tensors = load_checkpoint(checkpoint_path, dtype=TORCH_DTYPES[dtype], device=device["torch"])
+    return OuroModel.from_tensors(cfg, tensors, device=device["torch"], dtype=TORCH_DTYPES[dtype],
+                                  rope_len=max_model_len)
 
 
-def build_requests(prompts: list[list[int]], num_requests: int, output_len: int, exit_conf: dict) -> list:
-    """The point's requests: the first C prompts of the pool, ids r0000.., exactly D tokens, EOS ignored."""
-    _, engine, _, _ = _runtime()
-    if len(prompts) < num_requests:
+def build_requests(prompts: list[list[int]], num_requests: int, output_len: int, exit_conf: dict,
+                   listed: list[dict] | None = None) -> list:
+    """The point's requests, exactly D tokens each, EOS ignored: those the plan point lists (``listed``:
+    request_id and prompt_index each), or else the first C prompts of the pool with ids r0000.."""
+    from loopbench.runtime.api import Request
+
+    if listed is None:
+        listed = [{"request_id": f"r{i:04d}", "prompt_index": i} for i in range(num_requests)]
+    if len(prompts) < num_requests or any(r["prompt_index"] >= len(prompts) for r in listed):
         raise ValueError(f"the prompt pool has {len(prompts)} prompts, the point needs {num_requests}")
-    return [engine.Request(request_id=f"r{i:04d}", prompt_token_ids=tuple(prompts[i]), max_tokens=output_len,
-                           min_loops=exit_conf["min_loops"], max_loops=exit_conf["max_loops"],
-                           exit_threshold=exit_conf["threshold"], ignore_eos=True)
-            for i in range(num_requests)]
+    return [Request(request_id=r["request_id"], prompt_token_ids=tuple(prompts[r["prompt_index"]]),
+                    max_tokens=output_len, min_loops=exit_conf["min_loops"], max_loops=exit_conf["max_loops"],
+                    exit_threshold=exit_conf["threshold"], ignore_eos=True)
+            for r in listed]
 
 
-def engine_config(arm: dict, max_num_seqs: int, max_model_len: int, policy: str, schedule=None):
-    _, engine, _, _ = _runtime()
-    return engine.EngineConfig(
-        max_num_seqs=max_num_seqs, block_size=arm["block_size"], max_model_len=max_model_len,
-        kv_layout=arm["kv_layout"], prefix_tiles=arm["prefix_tiles"], tile_size=arm["tile_size"],
-        attention_backend=arm["attention_backend"], exit_policy=policy, schedule=schedule,
-        cuda_graphs=arm["cuda_graphs"], graph_cache_size=arm["graph_cache_size"],
-        descriptor_mode=arm["descriptor_mode"])
+def build_engine(arm: ArmSpec, model, max_num_seqs: int, max_model_len: int, policy: str, schedule=None):
+    """A fresh engine of ``arm`` (its ``engine`` factory) at one point."""
+    return engines.build_engine(arm.engine, model, arm.engine_config(max_num_seqs, max_model_len, policy, schedule))
 
 
 # --------------------------------------------------------------------------------------- one phase
 
-def begin_repeat_run(engine) -> None:
-    """Let ``engine`` run the same request ids again (the measured run after the warmup).
+def run_phase(engine, requests: list, device: dict) -> PhaseResult:
+    """Submit every request and drain; timed from the first submission to the drained outputs.
 
-    ``LoopEngine.reset_run()`` forgets finished requests and restarts the row-trace hash; graphs,
-    buffers, allocations and the cumulative stats stay (``run_phase`` takes per-run differences).
+    ``engine``: an ``Engine``; ``requests``: runtime ``Request``s; ``device``: ``machine.child_device``.
     """
-    engine.reset_run()
-
-
-def run_phase(engine, requests: list, device: dict) -> dict:
-    """Submit every request and drain; timed from the first submission to the drained outputs."""
     before = engine.stats.copy()
-    if device["kind"] == "cuda":
+    cuda = device["kind"] == "cuda"
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     gc.collect()
@@ -156,29 +120,13 @@ def run_phase(engine, requests: list, device: dict) -> dict:
         elapsed_s = time.perf_counter() - t0
     finally:
         gc.enable()
-    run = engine.stats.minus(before)
-    cuda = device["kind"] == "cuda"
-    return {
-        "elapsed_s": elapsed_s,
-        "outputs": {rid: {"token_ids": [int(t) for t in o.token_ids], "exit_depths": [int(d) for d in o.exit_depths],
-                          "finish_reason": o.finish_reason} for rid, o in sorted(outputs.items())},
-        "work": run.work(),
-        # decode-core graphs as captures/replays/fallbacks, prefill graphs under the prefill_ prefix:
-        # every "*captures" counter of a measured run must be zero.
-        "graphs": {**dataclasses.asdict(run.decode_graphs),
-                   **{f"prefill_{k}": v for k, v in dataclasses.asdict(run.prefill_graphs).items()}},
-        "memory": {"peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                   "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None},
-        "kv_blocks_used": run.peak_kv_blocks,
-        "trace_sha256": getattr(engine, "trace_sha256", None),
-    }
+    return PhaseResult(elapsed_s=elapsed_s, outputs=outputs, stats=engine.stats.minus(before),
+                       peak_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                       peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
+                       trace_sha256=engine.trace_sha256)
 
 
-# ------------------------------------------------------------------------------------------- jobs
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
+# ------------------------------------------------------------------------------------ references
 
 def reference_cache_key(material: dict, device: dict) -> str:
     """What a frozen reference depends on: inputs, runtime code, device model and torch version."""
@@ -186,103 +134,158 @@ def reference_cache_key(material: dict, device: dict) -> str:
                                         "torch": torch.__version__}).encode())
 
 
+def _cached_reference(cached: Path) -> tuple[str, dict] | None:
+    """(schedule text, meta) of a cache entry, or None when absent or damaged (recaptured, never trusted)."""
+    if not ((cached / "schedule.json").is_file() and (cached / "meta.json").is_file()):
+        return None
+    text = (cached / "schedule.json").read_text()
+    meta = json.loads((cached / "meta.json").read_text())
+    if meta.get("schedule_sha256") != sha256_bytes(text.encode()):
+        return None
+    return text, {**meta, "reused": True}
+
+
+def _capture_reference(spec: dict, model, prompts: list, point: dict, device: dict, key: str) -> tuple[str, dict]:
+    """A natural run of the reference arm at ``point``: (frozen schedule text, meta)."""
+    arm = ArmSpec.from_plain(spec["arm_config"])
+    reqs = build_requests(prompts, point["num_requests"], spec["output_len"], spec["exit"], point.get("requests"))
+    eng = build_engine(arm, model, point["max_num_seqs"], spec["max_model_len"], spec["exit"]["policy"])
+    phase = run_phase(eng, reqs, device)
+    text = eng.capture_schedule().to_json()
+    meta = {"point": point["key"], "arm": spec["arm"], "arm_config": spec["arm_config"],
+            "policy": spec["exit"]["policy"], "work": phase.work(), "graphs": phase.graphs(),
+            "elapsed_s": phase.elapsed_s, "device": device, "torch": torch.__version__,
+            "cache_key": key, "schedule_sha256": sha256_bytes(text.encode()), "reused": False}
+    return text, meta
+
+
 def capture_references(job: dict) -> None:
+    """The ``reference`` job: every point's frozen schedule and meta into ``references/`` (and the cache)."""
     bundle, spec = Path(job["bundle"]), job["spec"]
-    device = resolve_device(job)
+    device = machine.child_device(job["name"], job["device"])
     prompts = json.loads((bundle / spec["prompts_file"]).read_text())
     model = None
     cache = Path(spec["cache_dir"]) / "references"
     for point in spec["points"]:
         key = reference_cache_key({**spec["key_material"], "point": point}, device)
-        cached = cache / key
-        sched_text = meta = None
-        if spec["reuse"] and (cached / "schedule.json").is_file() and (cached / "meta.json").is_file():
-            sched_text = (cached / "schedule.json").read_text()
-            meta = json.loads((cached / "meta.json").read_text())
-            if meta.get("schedule_sha256") != sha256_bytes(sched_text.encode()):
-                sched_text = meta = None  # a damaged cache entry is recaptured, never trusted
-            else:
-                meta["reused"] = True
-                _log(f"reference {point['key']}: reused {key[:12]}")
-        if sched_text is None:
+        found = _cached_reference(cache / key) if spec["reuse"] else None
+        if found is not None:
+            _log(f"reference {point['key']}: reused {key[:12]}")
+            text, meta = found
+        else:
             if model is None:
                 model = load_model(spec["checkpoint_path"], spec["dtype"], device, spec["max_model_len"])
-            reqs = build_requests(prompts, point["num_requests"], spec["output_len"], spec["exit"])
-            _, engine_mod, _, _ = _runtime()
-            eng = engine_mod.LoopEngine(model, engine_config(spec["arm_config"], point["max_num_seqs"],
-                                                             spec["max_model_len"], spec["exit"]["policy"]))
-            phase = run_phase(eng, reqs, device)
-            sched_text = eng.capture_schedule().to_json()
-            meta = {"point": point["key"], "arm": spec["arm"], "arm_config": spec["arm_config"],
-                    "policy": spec["exit"]["policy"], "work": phase["work"], "graphs": phase["graphs"],
-                    "elapsed_s": phase["elapsed_s"], "device": device, "torch": torch.__version__,
-                    "cache_key": key, "schedule_sha256": sha256_bytes(sched_text.encode()), "reused": False}
-            cached.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cached / "schedule.json", sched_text)
-            atomic_write_json(cached / "meta.json", {**meta, "reused": False})
-            _log(f"reference {point['key']}: captured {key[:12]} in {phase['elapsed_s']:.2f}s")
-        atomic_write_text(bundle / "references" / f"{point['key']}.schedule.json", sched_text)
+            text, meta = _capture_reference(spec, model, prompts, point, device, key)
+            atomic_write_text(cache / key / "schedule.json", text)
+            atomic_write_json(cache / key / "meta.json", meta)
+            _log(f"reference {point['key']}: captured {key[:12]} in {meta['elapsed_s']:.2f}s")
+        atomic_write_text(bundle / "references" / f"{point['key']}.schedule.json", text)
         atomic_write_json(bundle / "references" / f"{point['key']}.meta.json", meta)
 
 
-def measure(job: dict) -> None:
+# ------------------------------------------------------------------------------------- measuring
+
+@dataclass(frozen=True)
+class SessionInputs:
+    """What every arm of one session shares: the model, and per point its frozen schedule and requests."""
+
+    job: dict
+    device: dict
+    config: dict                  # the plan's resolved config
+    points: dict[str, dict]       # the plan's points by key
+    max_model_len: int
+    model: object
+    frozen: dict[str, str]        # point key -> frozen schedule JSON text
+    schedules: dict[str, object]  # point key -> runtime Schedule
+    requests: dict[str, list]     # point key -> runtime Requests
+    order: tuple[OrderItem, ...]  # this device's planned order
+
+
+def load_session(job: dict) -> SessionInputs:
+    """Read the plan, load the model once, parse every point's frozen schedule and build its requests."""
+    from loopbench.runtime.schedule import Schedule
+
     bundle = Path(job["bundle"])
     plan = json.loads((bundle / "plan.json").read_text())
     cfg = plan["config"]
-    device = resolve_device(job)
-    _, engine_mod, _, schedule_mod = _runtime()
+    device = machine.child_device(job["name"], job["device"])
     prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())
     points = {p["key"]: p for p in plan["points"]}
-    max_len = plan["max_model_len"]
     _log(f"session {job['name']} on {device['label']}: loading {plan['checkpoint']['path']}")
-    model = load_model(plan["checkpoint"]["path"], cfg["model"]["dtype"], device, max_len)
-    schedules, requests, frozen = {}, {}, {}
-    for key, pt in points.items():
-        frozen[key] = (bundle / pt["reference"]["file"]).read_text()
-        schedules[key] = schedule_mod.Schedule.from_json(frozen[key])
-        requests[key] = build_requests(prompts, pt["num_requests"], cfg["workload"]["output_len"], cfg["exit"])
-    out_dir = bundle / "raw" / job["name"]
-    covered = arm_coverage(frozen, cfg["arms"], model)
-    kill_after = cfg["fault"]["kill_after_arms"]
-    done = 0
+    model = load_model(plan["checkpoint"]["path"], cfg["model"]["dtype"], device, plan["max_model_len"])
+    frozen = {key: (bundle / pt["reference"]["file"]).read_text() for key, pt in points.items()}
+    return SessionInputs(
+        job=job, device=device, config=cfg, points=points, max_model_len=plan["max_model_len"], model=model,
+        frozen=frozen, schedules={key: Schedule.from_json(text) for key, text in frozen.items()},
+        requests={key: build_requests(prompts, pt["num_requests"], cfg["workload"]["output_len"], cfg["exit"],
+                                      pt.get("requests")) for key, pt in points.items()},
+        order=tuple(map(OrderItem.from_dict, plan["order"][job["name"]])))
+
+
+def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
+    """One arm of the order: a fresh engine, its untimed warmup, its measured run; the record."""
+    pt, arm = s.points[item.point], ArmSpec.from_plain(s.config["arms"][item.arm])
+    eng = build_engine(arm, s.model, pt["max_num_seqs"], s.max_model_len, "replay", s.schedules[item.point])
+    warm = run_phase(eng, s.requests[item.point], s.device) if s.config["warmup"] else None
+    if warm is not None:
+        eng.reset_run()   # the same request ids again; graphs, buffers and cumulative stats stay
+    tele_start = telemetry.sample(s.device["gpu_index"])
+    start_unix_s = time.time()
+    meas = run_phase(eng, s.requests[item.point], s.device)
+    end_unix_s = time.time()
+    tele_end = telemetry.sample(s.device["gpu_index"])
+    del eng
+    gc.collect()
+    if s.device["kind"] == "cuda":  # the next arm starts from the same allocator state
+        torch.cuda.empty_cache()
+    output_len = s.config["workload"]["output_len"]
+    return ArmRecord(
+        job=s.job["name"], session=s.job.get("session", s.job["name"]), device=s.device, item=item,
+        max_num_seqs=pt["max_num_seqs"], num_requests=pt["num_requests"], output_len=output_len, arm_config=arm,
+        tokens_per_s=tokens_per_s(pt["num_requests"], output_len, meas.elapsed_s), warmup=warm, measured=meas,
+        coverage=covered(item.point, item.arm), telemetry_start=tele_start, telemetry_end=tele_end,
+        measured_start_unix_s=start_unix_s, measured_end_unix_s=end_unix_s)
+
+
+def measure(job: dict) -> None:
+    """The ``session`` job: every arm of this device's order (or of ``job["seqs"]``), one record each."""
+    s = load_session(job)
+    out_dir = Path(job["bundle"]) / "raw" / job["name"]
+    covered = arm_coverage(s.frozen, s.config["arms"], s.model)
+    kill_after = s.config["fault"]["kill_after_arms"]
     seqs = set(job["seqs"]) if job.get("seqs") is not None else None
-    for item in plan["order"][job["name"]]:
-        if seqs is not None and item["seq"] not in seqs:
+    done = 0
+    for item in s.order:
+        if seqs is not None and item.seq not in seqs:
             continue
         _exit_if_orphaned()
         if kill_after is not None and done >= kill_after:
             _log(f"fault.kill_after_arms={kill_after}: SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)
-        pt, arm = points[item["point"]], cfg["arms"][item["arm"]]
-        eng = engine_mod.LoopEngine(model, engine_config(arm, pt["max_num_seqs"], max_len, "replay",
-                                                         schedules[item["point"]]))
-        warm = run_phase(eng, requests[item["point"]], device) if cfg["warmup"] else None
-        if warm is not None:
-            begin_repeat_run(eng)
-        tele_start = telemetry.sample(device["gpu_index"])
-        start_unix_s = time.time()
-        meas = run_phase(eng, requests[item["point"]], device)
-        end_unix_s = time.time()
-        tele_end = telemetry.sample(device["gpu_index"])
-        del eng
-        gc.collect()
-        if device["kind"] == "cuda":  # the next arm starts from the same allocator state
-            torch.cuda.empty_cache()
-        rec = {"schema": RECORD_SCHEMA, "job": job["name"], "session": job.get("session", job["name"]),
-               "device": device, "seq": item["seq"],
-               "point": item["point"], "max_num_seqs": pt["max_num_seqs"], "num_requests": pt["num_requests"],
-               "output_len": cfg["workload"]["output_len"], "comparison": item["comparison"], "pair": item["pair"],
-               "position": item["position"], "slot": item["slot"], "arm": item["arm"], "arm_config": arm,
-               "tokens_per_s": tokens_per_s(pt["num_requests"], cfg["workload"]["output_len"], meas["elapsed_s"]),
-               "warmup": warm, "measured": meas, "coverage": covered(item["point"], item["arm"]),
-               "telemetry": {"start": tele_start, "end": tele_end},
-               "wall_clock": {"measured_start_unix_s": start_unix_s, "measured_end_unix_s": end_unix_s}}
-        name = f"{item['seq']:05d}-{item['point']}-{item['comparison']}-p{item['pair']}-{item['position']}.json"
-        atomic_write_json(out_dir / name, rec)
+        rec = measure_arm(s, item, covered)
+        atomic_write_json(out_dir / item.file_name, rec.to_dict())
         done += 1
-        _log(f"{item['seq']:4d} {item['point']} {item['comparison']} pair {item['pair']} {item['position']:9s} "
-             f"{item['arm']:>14s}: {meas['elapsed_s']:.4f}s {rec['tokens_per_s']:.1f} tok/s")
+        _log(f"{item.seq:4d} {item.point} {item.comparison} pair {item.pair} {item.position:9s} "
+             f"{item.arm:>14s}: {rec.measured.elapsed_s:.4f}s {rec.tokens_per_s:.1f} tok/s")
 
+
+def arm_coverage(frozen: dict[str, str], arms: dict, model):
+    """``(point, arm) -> coverage counts`` (harness/coverage.py) of replaying the point's frozen schedule.
+
+    ``frozen`` maps a point key to its schedule's JSON text; ``model`` gives the number of planes
+    (``cfg.total_ut_steps``). Pure host arithmetic, computed once per (point, arm) when the first record
+    asks, i.e. after that arm's measured run and outside its timer.
+    """
+    cache: dict[tuple[str, str], dict] = {}
+
+    def covered(point: str, arm: str) -> dict:
+        if (point, arm) not in cache:
+            cache[point, arm] = coverage.derive(json.loads(frozen[point]), arms[arm], model.cfg.total_ut_steps)
+        return cache[point, arm]
+    return covered
+
+
+# ------------------------------------------------------------------------------ process control
 
 def _exit_with_controller() -> None:
     """Linux: have the kernel SIGTERM this child when the controller that started it dies (prctl
@@ -315,24 +318,6 @@ def _hold_jobs_lock(bundle: Path) -> int:
         _log(f"{bundle} is being finished or resumed by another process: not starting")
         raise SystemExit(1)
     return fd
-
-
-def arm_coverage(frozen: dict[str, str], arms: dict, model):
-    """``(point, arm) -> coverage counts`` (harness/coverage.py) of replaying the point's frozen schedule.
-
-    ``frozen`` maps a point key to its schedule's JSON text; ``model`` gives the number of planes
-    (``cfg.total_ut_steps``). Pure host arithmetic, computed once per (point, arm) when the first record
-    asks, i.e. after that arm's measured run and outside its timer.
-    """
-    from . import coverage
-
-    cache: dict[tuple[str, str], dict] = {}
-
-    def covered(point: str, arm: str) -> dict:
-        if (point, arm) not in cache:
-            cache[point, arm] = coverage.derive(json.loads(frozen[point]), arms[arm], model.cfg.total_ut_steps)
-        return cache[point, arm]
-    return covered
 
 
 def run_job(job_path: str) -> int:

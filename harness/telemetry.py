@@ -30,11 +30,6 @@ def _try(fn: Callable[[], Any]) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def gpu_count() -> int:
-    nv = _nvml()
-    return (_try(nv.nvmlDeviceGetCount) or 0) if nv else 0
-
-
 def _handle(index: int) -> tuple[Any, Any] | None:
     """(the NVML module, the handle of physical GPU ``index``), or None without NVML or that GPU."""
     nv = _nvml()

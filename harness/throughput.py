@@ -16,14 +16,17 @@ from pathlib import Path
 
 import torch
 
+from loopbench.runtime.api import Request
 from loopbench.runtime.checkpoint import load_checkpoint
-from loopbench.runtime.api import EngineConfig, Request
 from loopbench.runtime.engine import LoopEngine
 from loopbench.runtime.model import OuroModel
+
 from .fixtures import write_calibrated_checkpoint
+from .records import ArmSpec
+from .spec import max_model_len
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cache = os.path.join(os.path.expanduser(os.environ.get("LOOPBENCH_CACHE", "~/.cache/loopbench")), "checkpoints")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,7 +42,11 @@ def main(argv=None) -> int:
                     help="attention backend (default: triton on CUDA, torch on the CPU)")
     ap.add_argument("--no-graphs", action="store_true", help="run eagerly (graphs need CUDA and triton)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warmup")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
+    """The checkpoint (a synthetic one is written once) as a model: bf16 on CUDA, fp32 on the CPU."""
     path = Path(args.checkpoint) if args.checkpoint else Path(args.cache) / f"{args.preset}-seed0-bfloat16-calibrated"
     if not (path / "config.json").exists():
         t0 = time.perf_counter()
@@ -47,23 +54,27 @@ def main(argv=None) -> int:
         print(f"wrote {path} in {time.perf_counter() - t0:.1f}s")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg, tensors = load_checkpoint(path, dtype=dtype)  # a release may mix dtypes (fp32 norms): cast on load
-    model = OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype,
-                                   rope_len=args.prompt_len + args.output_len)
-    del tensors
+    return OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    max_len = max_model_len(args.prompt_len, args.output_len)
+    model = load(args, device, max_len)
     g = torch.Generator().manual_seed(0)
-    reqs = [Request(f"r{i}", torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(),
+    reqs = [Request(f"r{i}", torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist(),
                     args.output_len, min_loops=2, max_loops=4, exit_threshold=0.5)
             for i in range(args.num_requests)]
-    arm = dict(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix")
-    common = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.output_len,
+    arm = ArmSpec(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix",
                   attention_backend=args.backend,
                   cuda_graphs=not args.no_graphs and device == "cuda" and args.backend == "triton")
-    natural = LoopEngine(model, EngineConfig(exit_policy="ouro_delayed", **common, **arm))
+    natural = LoopEngine(model, arm.engine_config(args.max_num_seqs, max_len, "ouro_delayed"))
     for r in reqs:
         natural.add_request(r)
     natural.run()
     schedule = natural.capture_schedule()
-    eng = LoopEngine(model, EngineConfig(exit_policy="replay", schedule=schedule, **common, **arm))
+    eng = LoopEngine(model, arm.engine_config(args.max_num_seqs, max_len, "replay", schedule))
     for i in range(args.repeats + 1):
         if i:
             eng.reset_run()

@@ -2,7 +2,7 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from loopbench.harness import conf
+from loopbench.harness import conf, spec
 
 
 def _error_text(exc: BaseException) -> str:
@@ -14,14 +14,15 @@ def _error_text(exc: BaseException) -> str:
 
 
 def test_presets_compose_and_validate():
-    smoke = conf.validate(conf.compose("cpu-smoke"))
+    smoke = conf.validate(conf.compose("cpu-smoke")).to_plain()
     assert smoke["model"]["preset"] == "tiny" and smoke["pairs"] == 3
     # first-alias positions at the last key of a 32-position tile (31, 63), at a tile start and past it
     assert smoke["workload"]["prompt_len"] is None and smoke["workload"]["prompt_lens"] == [31, 32, 63, 33]
     assert smoke["exit"] == {"policy": "ouro", "threshold": 0.55, "min_loops": 1, "max_loops": 4}  # depth-1 exits
     assert [c["name"] for c in smoke["comparisons"]] == [
         "native_vs_alias_prefix", "alias_vs_alias_prefix", "native_vs_native"]
-    big = conf.validate(conf.compose("ouro-1.4b"))
+    big_spec = conf.validate(conf.compose("ouro-1.4b"))
+    big = big_spec.to_plain()
     assert big["model"] == {"preset": "ouro-1.4b", "checkpoint": None, "dtype": "bfloat16", "seed": 0}
     assert [(p["max_num_seqs"], p["num_requests"]) for p in big["points"]] == [(16, 32), (32, 64)]
     assert (big["workload"]["prompt_len"], big["workload"]["output_len"], big["pairs"]) == (128, 128, 7)
@@ -30,7 +31,8 @@ def test_presets_compose_and_validate():
     assert all(a["attention_backend"] == "triton" and a["cuda_graphs"] for a in big["arms"].values())
     assert [(c["baseline"], c["candidate"]) for c in big["comparisons"]] == [
         ("native", "alias_prefix"), ("alias", "alias_prefix")]
-    assert conf.reference_arm(big) == "native"
+    assert big_spec.reference == "native"
+    assert {a["engine"] for a in big["arms"].values()} == {"loopbench.runtime.engine:LoopEngine"}  # the default
 
 
 @pytest.mark.parametrize("override, key", [
@@ -83,25 +85,25 @@ def test_config_that_does_not_fit_the_model_fails_naming_the_keys(override, keys
     from loopbench.runtime.model import PRESETS
 
     extra = ["workload.prompt_lens=null"] if "prompt_len=" in override else ["workload.prompt_len=null"]
-    plain = conf.validate(conf.compose("cpu-smoke", [override, *extra]))
-    longest = plain["workload"]["prompt_len"] or max(plain["workload"]["prompt_lens"])
+    checked = conf.validate(conf.compose("cpu-smoke", [override, *extra]))
+    longest = checked.workload.prompt_len or max(checked.workload.prompt_lens)
     with pytest.raises(ValueError) as err:
-        conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), longest)
+        spec.check_fits_model(checked, PRESETS["tiny"].to_dict(), longest)
     assert all(k in str(err.value) for k in keys), str(err.value)
 
 
 def test_config_at_the_model_limits_fits():
     from loopbench.runtime.model import PRESETS
 
-    plain = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=993", "workload.prompt_lens=null",
-                                                     "exit.max_loops=4"]))
-    conf.check_fits_model(plain, PRESETS["tiny"].to_dict(), 993)   # 993 + 32 - 1 = 1024 positions
+    checked = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=993", "workload.prompt_lens=null",
+                                                       "exit.max_loops=4"]))
+    spec.check_fits_model(checked, PRESETS["tiny"].to_dict(), 993)   # 993 + 32 - 1 = 1024 positions
 
 
 def test_overrides_and_list_replacement():
     plain = conf.validate(conf.compose("cpu-smoke", [
         "pairs=5", "points=[{max_num_seqs:2,num_requests:3}]",
-        "comparisons=[{baseline:alias_prefix,candidate:alias_prefix,name:aa}]", "arms.native.block_size=32"]))
+        "comparisons=[{baseline:alias_prefix,candidate:alias_prefix,name:aa}]", "arms.native.block_size=32"])).to_plain()
     assert plain["pairs"] == 5 and plain["points"] == [{"max_num_seqs": 2, "num_requests": 3}]
     assert plain["comparisons"] == [{"baseline": "alias_prefix", "candidate": "alias_prefix", "name": "aa"}]
     assert plain["arms"]["native"]["block_size"] == 32
@@ -115,6 +117,7 @@ def test_overrides_and_list_replacement():
     ("workload.prompt_len=1000", r"workload.prompt_len \(1000\) \+ workload.output_len \(32\) - 1 = 1031 positions"),
     ("arms.alias.cuda_graphs=true", "arms.alias.cuda_graphs = true needs a CUDA device"),
     ("workload.prompt_lens=[4,0]", r"workload.prompt_lens\[1\] must be a positive integer, got 0"),
+    ("arms.alias.engine=nomodule_xyz:make_engine", r"arms.alias.engine = 'nomodule_xyz:make_engine' names no engine"),
 ])
 def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, override, match):
     from loopbench.harness import controller
@@ -125,3 +128,40 @@ def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, overr
     with pytest.raises(ValueError, match=match):
         controller.run(cfg)
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
+
+
+def test_validate_returns_a_frozen_spec_and_leaves_its_input_alone():
+    import copy
+    import dataclasses
+
+    plain = conf.to_plain(conf.compose("cpu-smoke"))
+    before = copy.deepcopy(plain)
+    checked = conf.validate(plain)
+    assert plain == before                                   # the default comparison names are not filled in
+    assert [c.name for c in checked.comparisons][0] == "native_vs_alias_prefix"
+    assert checked.SCHEMA_VERSION == 1 and checked.arms["native"].SCHEMA_VERSION == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checked.pairs = 9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checked.arms["native"].kv_layout = "alias"
+    assert conf.validate(checked.to_plain()) == checked      # to_plain is the plan's config; it reads back
+
+
+@pytest.mark.parametrize("value, words", [
+    ("nomodule_xyz:make_engine", "module 'nomodule_xyz' cannot be imported"),
+    ("loopbench.runtime.engine:NoSuchFactory", "has no callable 'NoSuchFactory'"),
+    ("loopbench.runtime.engine", "is not an import path"),
+])
+def test_bad_engine_path_fails_naming_the_arm_and_the_value(value, words):
+    with pytest.raises(ValueError) as err:
+        conf.validate(conf.compose("cpu-smoke", [f"arms.alias.engine={value}"]))
+    assert f"arms.alias.engine = {value!r}" in str(err.value) and words in str(err.value)
+
+
+def test_arm_spec_maps_onto_one_engine_config():
+    from loopbench.runtime.api import EngineConfig
+
+    arm = conf.validate(conf.compose("cpu-smoke")).arms["alias_prefix"]
+    cfg = arm.engine_config(4, 96, "ouro")
+    assert cfg == EngineConfig(max_num_seqs=4, max_model_len=96, exit_policy="ouro", kv_layout="alias",
+                               prefix_tiles=True, attention_backend="torch", cuda_graphs=False)

@@ -1,4 +1,5 @@
 """The controller: frozen plan and order, killed and timed-out children, submitit, reference reuse."""
+import dataclasses
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import pandas as pd
 import pytest
 
 from loopbench.audit.auditor import audit
-from loopbench.harness import conf, controller
+from loopbench.harness import conf, controller, identity, inputs, plan as plan_mod
 
 REPO = Path(__file__).resolve().parents[2]
 MINI = ["name=ctl", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9", "workload.prompt_lens=null",
@@ -32,9 +33,13 @@ def run(tmp_path, cache, *extra):
 
 @pytest.mark.parametrize("pairs", [1, 2, 7, 10])
 def test_measurement_order_is_balanced_interleaved_and_seeded(pairs):
-    plain = conf.validate(conf.compose("cpu-smoke", [f"pairs={pairs}"]))
-    points = [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p} for p in plain["points"]]
-    order = controller.measurement_order(plain, points)
+    checked = conf.validate(conf.compose("cpu-smoke", [f"pairs={pairs}"]))
+    plain = checked.to_plain()
+    points = plan_mod.point_entries(checked)
+    assert points == [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p,
+                       "requests": [{"request_id": f"r{i:04d}", "prompt_index": i} for i in range(p["num_requests"])]}
+                      for p in plain["points"]]
+    order = [o.to_dict() for o in plan_mod.measurement_order(checked)]
     assert [o["seq"] for o in order] == list(range(len(order)))
     assert len(order) == len(points) * len(plain["comparisons"]) * pairs * 2
     firsts = Counter((o["point"], o["comparison"], o["position"]) for o in order if o["slot"] == 0)
@@ -48,14 +53,15 @@ def test_measurement_order_is_balanced_interleaved_and_seeded(pairs):
     # pair i of every comparison runs before pair i + 1 of any comparison of the same point
     pt0 = [o for o in order if o["point"] == points[0]["key"]]
     assert [o["pair"] for o in pt0] == sorted(o["pair"] for o in pt0)
-    assert order == controller.measurement_order(plain, points)
-    assert order != controller.measurement_order({**plain, "order_seed": 1}, points) or pairs == 1
+    assert order == [o.to_dict() for o in plan_mod.measurement_order(checked)]
+    reseeded = dataclasses.replace(checked, order_seed=1)
+    assert order != [o.to_dict() for o in plan_mod.measurement_order(reseeded)] or pairs == 1
 
 
 def test_plan_is_frozen_with_hashes(tmp_path, cache, monkeypatch):
     # Fix the code identity: in a shared checkout another engineer's edit would (rightly) change the key.
-    ident = controller.code_identity()
-    monkeypatch.setattr(controller, "code_identity", lambda: ident)
+    ident = identity.code_identity()
+    monkeypatch.setattr(inputs, "code_identity", lambda: ident)
     result = run(tmp_path, cache)
     plan = json.loads((result.bundle / "plan.json").read_text())
     assert plan["config_sha256"] and plan["checkpoint"]["sha256"] and plan["prompts"]["sha256"]
@@ -145,27 +151,28 @@ def test_submitit_local_executor(tmp_path, cache):
 
 
 def test_prompt_files(tmp_path):
-    plain = conf.validate(conf.compose("cpu-smoke", ["points=[{max_num_seqs:2,num_requests:2}]"]))
+    checked = conf.validate(conf.compose("cpu-smoke", ["points=[{max_num_seqs:2,num_requests:2}]"]))
+
+    def reading(path):
+        return dataclasses.replace(checked, workload=dataclasses.replace(checked.workload, prompts_file=str(path)))
+
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('[1, 2, 3]\n{"prompt_token_ids": [4, 5]}\n[6]\n')
-    plain["workload"]["prompts_file"] = str(jsonl)
-    assert controller.make_prompts(plain, 256) == [[1, 2, 3], [4, 5]]
+    assert inputs.make_prompts(reading(jsonl), 256) == [[1, 2, 3], [4, 5]]
     pq = tmp_path / "p.parquet"
     pd.DataFrame({"prompt_token_ids": [[7, 8], [9, 10, 11]]}).to_parquet(pq)
-    plain["workload"]["prompts_file"] = str(pq)
-    assert controller.make_prompts(plain, 256) == [[7, 8], [9, 10, 11]]
+    assert inputs.make_prompts(reading(pq), 256) == [[7, 8], [9, 10, 11]]
     with pytest.raises(ValueError, match="prompt 1 has token id 10 outside"):
-        controller.make_prompts(plain, 10)
+        inputs.make_prompts(reading(pq), 10)
     jsonl.write_text('[1, "a"]\n')
-    plain["workload"]["prompts_file"] = str(jsonl)
     with pytest.raises(ValueError, match="p.jsonl:1"):
-        controller.make_prompts(plain, 256)
+        inputs.make_prompts(reading(jsonl), 256)
     seeded = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=33", "workload.prompt_lens=null"]))
-    a = controller.make_prompts(seeded, 256)
-    assert len(a) == 8 and {len(p) for p in a} == {33} and a == controller.make_prompts(seeded, 256)
+    a = inputs.make_prompts(seeded, 256)
+    assert len(a) == 8 and {len(p) for p in a} == {33} and a == inputs.make_prompts(seeded, 256)
     mixed = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_lens=[3,5]"]))
-    b = controller.make_prompts(mixed, 256)
-    assert [len(p) for p in b] == [3, 5] * 4 and b == controller.make_prompts(mixed, 256)
+    b = inputs.make_prompts(mixed, 256)
+    assert [len(p) for p in b] == [3, 5] * 4 and b == inputs.make_prompts(mixed, 256)
 
 
 def test_failed_reference_capture_measures_nothing_and_is_incomplete(tmp_path, cache):
@@ -210,13 +217,13 @@ def test_project_inside_another_repository_does_not_record_that_repositorys_sha(
     proj = _copy_sources(outer / "vendor" / "loopbench", ("loopbench", "runtime", "harness", "kernels", "audit"))
     env = {k: v for k, v in os.environ.items() if k != "LOOPBENCH_GIT_SHA"}
     env["PYTHONPATH"] = str(proj)
-    proc = subprocess.run([sys.executable, "-c", "import json; from loopbench.harness.controller import code_identity; "
+    proc = subprocess.run([sys.executable, "-c", "import json; from loopbench.harness.identity import code_identity; "
                            "print(json.dumps(code_identity()))"], cwd=proj, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     ident = json.loads(proc.stdout)
     assert outer_sha not in proc.stdout
     assert ident["git_sha"] is None and ident["git_dirty"] is None and ident["git_sha_source"] is None
-    assert ident["code_sha256"] == controller.code_identity(REPO)["code_sha256"]   # the same sources, hashed
+    assert ident["code_sha256"] == identity.code_identity(REPO)["code_sha256"]   # the same sources, hashed
 
 
 def test_project_in_another_repository_takes_the_named_sha_and_checks_it(tmp_path, monkeypatch):
@@ -225,15 +232,15 @@ def test_project_in_another_repository_takes_the_named_sha_and_checks_it(tmp_pat
     proj = _copy_sources(outer / "sub")
     named = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("LOOPBENCH_GIT_SHA", named.upper())
-    ident = controller.code_identity(proj)
+    ident = identity.code_identity(proj)
     assert ident["git_sha"] == named != outer_sha
     assert ident["git_dirty"] is None and ident["git_sha_source"] == "LOOPBENCH_GIT_SHA"
     monkeypatch.setenv("LOOPBENCH_GIT_SHA", "0123abc")     # a short SHA is a SHA
-    assert controller.code_identity(proj)["git_sha"] == "0123abc"
+    assert identity.code_identity(proj)["git_sha"] == "0123abc"
     for bad in ("", "unknown", "main", "012345", "g123456789", "12345 678"):
         monkeypatch.setenv("LOOPBENCH_GIT_SHA", bad)
         with pytest.raises(ValueError, match=f"LOOPBENCH_GIT_SHA = {bad!r} is not a git commit SHA"):
-            controller.code_identity(proj)
+            identity.code_identity(proj)
 
 
 def test_named_sha_outranks_a_stale_own_repository_and_keeps_what_git_saw(tmp_path, monkeypatch):
@@ -244,7 +251,7 @@ def test_named_sha_outranks_a_stale_own_repository_and_keeps_what_git_saw(tmp_pa
     (proj / "harness" / "stats.py").write_text("# newer than the stale HEAD\n")
     named = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("LOOPBENCH_GIT_SHA", named)
-    ident = controller.code_identity(proj)
+    ident = identity.code_identity(proj)
     assert (ident["git_sha"], ident["git_dirty"], ident["git_sha_source"]) == (named, None, "LOOPBENCH_GIT_SHA")
     assert (ident["git_head_observed"], ident["git_dirty_observed"]) == (stale, True)
 
@@ -253,15 +260,15 @@ def test_projects_own_repository_clone_symlink_and_worktree_record_their_sha(tmp
     proj = _copy_sources(tmp_path / "proj")
     sha = _repo_with_one_commit(proj)
     monkeypatch.setenv("LOOPBENCH_GIT_SHA", sha[:9].upper())   # naming the repository's own HEAD: git's answer
-    ident = controller.code_identity(proj)
+    ident = identity.code_identity(proj)
     assert (ident["git_sha"], ident["git_dirty"], ident["git_sha_source"]) == (sha, False, "git")
     assert "git_head_observed" not in ident
     monkeypatch.delenv("LOOPBENCH_GIT_SHA")
     link = tmp_path / "link"
     link.symlink_to(proj, target_is_directory=True)
-    assert controller.code_identity(link)["git_sha"] == sha
+    assert identity.code_identity(link)["git_sha"] == sha
     (proj / "harness" / "stats.py").write_text("# edited\n")
-    assert controller.code_identity(proj)["git_dirty"] is True
+    assert identity.code_identity(proj)["git_dirty"] is True
     _git(proj, "checkout", "-q", "--", "harness/stats.py")
     # a `git worktree`: .git is a file there, and the worktree's own HEAD is recorded
     wt = tmp_path / "wt"
@@ -270,6 +277,6 @@ def test_projects_own_repository_clone_symlink_and_worktree_record_their_sha(tmp
     _git(wt, "add", "NOTES")
     _git(wt, "commit", "-qm", "second")
     assert (wt / ".git").is_file()
-    ident = controller.code_identity(wt)
+    ident = identity.code_identity(wt)
     assert ident["git_sha"] == _git(wt, "rev-parse", "HEAD") != sha
     assert (ident["git_dirty"], ident["git_sha_source"]) == (False, "git")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from loopbench.audit import coverage as audit_coverage
-from loopbench.harness import checker, conf, controller, coverage, session
+from loopbench.harness import checker, conf, coverage, inputs, session, spec
 from loopbench.runtime import attention
 from loopbench.harness.fixtures import write_synthetic_checkpoint
 from loopbench.runtime.api import EngineConfig, Request
@@ -32,7 +32,7 @@ ARMS = {"native": {"kv_layout": "native", "prefix_tiles": False, "tile_size": 8,
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """One intra-op thread, as the CPU sessions run: the arms are tiny, and OpenMP threads spinning for
-    cores that other processes hold make them many times slower (session.resolve_device)."""
+    cores that other processes hold make them many times slower (machine.child_device)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -230,24 +230,24 @@ def test_cpu_smoke_workload_catches_alias_readers_that_break_only_at_tile_bounda
     """Each mutant, run on cpu-smoke's own points and frozen schedules, changes some output token of an
     alias arm's replay against the clean reader's (so the bench's checker sees a token differ from the
     frozen reference). On the seed-like workload of main (P33, ouro_delayed) neither changes any."""
-    plain = conf.validate(conf.compose("cpu-smoke"))
-    ckpt = controller.prepare_checkpoint(plain, tmp_path / "cache")
-    prompts = controller.make_prompts(plain, ckpt["model_config"]["vocab_size"])
-    max_len = max(map(len, prompts)) + plain["workload"]["output_len"] - 1
-    model = session.load_model(ckpt["path"], plain["model"]["dtype"], CPU, max_len)
+    checked = conf.validate(conf.compose("cpu-smoke"))
+    plain = checked.to_plain()
+    ckpt = inputs.prepare_checkpoint(checked, tmp_path / "cache")
+    prompts = inputs.make_prompts(checked, ckpt["model_config"]["vocab_size"])
+    max_len = spec.max_model_len(max(map(len, prompts)), checked.workload.output_len)
+    model = session.load_model(ckpt["path"], checked.model.dtype, CPU, max_len)
     caught = {"tile": 0, "depth1": 0}
     for point in plain["points"]:
         reqs = session.build_requests(prompts, point["num_requests"], plain["workload"]["output_len"], plain["exit"])
-        natural = LoopEngine(model, session.engine_config(plain["arms"]["native"], point["max_num_seqs"], max_len,
-                                                          plain["exit"]["policy"]))
+        natural = LoopEngine(model, checked.arms["native"].engine_config(point["max_num_seqs"], max_len,
+                                                                         checked.exit.policy))
         for r in reqs:
             natural.add_request(r)
         natural.run()
         frozen = natural.capture_schedule()
 
         def replay(arm: str):
-            eng = LoopEngine(model, session.engine_config(plain["arms"][arm], point["max_num_seqs"], max_len,
-                                                          "replay", frozen))
+            eng = LoopEngine(model, checked.arms[arm].engine_config(point["max_num_seqs"], max_len, "replay", frozen))
             for r in reqs:
                 eng.add_request(r)
             return {rid: o.token_ids for rid, o in eng.run().items()}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loopbench.audit.auditor import audit
-from loopbench.harness import conf, controller
+from loopbench.harness import conf, controller, executors, identity, inputs
 
 REPO = Path(__file__).resolve().parents[2]
 # 12 arms of a tiny model: long enough that a signal after the second record finds the session measuring
@@ -258,7 +258,7 @@ def test_auditor_checks_which_session_measured_which_pair(resumed, tmp_path, tam
 
 def test_signals_become_a_stop_request_while_children_run():
     before = signal.getsignal(signal.SIGINT)
-    with controller.StopSignals() as stop:
+    with executors.StopSignals() as stop:
         assert stop() is None
         os.kill(os.getpid(), signal.SIGINT)    # Ctrl-C: no KeyboardInterrupt, a request the executor polls
         os.kill(os.getpid(), signal.SIGTERM)   # a second signal does not replace the first
@@ -279,8 +279,8 @@ def test_resume_refuses_a_different_plan_naming_what_differs(stopped, dirs, tmp_
     bundle = _copy(stopped["bundle"], tmp_path / "b")
     before = _tree(bundle)
     if override is None:   # the runtime sources changed since the bundle was planned
-        ident = controller.code_identity()
-        monkeypatch.setattr(controller, "code_identity", lambda: {**ident, "code_sha256": "0" * 64})
+        ident = identity.code_identity()
+        monkeypatch.setattr(inputs, "code_identity", lambda: {**ident, "code_sha256": "0" * 64})
     with pytest.raises(ValueError, match="this run differs from its plan in") as err:
         _resume(dirs, bundle, *([override] if override else []))
     assert named in str(err.value)

@@ -1,16 +1,18 @@
 """Sessions against the runtime: a captured reference replays exactly, twice on one engine."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from loopbench.harness import session
+from loopbench.harness import machine, session
 from loopbench.harness.fixtures import write_synthetic_checkpoint
+from loopbench.harness.records import ArmSpec
 
 CPU = {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": "cpu", "uuid": None}
 EXIT = {"policy": "ouro_delayed", "threshold": 0.5, "min_loops": 2, "max_loops": 4}
-ARM = {"kv_layout": "native", "prefix_tiles": False, "attention_backend": "torch", "cuda_graphs": False,
-       "graph_cache_size": 16, "descriptor_mode": "h2d", "block_size": 16, "tile_size": 32}
+ARM = ArmSpec(kv_layout="native", prefix_tiles=False, attention_backend="torch", cuda_graphs=False,
+              graph_cache_size=16, descriptor_mode="h2d", block_size=16, tile_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +28,17 @@ def test_reference_replays_exactly_in_warmup_and_measured_runs(model):
     prompts = torch.randint(0, 256, (5, 33), generator=g).tolist()
     reqs = session.build_requests(prompts, 5, 8, EXIT)
     assert [r.request_id for r in reqs] == ["r0000", "r0001", "r0002", "r0003", "r0004"]
-    natural = LoopEngine(model, session.engine_config(ARM, 3, 64, "ouro_delayed"))
-    ref = session.run_phase(natural, reqs, CPU)
+    natural = session.build_engine(ARM, model, 3, 64, "ouro_delayed")
+    assert isinstance(natural, LoopEngine)        # the default engine
+    ref = session.run_phase(natural, reqs, CPU).to_dict()
     schedule = natural.capture_schedule()
     assert ref["elapsed_s"] > 0 and ref["memory"]["peak_allocated_bytes"] is None
     assert {len(o["token_ids"]) for o in ref["outputs"].values()} == {8}
-    for arm in (ARM, {**ARM, "kv_layout": "alias"}, {**ARM, "kv_layout": "alias", "prefix_tiles": True}):
-        eng = LoopEngine(model, session.engine_config(arm, 3, 64, "replay", schedule))
-        warm = session.run_phase(eng, reqs, CPU)
-        session.begin_repeat_run(eng)
-        meas = session.run_phase(eng, reqs, CPU)
+    for arm in (ARM, replace(ARM, kv_layout="alias"), replace(ARM, kv_layout="alias", prefix_tiles=True)):
+        eng = session.build_engine(arm, model, 3, 64, "replay", schedule)
+        warm = session.run_phase(eng, reqs, CPU).to_dict()
+        eng.reset_run()
+        meas = session.run_phase(eng, reqs, CPU).to_dict()
         for run in (warm, meas):
             assert run["outputs"] == ref["outputs"]
             assert run["work"] == ref["work"]           # per-run counters, not the engine's running totals
@@ -46,7 +49,7 @@ def test_reference_replays_exactly_in_warmup_and_measured_runs(model):
 def test_cpu_device_and_thread_setting():
     threads = torch.get_num_threads()
     try:
-        dev = session.resolve_device({"name": "cpu0", "device": {"kind": "cpu", "gpu_index": None, "cpu_threads": 1}})
+        dev = machine.child_device("cpu0", {"kind": "cpu", "gpu_index": None, "cpu_threads": 1})
         assert dev["label"] == "cpu" and dev["gpu_index"] is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
@@ -95,21 +98,25 @@ class _FakeDevice:
         self.events.append(("sync", self.now))
 
 
-def _fake_runtime(dev: _FakeDevice):
+def _fake_engine(dev: _FakeDevice):
+    """An ``Engine`` (runtime/api.py) whose every call is an event on ``dev``, built by a factory."""
     from types import SimpleNamespace
 
     from loopbench.runtime.api import EngineStats
 
-    class LoopEngine:
+    class FakeEngine:
         def __init__(self, model, config):
             dev.now += dev.CONSTRUCT_S
             dev.events.append(("construct", dev.now))
-            self.queue, self.finished = [], set()
+            self.queue = []
             self.stats, self.trace_sha256 = EngineStats(rows_per_depth=[0, 0]), "t"
 
         def add_request(self, req):
             dev.events.append(("submit", dev.now))
             self.queue.append(req)
+
+        def abort(self, request_id):
+            raise AssertionError("the session never aborts")
 
         def run(self):
             for _ in range(len(self.queue) + 1):       # prefill, then one decode step per request
@@ -123,13 +130,13 @@ def _fake_runtime(dev: _FakeDevice):
             self.queue = []
             return out
 
+        def capture_schedule(self):
+            raise NotImplementedError
+
         def reset_run(self):
             dev.events.append(("reset", dev.now))
 
-    engine = SimpleNamespace(LoopEngine=LoopEngine, EngineConfig=lambda **kw: kw,
-                             Request=lambda **kw: SimpleNamespace(**kw))
-    schedule = SimpleNamespace(Schedule=SimpleNamespace(from_json=lambda text: text))
-    return lambda: (None, engine, None, schedule)
+    return FakeEngine
 
 
 def _phases(events: list) -> list[list[str]]:
@@ -144,11 +151,14 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
     phase's elapsed_s is exactly its steps' device seconds, construction lies outside every timed region,
     the device is synchronised before the stop clock, and the record's wall-clock span encloses it."""
     dev = _FakeDevice()
-    monkeypatch.setattr(session, "_runtime", _fake_runtime(dev))
+    from loopbench.runtime.schedule import Schedule
+
+    fake = _fake_engine(dev)
+    monkeypatch.setattr(session.engines, "load_factory", lambda path: fake if path == "test:fake" else None)
     monkeypatch.setattr(session, "load_model", lambda *a: None)
     monkeypatch.setattr(session, "arm_coverage", lambda *a: lambda point, arm: {})   # a fake schedule has no rows
-    monkeypatch.setattr(session, "resolve_device", lambda job: {**CPU, "kind": "cuda", "torch": "cuda:0",
-                                                                "gpu_index": 0, "label": "GPU #0"})
+    monkeypatch.setattr(session.machine, "child_device", lambda name, device: {
+        **CPU, "kind": "cuda", "torch": "cuda:0", "gpu_index": 0, "label": "GPU #0"})
     monkeypatch.setattr(session.telemetry, "sample", lambda index: None)
     monkeypatch.setattr(session.time, "perf_counter", dev.perf_counter)
     monkeypatch.setattr(session.time, "time", dev.wall)
@@ -158,11 +168,12 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
     for name in ("max_memory_allocated", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
     (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3]] * 3))
-    (tmp_path / "ref.json").write_text("{}")
+    (tmp_path / "ref.json").write_text(Schedule(version=Schedule.FORMAT_VERSION, max_num_seqs=2, admission_order=(),
+                                                requests=(), num_steps=0, trace_sha256="t").to_json())
     item = {"seq": 0, "point": "B2C3", "comparison": "c", "pair": 0, "position": "baseline", "slot": 0,
             "arm": "native"}
     plan = {"config": {"model": {"dtype": "float32"}, "workload": {"output_len": 4}, "exit": EXIT,
-                       "arms": {"native": ARM}, "warmup": True, "fault": {"kill_after_arms": None}},
+                       "arms": {"native": replace(ARM, engine="test:fake").to_plain()}, "warmup": True, "fault": {"kill_after_arms": None}},
             "prompts": {"file": "prompts.json"}, "max_model_len": 8, "checkpoint": {"path": "unused"},
             "points": [{"key": "B2C3", "max_num_seqs": 2, "num_requests": 3, "reference": {"file": "ref.json"}}],
             "order": {"gpu0": [item, {**item, "seq": 1, "position": "candidate", "slot": 1}]}}

@@ -1,0 +1,46 @@
+"""Which engine an arm runs: an import path ``"package.module:factory"`` resolved to its factory.
+
+The session drives every engine only through the ``Engine`` protocol (runtime/api.py); an arm's
+``engine`` key names the factory that builds one, ``factory(model, config: EngineConfig) -> Engine``.
+Ours is the default (``loopbench.runtime.engine:LoopEngine``); the naive reference generator behind the
+same protocol is ``loopbench.runtime.reference:make_engine``. :func:`check_engine` runs at config time,
+so a bad path fails naming the arm and the value before anything is written or measured.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+def load_factory(path: str) -> Callable:
+    """The callable named by ``"package.module:attribute"``; ValueError saying what is wrong with it."""
+    module_name, sep, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r} is not an import path of the form 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported ({exc})") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"{path!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def check_engine(arm_name: str, path: str) -> None:
+    """ValueError naming ``arms.<arm_name>.engine`` and its value when ``path`` names no factory."""
+    try:
+        load_factory(path)
+    except ValueError as exc:
+        raise ValueError(f"arms.{arm_name}.engine = {path!r} names no engine factory: {exc}") from None
+
+
+def build_engine(path: str, model, config):
+    """``factory(model, config)`` for the factory at ``path``; TypeError when the result is no ``Engine``."""
+    from loopbench.runtime.api import Engine
+
+    engine = load_factory(path)(model, config)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine factory {path!r} returned {type(engine).__name__}, which does not satisfy the "
+                        "Engine protocol (runtime/api.py)")
+    return engine

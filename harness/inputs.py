@@ -1,0 +1,179 @@
+"""What a plan is made of, gathered before the bundle exists: the model's config, the prompt pool, the
+devices, the code's identity; then the checkpoint itself (a synthetic one is written once, then reused).
+
+A value the model or the devices cannot take fails here (ValueError naming the key), before anything is
+written or measured.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import conf, machine
+from .fileio import sha256_bytes
+from .identity import code_identity
+from .spec import BenchSpec, check_fits_model, max_model_len
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The prompt pool (and its JSON text, ``prompts.json``), positions, devices, code identity, cache."""
+
+    prompts: list[list[int]]
+    prompts_text: str
+    max_model_len: int
+    devices: list[dict]     # machine.planned_devices
+    code: dict              # identity.code_identity
+    cache: Path
+
+    @property
+    def prompts_sha256(self) -> str:
+        return sha256_bytes(self.prompts_text.encode())
+
+
+def gather(spec: BenchSpec) -> Inputs:
+    """Model config, prompts, devices and code identity; ValueError when the model or devices cannot take
+    the config."""
+    model_cfg = model_config(spec)
+    prompts = make_prompts(spec, model_cfg["vocab_size"])
+    longest = max(len(p) for p in prompts)
+    check_fits_model(spec, model_cfg, longest)
+    devices = machine.planned_devices(spec.executor)
+    if all(d["kind"] == "cpu" for d in devices):
+        for name, arm in spec.arms.items():
+            if arm.cuda_graphs:
+                raise ValueError(f"arms.{name}.cuda_graphs = true needs a CUDA device, but the sessions would run "
+                                 f"on the CPU (executor.device = {spec.executor.device}); use a CUDA host, "
+                                 f"--config-name cpu-smoke, or arms.{name}.cuda_graphs=false")
+    return Inputs(prompts=prompts, prompts_text=json.dumps(prompts, separators=(",", ":")) + "\n",
+                  max_model_len=max_model_len(longest, spec.workload.output_len), devices=devices,
+                  code=code_identity(), cache=conf.cache_dir(spec))
+
+
+def checkpoint_path(spec: BenchSpec) -> Path | None:
+    """``model.checkpoint`` resolved, or None for a preset; ValueError when it is no HF checkpoint."""
+    from loopbench.runtime.checkpoint import CONFIG_NAME
+
+    if not spec.model.checkpoint:
+        return None
+    path = Path(spec.model.checkpoint).expanduser().resolve()
+    if not (path / CONFIG_NAME).is_file():
+        raise ValueError(f"model.checkpoint = {spec.model.checkpoint!r} is not an HF checkpoint directory "
+                         f"(no {CONFIG_NAME})")
+    return path
+
+
+def _preset(spec: BenchSpec):
+    from loopbench.runtime.model import PRESETS
+
+    if spec.model.preset not in PRESETS:
+        raise ValueError(f"model.preset = {spec.model.preset!r} is not a preset; known: {sorted(PRESETS)}")
+    return PRESETS[spec.model.preset]
+
+
+def model_config(spec: BenchSpec) -> dict:
+    """The model's ``config.json`` keys (vocab, loops, positions) before anything is written: the preset's
+    table entry, or a real checkpoint's own ``config.json``."""
+    from loopbench.runtime.checkpoint import CONFIG_NAME, config_from_hf_dict
+
+    path = checkpoint_path(spec)
+    if path is not None:
+        return config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text())).to_dict()
+    return _preset(spec).to_dict()
+
+
+def _synthetic_checkpoint(spec: BenchSpec, cache: Path) -> Path:
+    """The preset's calibrated synthetic checkpoint in the cache, written once (atomically, by rename)."""
+    from loopbench.runtime.checkpoint import CONFIG_NAME
+
+    from .fixtures import write_calibrated_checkpoint
+    from .session import TORCH_DTYPES
+
+    m = spec.model
+    _preset(spec)
+    path = cache / "checkpoints" / f"{m.preset}-seed{m.seed}-{m.dtype}-calibrated"
+    if not (path / CONFIG_NAME).is_file():
+        import torch
+
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/fixtures.py)
+        write_calibrated_checkpoint(tmp, m.preset, seed=m.seed, dtype=TORCH_DTYPES[m.dtype],
+                                    device="cuda" if torch.cuda.is_available() else "cpu")
+        tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+        if torch.cuda.is_available():  # give the calibration's memory back before any session starts
+            torch.cuda.empty_cache()
+    return path
+
+
+def prepare_checkpoint(spec: BenchSpec, cache: Path) -> dict:
+    """The plan's ``checkpoint`` entry: directory, sha256 (of the stored bytes), model config and stored
+    dtypes; a synthetic one is written once, then reused.
+
+    ``stored_dtypes`` is ``checkpoint.dtype_record``: HF dtype name -> tensor names as stored, before the
+    sessions cast every tensor to ``model.dtype``; reading it validates every tensor header (names,
+    shapes, floating dtypes), so a broken checkpoint fails here, before anything is measured.
+    """
+    from loopbench.runtime.checkpoint import (CONFIG_NAME, checkpoint_sha256, config_from_hf_dict, dtype_record,
+                                              stored_dtypes)
+
+    m = spec.model
+    path = checkpoint_path(spec)
+    if path is not None:
+        source, description = "path", f"checkpoint {path}"
+    else:
+        path = _synthetic_checkpoint(spec, cache)
+        source, description = "synthetic", f"synthetic `{m.preset}` (seed {m.seed})"
+    cfg = config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text()))
+    return {"source": source, "path": str(path), "preset": None if m.checkpoint else m.preset,
+            "description": description, "sha256": checkpoint_sha256(path), "model_config": cfg.to_dict(),
+            "stored_dtypes": dtype_record(stored_dtypes(path))}
+
+
+def read_prompts_file(path: Path) -> list[list[int]]:
+    """Token-id prompts from parquet (a ``prompt_token_ids`` list column) or JSONL (a list, or an object
+    with ``prompt_token_ids``, per line)."""
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        df = pd.read_parquet(path)
+        if "prompt_token_ids" not in df.columns:
+            raise ValueError(f"{path}: no 'prompt_token_ids' column (columns: {list(df.columns)})")
+        return [[int(t) for t in row] for row in df["prompt_token_ids"]]
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        ids = item.get("prompt_token_ids") if isinstance(item, dict) else item
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{path}:{n}: expected a non-empty list of token ids, got {str(item)[:80]!r}")
+        prompts.append(ids)
+    return prompts
+
+
+def make_prompts(spec: BenchSpec, vocab_size: int) -> list[list[int]]:
+    """The prompt pool: seeded uniform token ids (numpy ``default_rng(prompt_seed)``), or the user's file.
+
+    With ``prompt_lens`` prompt i has ``prompt_lens[i % len(prompt_lens)]`` tokens, drawn in prompt order
+    from the same generator; with one ``prompt_len`` the pool is one [C, P] draw, as it always was.
+    """
+    wl = spec.workload
+    need = spec.max_num_requests
+    if wl.prompts_file:
+        prompts = read_prompts_file(Path(wl.prompts_file).expanduser())
+        if len(prompts) < need:
+            raise ValueError(f"workload.prompts_file has {len(prompts)} prompts; the largest point needs {need}")
+        bad = [(i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"workload.prompts_file: prompt {bad[0][0]} has token id {bad[0][1]} outside "
+                             f"[0, {vocab_size})")
+        return prompts[:need]
+    rng = np.random.default_rng(wl.prompt_seed)
+    if wl.prompt_lens:
+        lens = wl.prompt_lens
+        return [rng.integers(0, vocab_size, size=lens[i % len(lens)]).tolist() for i in range(need)]
+    return rng.integers(0, vocab_size, size=(need, wl.prompt_len)).tolist()

@@ -1,0 +1,121 @@
+"""Machine discovery: which devices the sessions run on, what they are called, what the host is.
+
+Written once for the controller (the planned devices, the environment record) and the session child
+(its own device). GPUs are numbered physically (PCI bus order, as NVML numbers them; the executors set
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``), so ``CUDA_VISIBLE_DEVICES``, NVML and the plan name a GPU alike.
+torch is imported inside the functions that need it: importing this module loads no framework.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+
+from . import telemetry
+
+PACKAGES = ("torch", "triton", "numpy", "scipy", "pandas", "pyarrow", "hydra-core", "omegaconf", "submitit",
+            "safetensors", "matplotlib", "nvidia-ml-py", "tqdm")
+
+
+def gpu_label(name: str | None, index: int | None) -> str:
+    """A table label for a GPU: "H200 #0" from "NVIDIA H200" and physical index 0."""
+    short = (name or "GPU").replace("NVIDIA ", "").replace("GeForce ", "")
+    return f"{short} #{index if index is not None else 0}"
+
+
+def visible_gpus(environ: dict | None = None) -> list[int] | None:
+    """The physical GPU indices ``CUDA_VISIBLE_DEVICES`` lists, or None when it is unset, empty or not a
+    list of integers (UUIDs, MIG names: then CUDA's own numbering is all there is)."""
+    raw = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    parts = [x.strip() for x in raw.split(",")] if raw else []
+    return [int(x) for x in parts] if parts and all(x.isdigit() for x in parts) else None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def planned_devices(executor) -> list[dict]:
+    """One entry per session: {name, kind, gpu_index, label, cpu_threads}; ValueError naming the key.
+
+    ``executor``: the config's ``spec.ExecutorSpec``. A CPU run is a single session; a local CUDA run one
+    session per GPU of ``executor.gpus`` (default: every visible GPU); a Slurm run one per job.
+    """
+    threads, kind = executor.cpu_threads, executor.device
+    if executor.kind == "slurm":
+        use_gpu = kind != "cpu"
+        return [{"name": f"slurm{i}", "kind": "cuda" if use_gpu else "cpu", "gpu_index": None,
+                 "label": f"slurm job {i}" if use_gpu else "cpu", "cpu_threads": threads}
+                for i in range(executor.slurm.jobs)]
+    import torch
+
+    n_gpus = torch.cuda.device_count() if kind != "cpu" else 0
+    if kind == "cuda" and n_gpus == 0:
+        raise ValueError("executor.device = cuda, but no CUDA device is visible")
+    if n_gpus == 0:
+        return [{"name": "cpu0", "kind": "cpu", "gpu_index": None, "label": "cpu", "cpu_threads": threads}]
+    physical = visible_gpus() or list(range(n_gpus))
+    gpus = list(executor.gpus) if executor.gpus is not None else physical
+    for g in gpus:
+        if g not in physical:
+            raise ValueError(f"executor.gpus lists GPU {g}, visible GPUs are {physical}")
+    return [{"name": f"gpu{g}", "kind": "cuda", "gpu_index": g,
+             "label": gpu_label((telemetry.device_info(g) or {}).get("name"), g), "cpu_threads": threads}
+            for g in gpus]
+
+
+def child_device(job_name: str, device: dict) -> dict:
+    """A child's own device: torch device string, NVML index and a label for tables ("H200 #0", "cpu").
+
+    ``device``: the job's ``device`` entry (kind, gpu_index, cpu_threads). A CPU job runs torch with
+    ``cpu_threads`` intra-op threads (default 1): the CPU arms are tiny, and OpenMP threads that
+    spin-wait for cores held by other processes made single arms 10-80x slower on a busy 2-core
+    machine (measured), which is noise, not signal. RuntimeError when CUDA is asked for and absent.
+    """
+    import torch
+
+    if device["kind"] == "cpu":
+        torch.set_num_threads(device.get("cpu_threads", 1))
+        return {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": cpu_name(), "uuid": None}
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"job {job_name} asks for CUDA, but torch.cuda.is_available() is False")
+    index = device.get("gpu_index")
+    if index is None:  # a Slurm job: the scheduler pinned one GPU through CUDA_VISIBLE_DEVICES
+        index = (visible_gpus() or [None])[0]
+    info = (telemetry.device_info(index) if index is not None else None) or {}
+    name = info.get("name") or torch.cuda.get_device_name(0)
+    return {"kind": "cuda", "torch": "cuda:0", "gpu_index": index, "name": name, "label": gpu_label(name, index),
+            "uuid": info.get("uuid")}
+
+
+def environment(devices: list[dict]) -> dict:
+    """``environment.json``: host, interpreter, CPU, torch build, library versions, GPUs and their state."""
+    from importlib import metadata
+
+    import torch
+
+    pkgs = {}
+    for name in PACKAGES:
+        try:
+            pkgs[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pkgs[name] = None
+    gpus = [d["gpu_index"] for d in devices if d["gpu_index"] is not None]
+    return {
+        "host": socket.gethostname(), "platform": platform.platform(),
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "cpu": {"model": cpu_name(), "logical_cores": os.cpu_count()},
+        "torch": {"version": torch.__version__, "cuda": torch.version.cuda,
+                  "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None},
+        "packages": pkgs, "gpus": [telemetry.device_info(g) for g in gpus],
+        "gpu_telemetry_at_start": [telemetry.sample(g) for g in gpus],
+        "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "OMP_NUM_THREADS")},
+    }

@@ -1,0 +1,169 @@
+"""The configuration rules a type cannot express, checked on the composed config's plain data.
+
+Hydra rejects a misspelt key or a wrong type at composition; these rules catch the rest (a comparison
+naming an unknown arm, ``min_loops > max_loops``, an engine path that names no factory...) and raise a
+``ValueError`` naming the key and the value. :func:`check` works on a private copy that ``conf.validate``
+made; it fills each comparison's default name in that copy and changes nothing else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from pathlib import Path
+from typing import Any
+
+from .engines import check_engine
+
+
+def positive_int(key: str, value: Any) -> None:
+    """ValueError naming ``key`` unless ``value`` is an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+def seed(key: str, value: Any) -> None:
+    """numpy's default_rng takes non-negative integers only; fail here, not in a child or the summary."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer seed, got {value!r}")
+
+
+def check_keys(data: Any, schema: type, prefix: str = "") -> None:
+    """Unknown keys fail even where Hydra's ``+key=`` append lifted the struct flag (``schema``: the
+    structured-config dataclass ``data`` should follow)."""
+    if not isinstance(data, dict):
+        return
+    hints = typing.get_type_hints(schema)
+    for key, value in data.items():
+        if key not in hints:
+            raise ValueError(f"unknown config key {prefix + key!r}; {schema.__name__} has {sorted(hints)}")
+        hint = hints[key]
+        args = typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            check_keys(value, hint, f"{prefix}{key}.")
+        elif typing.get_origin(hint) in (dict, typing.Dict) and dataclasses.is_dataclass(args[1]):
+            for name, item in (value or {}).items():
+                check_keys(item, args[1], f"{prefix}{key}.{name}.")
+        elif typing.get_origin(hint) in (list, typing.List) and args and dataclasses.is_dataclass(args[0]):
+            for i, item in enumerate(value or []):
+                check_keys(item, args[0], f"{prefix}{key}[{i}].")
+
+
+def check(plain: dict) -> None:
+    """Every rule, section by section; ValueError names the first offending key and its value."""
+    if not plain["name"] or any(c in plain["name"] for c in "/\\ "):
+        raise ValueError(f"name must be a non-empty token without '/', '\\' or spaces, got {plain['name']!r}")
+    seed("model.seed", plain["model"]["seed"])
+    seed("workload.prompt_seed", plain["workload"]["prompt_seed"])
+    seed("order_seed", plain["order_seed"])
+    seed("verdict.bootstrap_seed", plain["verdict"]["bootstrap_seed"])
+    positive_int("workload.output_len", plain["workload"]["output_len"])
+    check_prompt_lengths(plain["workload"])
+    check_points(plain["points"])
+    check_exit(plain["exit"])
+    check_arms(plain["arms"])
+    check_comparisons(plain)
+    positive_int("pairs", plain["pairs"])
+    check_verdict(plain["verdict"])
+    check_executor(plain["executor"])
+    if plain["resume"] is not None and not Path(plain["resume"]).expanduser().is_dir():
+        raise ValueError(f"resume = {plain['resume']!r} is not a bundle directory")
+    kill = plain["fault"]["kill_after_arms"]
+    if kill is not None and (isinstance(kill, bool) or kill < 0):
+        raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")
+
+
+def check_prompt_lengths(wl: dict) -> None:
+    """Exactly one source of prompt lengths: ``prompts_file``, ``prompt_lens`` or ``prompt_len``."""
+    if wl["prompts_file"] is not None:
+        if wl["prompt_lens"] is not None:
+            raise ValueError(f"workload.prompts_file={wl['prompts_file']!r} and workload.prompt_lens="
+                             f"{wl['prompt_lens']} are both set; a file's prompts keep their own lengths, so set "
+                             "workload.prompt_lens=null")
+        if not Path(wl["prompts_file"]).expanduser().is_file():
+            raise ValueError(f"workload.prompts_file {wl['prompts_file']!r} does not exist")
+        return
+    if wl["prompt_lens"] is None:
+        if wl["prompt_len"] is None:
+            raise ValueError("workload.prompt_len is null: set workload.prompt_len, workload.prompt_lens or "
+                             "workload.prompts_file")
+        positive_int("workload.prompt_len", wl["prompt_len"])
+        return
+    if wl["prompt_len"] is not None:
+        raise ValueError(f"workload.prompt_len={wl['prompt_len']} and workload.prompt_lens={wl['prompt_lens']} "
+                         "are both set; set one and the other to null (e.g. workload.prompt_lens=null "
+                         "for prompts of one length)")
+    if not wl["prompt_lens"]:
+        raise ValueError("workload.prompt_lens must list at least one length, got []")
+    for i, n in enumerate(wl["prompt_lens"]):
+        positive_int(f"workload.prompt_lens[{i}]", n)
+
+
+def check_points(points: list) -> None:
+    if not points:
+        raise ValueError("points must list at least one (max_num_seqs, num_requests) point")
+    seen = set()
+    for i, pt in enumerate(points):
+        positive_int(f"points[{i}].max_num_seqs", pt["max_num_seqs"])
+        positive_int(f"points[{i}].num_requests", pt["num_requests"])
+        key = (pt["max_num_seqs"], pt["num_requests"])
+        if key in seen:
+            raise ValueError(f"points[{i}] = B{key[0]}/C{key[1]} is listed twice")
+        seen.add(key)
+
+
+def check_exit(ex: dict) -> None:
+    positive_int("exit.min_loops", ex["min_loops"])
+    positive_int("exit.max_loops", ex["max_loops"])
+    if ex["min_loops"] > ex["max_loops"]:
+        raise ValueError(f"exit.min_loops={ex['min_loops']} exceeds exit.max_loops={ex['max_loops']}")
+    if not (0.0 < ex["threshold"] <= 1.0):
+        raise ValueError(f"exit.threshold must be in (0, 1], got {ex['threshold']!r}")
+
+
+def check_arms(arms: dict) -> None:
+    if not arms:
+        raise ValueError("arms must name at least one arm")
+    for name, arm in arms.items():
+        for key in ("block_size", "tile_size", "graph_cache_size"):
+            positive_int(f"arms.{name}.{key}", arm[key])
+        if arm["prefix_tiles"] and arm["kv_layout"] != "alias":
+            raise ValueError(f"arms.{name}.prefix_tiles needs kv_layout=alias, got {arm['kv_layout']!r}")
+        check_engine(name, arm["engine"])
+
+
+def check_comparisons(plain: dict) -> None:
+    """Arms named exist; each comparison's name (default ``<baseline>_vs_<candidate>``) is unique."""
+    if not plain["comparisons"]:
+        raise ValueError("comparisons must list at least one (baseline, candidate) comparison")
+    arms, names = plain["arms"], set()
+    for i, comp in enumerate(plain["comparisons"]):
+        for role in ("baseline", "candidate"):
+            if comp[role] not in arms:
+                raise ValueError(f"comparisons[{i}].{role} = {comp[role]!r} is not an arm; arms are {sorted(arms)}")
+        comp["name"] = comp["name"] or f"{comp['baseline']}_vs_{comp['candidate']}"
+        if comp["name"] in names or any(c in comp["name"] for c in "/\\ "):
+            raise ValueError(f"comparisons[{i}].name = {comp['name']!r} is repeated or not a plain token")
+        names.add(comp["name"])
+    ref = plain["reference_arm"]
+    if ref is not None and ref not in arms:
+        raise ValueError(f"reference_arm = {ref!r} is not an arm; arms are {sorted(arms)}")
+
+
+def check_verdict(vd: dict) -> None:
+    if not (0.0 < vd["confidence"] < 1.0):
+        raise ValueError(f"verdict.confidence must be in (0, 1), got {vd['confidence']!r}")
+    if not (math.isfinite(vd["min_effect"]) and vd["min_effect"] >= 0):
+        raise ValueError(f"verdict.min_effect must be >= 0, got {vd['min_effect']!r}")
+    positive_int("verdict.n_resamples", vd["n_resamples"])
+    positive_int("verdict.min_pairs", vd["min_pairs"])
+
+
+def check_executor(exe: dict) -> None:
+    for key in ("session_timeout_s", "reference_timeout_s", "poll_s", "stop_grace_s"):
+        if not exe[key] > 0:
+            raise ValueError(f"executor.{key} must be > 0, got {exe[key]!r}")
+    if exe["gpus"] is not None and len(set(exe["gpus"])) != len(exe["gpus"]):
+        raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
+    positive_int("executor.slurm.jobs", exe["slurm"]["jobs"])
+    positive_int("executor.cpu_threads", exe["cpu_threads"])

@@ -1,0 +1,72 @@
+"""The engine seam: an arm names its engine's factory, and the naive reference generator behind the
+``Engine`` protocol runs a whole benchmark, token for token with our engine (float64 on the CPU)."""
+import json
+
+import pytest
+import torch
+
+from loopbench.audit.auditor import audit
+from loopbench.harness import conf, controller, engines, session
+from loopbench.harness.records import ArmSpec
+from loopbench.runtime.api import Engine
+from loopbench.runtime.engine import LoopEngine
+from loopbench.runtime.reference import ReferenceEngine
+
+REFERENCE = "loopbench.runtime.reference:make_engine"
+CPU = {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": "cpu", "uuid": None}
+
+
+def _requests(n: int, max_tokens: int, policy_exit: dict) -> list:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (L,), generator=g).tolist() for L in (9, 17, 31, 12, 5)[:n]]
+    return session.build_requests(prompts, n, max_tokens, policy_exit)
+
+
+@pytest.mark.parametrize("policy", ["ouro", "ouro_delayed"])
+def test_reference_engine_equals_loop_engine_in_tokens_exits_and_work(model64, policy):
+    """Natural run and replay of our engine and the reference engine at B2 with a queue: equal outputs
+    and equal work counters (rows per depth, steps...), so the checker holds them to the same reference."""
+    exit_conf = {"policy": policy, "threshold": 0.55, "min_loops": 1, "max_loops": 4}
+    reqs = _requests(5, 7, exit_conf)
+    ours = engines.build_engine(ArmSpec().engine, model64, ArmSpec().engine_config(2, 64, policy))
+    naive = engines.build_engine(REFERENCE, model64, ArmSpec(engine=REFERENCE).engine_config(2, 64, policy))
+    assert isinstance(ours, LoopEngine) and isinstance(naive, ReferenceEngine) and isinstance(naive, Engine)
+    a, b = session.run_phase(ours, reqs, CPU), session.run_phase(naive, reqs, CPU)
+    assert b.to_dict()["outputs"] == a.to_dict()["outputs"] and b.work() == a.work()
+    assert b.trace_sha256 is None and b.graphs() == {k: 0 for k in a.graphs()}
+    assert len({e for o in a.outputs.values() for e in o.exit_depths[1:]}) > 1   # the exits vary
+    schedule = ours.capture_schedule()
+    replay = engines.build_engine(REFERENCE, model64, ArmSpec(engine=REFERENCE).engine_config(2, 64, "replay",
+                                                                                              schedule))
+    for _ in range(2):                       # warmup, then the measured run on the same engine
+        r = session.run_phase(replay, reqs, CPU)
+        assert r.to_dict()["outputs"] == a.to_dict()["outputs"] and r.work() == a.work()
+        replay.reset_run()
+    with pytest.raises(NotImplementedError):
+        naive.capture_schedule()
+
+
+def test_a_factory_returning_no_engine_is_refused(model64):
+    with pytest.raises(TypeError, match="does not satisfy the Engine protocol"):
+        engines.build_engine("builtins:slice", model64, ArmSpec().engine_config(2, 64, "ouro"))
+
+
+@pytest.mark.slow
+def test_benchmark_with_a_reference_engine_arm_checks_and_audits(tmp_path):
+    """cpu-smoke in float64 with one arm on the reference engine: the reference (our engine's natural run)
+    is replayed by both arms token for token, the run completes and the independent audit passes."""
+    cfg = conf.compose("cpu-smoke", [
+        "name=naive", "model.dtype=float64", "points=[{max_num_seqs:2,num_requests:3}]",
+        "workload.prompt_lens=[31,33]", "workload.output_len=6", "pairs=1", f"+arms={{naive:{{engine:\"{REFERENCE}\"}}}}",
+        "comparisons=[{baseline:native,candidate:naive}]", "executor.poll_s=0.1",
+        f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"])
+    result = controller.run(cfg)
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    assert result.summary["checks"]["ok"], result.summary["checks"]["findings"]
+    plan = json.loads((result.bundle / "plan.json").read_text())
+    assert plan["config"]["arms"]["naive"]["engine"] == REFERENCE
+    assert plan["config"]["arms"]["native"]["engine"] == "loopbench.runtime.engine:LoopEngine"
+    records = [json.loads(p.read_text()) for p in sorted((result.bundle / "raw").glob("*/*.json"))]
+    assert {r["arm_config"]["engine"] for r in records if r["arm"] == "naive"} == {REFERENCE}
+    assert all(r["measured"]["trace_sha256"] is None for r in records if r["arm"] == "naive")
+    assert audit(result.bundle)["status"] == "pass"
