@@ -40,6 +40,10 @@ class DType(Enum):
     float64 = "float64"
 
 
+# The choices below mirror runtime/api.py's (KVLayout, ExitPolicyName, AttentionBackendName,
+# DescriptorMode) with lower-case member names, because Hydra and OmegaConf parse an enum override by
+# member *name* (`kv_layout=native`); `replay` is not a choice a user makes (every arm replays the frozen
+# natural run). tests/harness/test_conf.py holds the two sets of values in step.
 class ExitPolicy(Enum):
     fixed = "fixed"
     ouro = "ouro"

@@ -165,3 +165,13 @@ def test_arm_spec_maps_onto_one_engine_config():
     cfg = arm.engine_config(4, 96, "ouro")
     assert cfg == EngineConfig(max_num_seqs=4, max_model_len=96, exit_policy="ouro", kv_layout="alias",
                                prefix_tiles=True, attention_backend="torch", cuda_graphs=False)
+
+
+def test_config_choices_mirror_the_runtime_choices():
+    from loopbench.runtime import api
+    pairs = [(conf.KVLayout, api.KVLayout), (conf.AttentionBackend, api.AttentionBackendName),
+             (conf.DescriptorMode, api.DescriptorMode)]
+    for ours, runtime in pairs:
+        assert [m.value for m in ours] == [m.value for m in runtime], ours.__name__
+        assert all(m.name == m.value for m in ours), f"{ours.__name__}: Hydra parses overrides by member name"
+    assert [m.value for m in conf.ExitPolicy] == [m.value for m in api.ExitPolicyName if m.value != "replay"]
