@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopbench.runtime.api import EngineStats
+from loopbench.runtime.schedule import first_difference
 
 WORK_KEYS = EngineStats.WORK_FIELDS   # the runtime's work counters, by name
 PHASES = ("warmup", "measured")
@@ -82,16 +83,6 @@ def _jsonable(x: object) -> object:
     return list(x) if isinstance(x, tuple) else x
 
 
-def _first_difference(got: list, want: list) -> tuple[int, object, object] | None:
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            return i, b, a
-    if len(got) != len(want):
-        i = min(len(got), len(want))
-        return i, (want[i] if i < len(want) else "<end>"), (got[i] if i < len(got) else "<end>")
-    return None
-
-
 def check_phase(record: dict, phase: str, reference: dict) -> list[Finding]:
     """Findings for one phase of one arm record against the frozen reference of its point.
 
@@ -111,7 +102,7 @@ def check_phase(record: dict, phase: str, reference: dict) -> list[Finding]:
         out.append(finding("requests", expected=sorted(frozen), got=sorted(outputs)))
     for rid in sorted(set(outputs) & set(frozen)):
         for field in ("token_ids", "exit_depths"):
-            diff = _first_difference(list(outputs[rid][field]), list(frozen[rid][field]))
+            diff = first_difference(outputs[rid][field], frozen[rid][field])
             if diff is not None:
                 pos, want, got = diff
                 out.append(finding("tokens" if field == "token_ids" else "exit_depths", rid, pos, want, got))

@@ -21,6 +21,19 @@ def prompt_sha256(token_ids) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in token_ids]).encode()).hexdigest()
 
 
+def first_difference(got, want) -> tuple[int, object, object] | None:
+    """``(position, wanted, got)`` at the first position where two sequences differ, ``"<end>"`` standing
+    for the missing element when one is a prefix of the other; None when they are equal."""
+    got, want = tuple(got), tuple(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i, b, a
+    if len(got) != len(want):
+        i = min(len(got), len(want))
+        return i, (want[i] if i < len(want) else "<end>"), (got[i] if i < len(got) else "<end>")
+    return None
+
+
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
@@ -103,11 +116,9 @@ class Schedule:
         for rid, ref in mine.items():
             out = outputs[rid]
             for field in ("token_ids", "exit_depths"):
-                a, b = tuple(getattr(out, field)), getattr(ref, field)
-                if a != b:
-                    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                    got = a[i] if i < len(a) else "<end>"
-                    want = b[i] if i < len(b) else "<end>"
+                diff = first_difference(getattr(out, field), getattr(ref, field))
+                if diff is not None:
+                    i, want, got = diff
                     raise ScheduleMismatchError(
                         f"request {rid!r} {field}[{i}] = {got!r}, frozen schedule has {want!r}")
         if trace_sha256 is not None and trace_sha256 != self.trace_sha256:

@@ -359,3 +359,11 @@ def test_stats_minus_subtracts_counters_and_keeps_peaks():
     after.rows_per_depth[0] += 1
     after.decode_graphs.replays += 1
     assert snap.rows_per_depth == [4, 6] and snap.decode_graphs.replays == 9, "a snapshot must not move"
+
+
+def test_first_difference_names_position_wanted_and_got():
+    from loopbench.runtime.schedule import first_difference
+    assert first_difference([1, 2, 3], (1, 2, 3)) is None
+    assert first_difference([1, 9, 3], [1, 2, 3]) == (1, 2, 9)
+    assert first_difference([1, 2], [1, 2, 3]) == (2, 3, "<end>")
+    assert first_difference([1, 2, 3], [1, 2]) == (2, "<end>", 3)
