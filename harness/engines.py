@@ -9,6 +9,7 @@ so a bad path fails naming the arm and the value before anything is written or m
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable
 
 
@@ -19,11 +20,18 @@ def load_factory(path: str) -> Callable:
         raise ValueError(f"{path!r} is not an import path of the form 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported ({exc})") from exc
+    except Exception as exc:     # a module may fail on import in any way (SyntaxError, RuntimeError, ...)
+        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported "
+                         f"({type(exc).__name__}: {exc})") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"{path!r}: module {module_name!r} has no callable {attr!r}")
+    try:
+        inspect.signature(factory).bind(None, None)
+    except TypeError as exc:
+        raise ValueError(f"{path!r}: {attr!r} cannot be called as factory(model, config) ({exc})") from None
+    except ValueError:           # no signature to inspect (some builtins): the session's call will tell
+        pass
     return factory
 
 

@@ -89,6 +89,8 @@ class EngineConfig:
         if self.exit_policy not in choice_values(ExitPolicyName):
             raise ValueError(f"unknown exit policy {self.exit_policy!r}; expected one of "
                              f"{choice_values(ExitPolicyName)}")
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
+            raise TypeError(f"EngineConfig.schedule must be a Schedule or None, got {type(self.schedule).__name__}")
         if (self.exit_policy == ExitPolicyName.REPLAY) != (self.schedule is not None):
             raise ValueError("exit_policy='replay' needs a schedule, and a schedule needs exit_policy='replay'")
         if self.schedule is not None and self.schedule.max_num_seqs != self.max_num_seqs:

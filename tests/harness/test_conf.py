@@ -151,8 +151,12 @@ def test_validate_returns_a_frozen_spec_and_leaves_its_input_alone():
     ("nomodule_xyz:make_engine", "module 'nomodule_xyz' cannot be imported"),
     ("loopbench.runtime.engine:NoSuchFactory", "has no callable 'NoSuchFactory'"),
     ("loopbench.runtime.engine", "is not an import path"),
+    ("loopbench.runtime.api:choice_values", "cannot be called as factory(model, config)"),
+    ("this_file_is_not_python:make_engine", "cannot be imported (SyntaxError"),
 ])
-def test_bad_engine_path_fails_naming_the_arm_and_the_value(value, words):
+def test_bad_engine_path_fails_naming_the_arm_and_the_value(value, words, tmp_path, monkeypatch):
+    (tmp_path / "this_file_is_not_python.py").write_text("def make_engine(model, config:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError) as err:
         conf.validate(conf.compose("cpu-smoke", [f"arms.alias.engine={value}"]))
     assert f"arms.alias.engine = {value!r}" in str(err.value) and words in str(err.value)

@@ -367,3 +367,8 @@ def test_first_difference_names_position_wanted_and_got():
     assert first_difference([1, 9, 3], [1, 2, 3]) == (1, 2, 9)
     assert first_difference([1, 2], [1, 2, 3]) == (2, 3, "<end>")
     assert first_difference([1, 2, 3], [1, 2]) == (2, "<end>", 3)
+
+
+def test_a_schedule_that_is_no_schedule_is_a_type_error():
+    with pytest.raises(TypeError, match="EngineConfig.schedule must be a Schedule or None, got str"):
+        EngineConfig(exit_policy="replay", schedule="x")
