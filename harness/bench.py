@@ -30,6 +30,12 @@ _EXIT_CODES: list[int] = []
 def task(cfg) -> int:
     from . import controller
 
+    try:
+        conf.validate(cfg)       # a bad key or value: one clear line and exit 2, not a traceback
+    except (ValueError, TypeError) as exc:
+        print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
+        _EXIT_CODES.append(2)
+        return 2
     return show(controller.run(cfg))
 
 
