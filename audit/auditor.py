@@ -113,6 +113,8 @@ def run(ctx: Audit) -> dict:
     if not (isinstance(plan, dict) and isinstance(summary, dict) and isinstance(children, list)):
         ctx.fail("bundle", "plan.json, summary.json or children.json is missing or unreadable; nothing else is checked")
         return verdict(ctx, False)
+    if environment is not None:
+        ctx.section("environment.json", load.check_environment, environment)
     refs = ctx.section("reference", load.load_references, plan) or {}
     checks_ok = _check_measurement(ctx, plan, records, children, refs)
     return verdict(ctx, _check_claims(ctx, plan, summary, records, children, refs, environment, checks_ok))

@@ -55,6 +55,9 @@ def check_child_states(ctx: Audit, children: list[dict]) -> None:
             ctx.fail("sessions", f"{where} is {c.get('state')!r}, not an ended state {ended}")
         elif (c["state"] == "interrupted") != bool(c.get("interrupted_by")):
             ctx.fail("sessions", f"{where} is {c['state']} with interrupted_by {c.get('interrupted_by')!r}")
+        if c.get("interrupted_by") is not None and c["interrupted_by"] not in CHILDREN["interrupted_by_values"]:
+            ctx.fail("sessions", f"{where} has interrupted_by {c['interrupted_by']!r}, not one of "
+                                 f"{CHILDREN['interrupted_by_values']} ({contract.WHERE})")
 
 
 def _sessions_by_id(ctx: Audit, children: list[dict]) -> dict[str, dict]:

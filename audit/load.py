@@ -12,6 +12,7 @@ from .context import Audit
 
 RECORD = contract.DOCS["record"]
 REFERENCES = contract.DOCS["references"]
+ENVIRONMENT = contract.DOCS["environment"]
 
 
 def _phase_problem(data: Any, phase: str) -> str | None:
@@ -124,6 +125,26 @@ def _reference_problem(schedule: dict, meta: dict) -> str | None:
         problem = problem or (contract.fields_problem(r, REFERENCES["schedule_request_fields"], "schedule request ")
                               if isinstance(r, dict) else f"schedule request {r!r}")
     return problem
+
+
+def environment_problem(env: Any) -> str | None:
+    """Why ``environment.json`` is not the contract's document (a field missing or of another JSON type)."""
+    if not isinstance(env, dict):
+        return f"a JSON {type(env).__name__}, not an object"
+    problem = contract.fields_problem(env, ENVIRONMENT["fields"], "")
+    for part in ("python", "cpu", "torch"):
+        problem = problem or contract.fields_problem(env[part], ENVIRONMENT[f"{part}_fields"], f"{part}.")
+    for part, kind in (("packages", "package_version"), ("env", "env_value")):
+        values = env[part].items() if problem is None else []
+        bad = [k for k, v in values if not contract.is_kind(v, ENVIRONMENT[kind])]
+        problem = problem or (f"{part}.{bad[0]} is {env[part][bad[0]]!r}" if bad else None)
+    return problem
+
+
+def check_environment(ctx: Audit, env: Any) -> None:
+    problem = environment_problem(env)
+    if problem is not None:
+        ctx.fail("environment.json", f"is not the environment document of {contract.WHERE}: {problem}")
 
 
 def load_tables(ctx: Audit) -> dict[str, pd.DataFrame]:

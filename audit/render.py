@@ -13,9 +13,22 @@ from . import contract
 
 R = contract.FORMAT["report"]
 WORDS = R["words"]
+FREE_TEXT = "loopbench/bundle_format.json report.free_text"
+
+
+def one_line(line: str) -> str:
+    """``line``, refused (ValueError) when a string of the bundle in it would break it into several lines
+    of report.md (a newline, carriage return or any other line boundary: a forged heading or row)."""
+    if line.splitlines() not in ([line], []):
+        raise ValueError(f"a string of the bundle would break report.md's lines ({FREE_TEXT}): {line!r}")
+    return line
 
 
 def _table(columns: list[str], rows: list[str]) -> list[str]:
+    """A table; a row whose strings hold a '|' (a forged cell) is refused (ValueError)."""
+    for row in rows:
+        if row.count("|") != len(columns) + 1:
+            raise ValueError(f"a string of the bundle would add cells to a report.md table ({FREE_TEXT}): {row!r}")
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
 
 
@@ -32,7 +45,7 @@ def result_row(res: dict) -> str:
         "verdict": res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]})
 
 
-def _result_tables(results: list[dict]) -> str:
+def _result_tables(results: list[dict]) -> list[str]:
     by_comparison: dict[str, list[dict]] = {}
     for res in results:
         by_comparison.setdefault(res["comparison"], []).append(res)
@@ -43,7 +56,7 @@ def _result_tables(results: list[dict]) -> str:
         lines += _table([h.format(baseline=b, candidate=c) for h in R["result"]["columns"]],
                         [result_row(r) for r in rows])
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _prompt_label(wl: dict) -> str:
@@ -170,7 +183,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
     sections in its order (the arm sections only with arms)."""
     sections = {
         "header": lambda: _header(plan, plan_sha256, prompts_sha256, summary, environment),
-        "result": lambda: ["", R["headings"]["result"], "", _result_tables(summary["results"]),
+        "result": lambda: ["", R["headings"]["result"], "", *_result_tables(summary["results"]),
                            R["result"]["rule"].format(**plan["config"]["verdict"]), ""],
         "statistics": lambda: _statistics(summary["results"]),
         "checks": lambda: ["", *_checks(summary["checks"])],
@@ -179,4 +192,4 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "children": lambda: ["", *_children(summary["children"])],
         "plot": lambda: ["", R["plot"], ""],
     }
-    return "\n".join(line for name in R["sections"] for line in sections[name]())
+    return "\n".join(one_line(line) for name in R["sections"] for line in sections[name]())
