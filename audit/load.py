@@ -163,12 +163,14 @@ def load_tables(ctx: Audit) -> dict[str, pd.DataFrame]:
         version = (schema.metadata or {}).get(b"loopbench_schema_version")
         if version != str(contract.FORMAT["tables"]["schema_version"]).encode():
             ctx.fail("tables", f"{rel} schema version {version!r}")
-        _check_columns(ctx, name, schema, typed=len(tables[name]) > 0)
+        # version 1 wrote a table without rows with some columns, untyped; version 2 writes them all, typed
+        _check_columns(ctx, name, schema, typed=len(tables[name]) > 0 or ctx.version >= 2)
     return tables
 
 
 def _check_columns(ctx: Audit, name: str, schema, typed: bool) -> None:
-    """Every column is declared by the contract, of its declared type (a table without rows has no types)."""
+    """Every column is declared by the contract, of its declared type (a version-1 table without rows has
+    no types)."""
     declared = contract.declared_columns(name)
     for field in schema:
         if field.name not in declared:

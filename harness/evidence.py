@@ -79,9 +79,21 @@ def remove_stale_temp_files(bundle: Path) -> list[str]:
     return [p.relative_to(bundle).as_posix() for p in stale]
 
 
-def write_table(path: Path, df: pd.DataFrame) -> None:
+def arrow_type(declared: str) -> pa.DataType:
+    """The arrow type of a contract column type ("string", "int64", "list<int64>", ...)."""
+    if declared.startswith("list<") and declared.endswith(">"):
+        return pa.list_(arrow_type(declared[5:-1]))
+    return pa.type_for_alias(declared)
+
+
+def empty_table(name: str) -> pa.Table:
+    """A table without rows: every column the contract declares for ``name``, of its declared type."""
+    return pa.table({c["name"]: pa.array([], type=arrow_type(c["type"])) for c in FORMAT["tables"][name]["columns"]})
+
+
+def write_table(path: Path, df: pd.DataFrame | pa.Table) -> None:
     """Parquet with ``loopbench_schema_version`` in the schema metadata, written atomically."""
-    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = df if isinstance(df, pa.Table) else pa.Table.from_pandas(df, preserve_index=False)
     meta = dict(table.schema.metadata or {})
     meta[b"loopbench_schema_version"] = str(SCHEMA_VERSION).encode()
     table = table.replace_schema_metadata(meta)
@@ -199,7 +211,9 @@ def write_tables(bundle: Path, tables: dict[str, pd.DataFrame]) -> None:
         if extra:
             raise ValueError(f"{name}.parquet would get columns {extra} that loopbench/bundle_format.json "
                              f"version {FORMAT_VERSION} does not declare")
-        write_table(Path(bundle) / "tables" / f"{name}.parquet", tables[name])
+        # no rows: pandas would type the columns null (or drop them); the contract declares them all
+        df = tables[name] if len(tables[name]) else empty_table(name)
+        write_table(Path(bundle) / "tables" / f"{name}.parquet", df)
 
 
 def point_requests(num_requests: int) -> list[dict]:

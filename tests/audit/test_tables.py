@@ -1,6 +1,8 @@
 """Every column of every table is compared with the raw records; missing, extra and repeated rows are named."""
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from loopbench.audit import contract
@@ -57,3 +59,28 @@ def test_missing_extra_and_repeated_table_rows_are_named(bundle):
     assert "pairs.parquet: repeats the row of cpu0 B2C3" in text
     assert "arms.parquet: has a row for cpu0 seq 99 that the raw records do not give" in text
     assert "arms.parquet: lacks column 'work_steps'" in text
+
+
+def test_empty_table_has_every_declared_column_typed(bundle):
+    """On a CPU telemetry has no rows; the writer still writes its declared columns, of their declared types."""
+    schema = pq.read_schema(bundle / "tables" / "telemetry.parquet")
+    declared = {c["name"]: c["type"] for c in contract.FORMAT["tables"]["telemetry"]["columns"]}
+    assert {f.name: str(f.type) for f in schema} == {n: t.replace("float64", "double") for n, t in declared.items()}
+
+
+def test_empty_table_lacking_declared_columns_is_named(bundle):
+    """The old CPU telemetry table: no rows and 4 of its 12 columns."""
+    evidence.write_table(bundle / "tables" / "telemetry.parquet",
+                         pd.DataFrame({c: pd.Series([], dtype="string") for c in ["job", "seq", "arm", "when"]}))
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert "telemetry.parquet: has no rows and lacks the declared column 'power_w'" in text
+
+
+def test_empty_table_of_wrong_column_type_is_named(bundle):
+    table = evidence.empty_table("telemetry")
+    i = table.schema.get_field_index("seq")
+    evidence.write_table(bundle / "tables" / "telemetry.parquet",
+                         table.set_column(i, "seq", pa.array([], type=pa.string())))
+    rewrite_manifest(bundle)
+    assert "telemetry.parquet: column 'seq' is of arrow type string, the format declares int64" in failed(bundle)
