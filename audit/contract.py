@@ -102,14 +102,29 @@ def _arrow_family(arrow_type: str) -> str:
     return {"double": "float", "float": "float", "bool": "bool", "null": "null"}.get(arrow_type, arrow_type)
 
 
-def column_type_problem(table: str, name: str, arrow_type: str) -> str | None:
-    """Why a parquet column's arrow type is not its declared one (None when it is, or may be, as declared)."""
+def _exact(declared: str, arrow_type: str) -> bool:
+    """The arrow type is the declared one exactly (float64 is spelt double, a list's element is named; a
+    string may be a large_string)."""
+    if declared == "string":
+        return arrow_type in ("string", "large_string")
+    m = re.fullmatch(r"list<(?:\w+: )?(\w+)>", arrow_type)
+    if declared.startswith("list<"):
+        return m is not None and declared == f"list<{m.group(1)}>"
+    return arrow_type == {"float64": "double"}.get(declared, declared)
+
+
+def column_type_problem(table: str, name: str, arrow_type: str, exact: bool = True) -> str | None:
+    """Why a parquet column's arrow type is not its declared one (None when it is, or may be, as declared):
+    the declared type exactly (format version 2; ``exact=False``: its family, int64 and int32 alike, by
+    version 1's rules)."""
     col = declared_columns(table)[name]
     want, got = col["type"], _arrow_family(arrow_type)
-    want_family = "int" if want.startswith("int") else "float" if want.startswith("float") else want
-    if got == want_family:
+    if exact and _exact(want, arrow_type):
         return None
-    if col.get("nullable") and (got == "null" or (want_family == "int" and got == "float")):
+    want_family = "int" if want.startswith("int") else "float" if want.startswith("float") else want
+    if got == want_family and not exact:
+        return None
+    if col.get("nullable") and (got == "null" or (want_family == "int" and (arrow_type == "double" if exact else got == "float"))):
         return None
     return f"column {name!r} is of arrow type {arrow_type}, the format declares {want}"
 

@@ -176,6 +176,7 @@ def _check_columns(ctx: Audit, name: str, schema, typed: bool) -> None:
         if field.name not in declared:
             ctx.fail(f"{name}.parquet", f"has column {field.name!r}, which {contract.WHERE} does not declare")
             continue
-        problem = contract.column_type_problem(name, field.name, str(field.type)) if typed else None
+        problem = contract.column_type_problem(name, field.name, str(field.type), ctx.version >= 2) \
+            if typed else None
         if problem is not None:
             ctx.fail(f"{name}.parquet", problem)

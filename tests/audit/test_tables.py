@@ -84,3 +84,21 @@ def test_empty_table_of_wrong_column_type_is_named(bundle):
                          table.set_column(i, "seq", pa.array([], type=pa.string())))
     rewrite_manifest(bundle)
     assert "telemetry.parquet: column 'seq' is of arrow type string, the format declares int64" in failed(bundle)
+
+
+@pytest.mark.parametrize("table, column, cast", [("tokens", "token_id", "int32"), ("arms", "seq", "int32"),
+                                                 ("tokens", "exit_depth", "int64"), ("pairs", "ratio", "float32")])
+def test_column_of_another_type_of_its_family_is_named(bundle, table, column, cast):
+    """Format version 2 checks the declared arrow type exactly: an int64 column cast to int32 is named."""
+    edit_table(bundle, table, lambda df: df.astype({column: cast}))
+    rewrite_manifest(bundle)
+    declared = contract.declared_columns(table)[column]["type"]
+    got = {"float32": "float"}.get(cast, cast)
+    assert f"{table}.parquet: column {column!r} is of arrow type {got}, the format declares {declared}" \
+        in failed(bundle)
+
+
+def test_version_1_rules_match_column_types_by_family():
+    assert contract.column_type_problem("tokens", "token_id", "int32", exact=False) is None
+    assert contract.column_type_problem("tokens", "token_id", "int32") is not None
+    assert contract.column_type_problem("tokens", "token_id", "int64") is None
