@@ -64,6 +64,10 @@ def check_point_requests(ctx: Audit, plan: dict) -> None:
         if len(reqs) != pt["num_requests"] or len({q["request_id"] for q in reqs}) != len(reqs):
             ctx.fail("plan", f"point {pt['key']} lists {len(reqs)} requests "
                              f"({len({q['request_id'] for q in reqs})} distinct ids) for C{pt['num_requests']}")
+        indices = [q["prompt_index"] for q in reqs]
+        for i in sorted({i for i in indices if indices.count(i) > 1}):
+            ctx.fail("plan", f"point {pt['key']} lists prompt_index {i} for {indices.count(i)} requests; a point's "
+                             "requests run distinct prompts")
         for q in reqs:
             if not 0 <= q["prompt_index"] < (n_prompts if n_prompts is not None else math.inf):
                 ctx.fail("plan", f"point {pt['key']} request {q['request_id']}: prompt_index {q['prompt_index']} "
@@ -91,6 +95,9 @@ def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
             elif not 0 <= i < len(prompts) or r["prompt_sha256"] != prompt_sha256(prompts[i]):
                 ctx.fail("reference", f"{where}: prompt sha256 does not match prompts.json[{i}], the plan's "
                                       "prompt_index")
+            elif r["prompt_len"] != len(prompts[i]):
+                ctx.fail("reference", f"{where}: prompt_len {r['prompt_len']} is not the {len(prompts[i])} tokens of "
+                                      f"prompts.json[{i}], the plan's prompt_index")
             if len(r["token_ids"]) != D or len(r["exit_depths"]) != D:
                 ctx.fail("reference", f"{where}: {len(r['token_ids'])} tokens, {len(r['exit_depths'])} depths, "
                                       f"expected {D}")
