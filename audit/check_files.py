@@ -15,13 +15,20 @@ def check_manifest(ctx: Audit) -> None:
     if manifest is None:
         return
     check_format_version(ctx, manifest)
+    closed = ctx.version >= contract.CLOSED_SINCE
+    if closed:
+        problem = contract.fields_problem(manifest, contract.DOCS["manifest"]["fields"], "manifest.json: ",
+                                          closed=True)
+        if problem is not None:
+            ctx.fail("manifest", problem)
     listed = manifest["files"]
     for rel, entry in sorted(listed.items()):
         if Path(rel).is_absolute() or ".." in Path(rel).parts or rel in contract.UNMANIFESTED:
             ctx.fail("manifest", f"lists {rel!r}, which cannot be a file of the bundle")
             continue
         p = ctx.bundle / rel
-        problem = contract.fields_problem(entry, contract.DOCS["manifest"]["entry_fields"], f"{rel}: ") \
+        problem = contract.fields_problem(entry, contract.DOCS["manifest"]["entry_fields"], f"{rel}: ",
+                                          closed=closed) \
             if isinstance(entry, dict) else f"{rel}: {entry!r}"
         if problem is not None:
             ctx.fail("manifest", f"lists {problem}")

@@ -26,9 +26,16 @@ def point_requests(ctx: Audit, pt: dict) -> list[dict]:
 def check_plan(ctx: Audit, plan: dict) -> None:
     """plan.json has the contract's fields; the config's, prompts' and references' sha256s are the ones it
     records."""
-    problem = contract.fields_problem(plan, PLAN["fields"], "plan.json: ")
+    closed = ctx.version >= contract.CLOSED_SINCE
+    problem = contract.fields_problem(plan, PLAN["fields"], "plan.json: ", closed=closed)
     if problem is not None:
         ctx.fail("plan", problem)
+    for job, items in plan["order"].items():
+        bad = (contract.fields_problem(o, PLAN["order_item_fields"], f"plan.json: order {job}: ", closed=closed)
+               if isinstance(o, dict) else f"plan.json: order {job}: {o!r}" for o in items)
+        problem = next((p for p in bad if p is not None), None)
+        if problem is not None:
+            ctx.fail("plan", problem)
     cfg_sha = hashlib.sha256(canonical(plan["config"])).hexdigest()
     if cfg_sha != plan["config_sha256"]:
         ctx.fail("plan", f"config sha256 is {cfg_sha}, plan.json says {plan['config_sha256']}")
@@ -49,13 +56,18 @@ def check_point_requests(ctx: Audit, plan: dict) -> None:
     n_prompts = plan["prompts"].get("count")
     fields = {k: v for k, v in PLAN["point_fields"].items()
               if k != "requests" or ctx.version >= PLAN["point_requests_since"]}
+    closed = ctx.version >= contract.CLOSED_SINCE
     for pt in plan["points"]:
-        problem = contract.fields_problem(pt, fields, f"point {pt.get('key')!r}: ", PLAN["point_optional"])
+        where = f"point {pt.get('key')!r}: "
+        problem = contract.fields_problem(pt, fields, where, PLAN["point_optional"], closed)
+        if problem is None and isinstance(pt.get("reference"), dict):
+            problem = contract.fields_problem(pt["reference"], PLAN["reference_fields"], f"{where}reference.",
+                                              closed=closed)
         if problem is not None:
             ctx.fail("plan", problem)
             continue
         reqs = point_requests(ctx, pt)
-        problems = (contract.fields_problem(q, PLAN["point_request_fields"], "") if isinstance(q, dict)
+        problems = (contract.fields_problem(q, PLAN["point_request_fields"], "", closed=closed) if isinstance(q, dict)
                     else f"{q!r} is not an object" for q in reqs)
         bad = next((p for p in problems if p is not None), None)
         if bad is not None:

@@ -48,7 +48,8 @@ def check_child_states(ctx: Audit, children: list[dict]) -> None:
     ended = tuple(CHILDREN["ended_states"])
     for c in children:
         where = f"children.json: {derive.child_session(c)}"
-        problem = contract.fields_problem(c, CHILDREN["entry_fields"], "", CHILDREN["entry_optional"])
+        problem = contract.fields_problem(c, CHILDREN["entry_fields"], "", CHILDREN["entry_optional"],
+                                          ctx.version >= contract.CLOSED_SINCE)
         if problem is not None:
             ctx.fail("sessions", f"{where}: {problem}")
         if c.get("state") not in ended:

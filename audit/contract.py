@@ -47,9 +47,16 @@ def is_kind(value: Any, kind: str) -> bool:
     return False
 
 
+CLOSED_SINCE = DOCS["closed_since"]
+
+
 def fields_problem(data: dict, fields: dict[str, str], where: str,
-                   optional: dict[str, str] | None = None) -> str | None:
-    """Why ``data`` lacks a required field of ``fields`` or holds one (or an optional one) of the wrong type."""
+                   optional: dict[str, str] | None = None, closed: bool = False) -> str | None:
+    """Why ``data`` lacks a required field of ``fields`` or holds one (or an optional one) of the wrong type;
+    ``closed`` (format version 2): or holds a field neither lists."""
+    extra = sorted(set(data) - set(fields) - set(optional or {})) if closed else []
+    if extra:
+        return f"{where}{extra[0]} is a field that {WHERE} does not define"
     for key, kind in fields.items():
         value = data.get(key, ABSENT)
         if value is ABSENT:
@@ -124,7 +131,8 @@ def column_type_problem(table: str, name: str, arrow_type: str, exact: bool = Tr
     want_family = "int" if want.startswith("int") else "float" if want.startswith("float") else want
     if got == want_family and not exact:
         return None
-    if col.get("nullable") and (got == "null" or (want_family == "int" and (arrow_type == "double" if exact else got == "float"))):
+    as_float = arrow_type == "double" if exact else got == "float"   # a nullable int column with nulls
+    if col.get("nullable") and (got == "null" or (want_family == "int" and as_float)):
         return None
     return f"column {name!r} is of arrow type {arrow_type}, the format declares {want}"
 

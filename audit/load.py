@@ -15,10 +15,10 @@ REFERENCES = contract.DOCS["references"]
 ENVIRONMENT = contract.DOCS["environment"]
 
 
-def _phase_problem(data: Any, phase: str) -> str | None:
+def _phase_problem(data: Any, phase: str, closed: bool) -> str | None:
     if not isinstance(data, dict):
         return f"{phase} is {data!r}"
-    problem = contract.fields_problem(data, RECORD["phase_fields"], f"{phase}.")
+    problem = contract.fields_problem(data, RECORD["phase_fields"], f"{phase}.", RECORD["phase_optional"], closed)
     if problem is not None:
         return problem
     if not data["elapsed_s"] > 0:
@@ -26,13 +26,13 @@ def _phase_problem(data: Any, phase: str) -> str | None:
     for rid, out in data["outputs"].items():
         if not isinstance(out, dict):
             return f"{phase}.outputs.{rid} is {out!r}"
-        problem = contract.fields_problem(out, RECORD["output_fields"], f"{phase}.outputs.{rid}.")
+        problem = contract.fields_problem(out, RECORD["output_fields"], f"{phase}.outputs.{rid}.", closed=closed)
         if problem is not None:
             return problem
     return None
 
 
-def _coverage_problem(rec: dict) -> str | None:
+def _coverage_problem(rec: dict, closed: bool) -> str | None:
     """Records of schema 2 and later carry ``coverage``; schema 1 (bundles before it) has none."""
     schema = rec.get("schema", 1)
     if not contract.is_kind(schema, "int"):
@@ -42,27 +42,33 @@ def _coverage_problem(rec: dict) -> str | None:
     cov = rec.get("coverage")
     if not isinstance(cov, dict):
         return f"coverage is {cov!r}"
-    return contract.fields_problem(cov, RECORD["coverage_fields"], "coverage.")
+    return contract.fields_problem(cov, RECORD["coverage_fields"], "coverage.", closed=closed)
 
 
-def record_problem(rec: Any) -> str | None:
-    """Why ``rec`` is not a raw arm record (a field missing or of the wrong JSON type), or None."""
+def record_problem(rec: Any, closed: bool = False) -> str | None:
+    """Why ``rec`` is not a raw arm record (a field missing or of the wrong JSON type; ``closed``, format
+    version 2: or a field the contract does not define), or None."""
     if not isinstance(rec, dict):
         return f"a JSON {type(rec).__name__}, not an object"
-    problem = contract.fields_problem(rec, RECORD["fields"], "")
+    problem = contract.fields_problem(rec, RECORD["fields"], "", RECORD["optional"], closed)
     if problem is not None:
         return problem
     if rec["position"] not in RECORD["positions"]:
         return f"position is {rec['position']!r}"
-    if contract.fields_problem(rec["device"], RECORD["device_fields"], "") is not None:
-        return "device.label is missing"
+    problem = contract.fields_problem(rec["device"], RECORD["device_fields"], "device.", RECORD["device_optional"],
+                                      closed)
+    if isinstance(rec.get("wall_clock"), dict):
+        problem = problem or contract.fields_problem(rec["wall_clock"], RECORD["wall_clock_fields"], "wall_clock.",
+                                                     closed=closed)
+    if problem is not None:
+        return problem
     for phase in RECORD["phases"]:
         if phase == "warmup" and rec.get(phase) is None:  # a run without warmup
             continue
-        problem = _phase_problem(rec.get(phase), phase)
+        problem = _phase_problem(rec.get(phase), phase, closed)
         if problem is not None:
             return problem
-    return _coverage_problem(rec)
+    return _coverage_problem(rec, closed)
 
 
 def record_file_name(rec: dict) -> str:
@@ -83,7 +89,7 @@ def load_records(ctx: Audit) -> list[dict]:
         rec = ctx.read_json(rel, "raw")
         if rec is None:
             continue
-        problem = record_problem(rec)
+        problem = record_problem(rec, ctx.version >= contract.CLOSED_SINCE)
         if problem is not None:
             ctx.fail("raw", f"{rel} is not an arm record: {problem}")
             continue
@@ -109,7 +115,7 @@ def load_references(ctx: Audit, plan: dict) -> dict[str, dict]:
         schedule, meta = ctx.read_json(ref["file"], "reference"), ctx.read_json(ref["meta_file"], "reference")
         if not (isinstance(schedule, dict) and isinstance(meta, dict)):
             continue
-        problem = _reference_problem(schedule, meta)
+        problem = _reference_problem(schedule, meta, ctx.version >= contract.CLOSED_SINCE)
         if problem is not None:
             ctx.fail("reference", f"{pt['key']}: {problem}")
             continue
@@ -117,23 +123,26 @@ def load_references(ctx: Audit, plan: dict) -> dict[str, dict]:
     return refs
 
 
-def _reference_problem(schedule: dict, meta: dict) -> str | None:
-    """Why a frozen reference's schedule or meta lacks a field of the contract (or has one of another type)."""
-    problem = contract.fields_problem(schedule, REFERENCES["schedule_fields"], "schedule ") \
-        or contract.fields_problem(meta, REFERENCES["meta_fields"], "meta ")
+def _reference_problem(schedule: dict, meta: dict, closed: bool) -> str | None:
+    """Why a frozen reference's schedule or meta lacks a field of the contract (or has one of another type;
+    ``closed``: or one the contract does not define)."""
+    problem = contract.fields_problem(schedule, REFERENCES["schedule_fields"], "schedule ", closed=closed) \
+        or contract.fields_problem(meta, REFERENCES["meta_fields"], "meta ", REFERENCES["meta_optional"], closed)
     for r in schedule["requests"] if problem is None else []:
-        problem = problem or (contract.fields_problem(r, REFERENCES["schedule_request_fields"], "schedule request ")
+        problem = problem or (contract.fields_problem(r, REFERENCES["schedule_request_fields"], "schedule request ",
+                                                      closed=closed)
                               if isinstance(r, dict) else f"schedule request {r!r}")
     return problem
 
 
-def environment_problem(env: Any) -> str | None:
+def environment_problem(env: Any, closed: bool = False) -> str | None:
     """Why ``environment.json`` is not the contract's document (a field missing or of another JSON type)."""
     if not isinstance(env, dict):
         return f"a JSON {type(env).__name__}, not an object"
-    problem = contract.fields_problem(env, ENVIRONMENT["fields"], "")
+    problem = contract.fields_problem(env, ENVIRONMENT["fields"], "", closed=closed)
     for part in ("python", "cpu", "torch"):
-        problem = problem or contract.fields_problem(env[part], ENVIRONMENT[f"{part}_fields"], f"{part}.")
+        problem = problem or contract.fields_problem(env[part], ENVIRONMENT[f"{part}_fields"], f"{part}.",
+                                                     closed=closed)
     for part, kind in (("packages", "package_version"), ("env", "env_value")):
         values = env[part].items() if problem is None else []
         bad = [k for k, v in values if not contract.is_kind(v, ENVIRONMENT[kind])]
@@ -142,7 +151,7 @@ def environment_problem(env: Any) -> str | None:
 
 
 def check_environment(ctx: Audit, env: Any) -> None:
-    problem = environment_problem(env)
+    problem = environment_problem(env, ctx.version >= contract.CLOSED_SINCE)
     if problem is not None:
         ctx.fail("environment.json", f"is not the environment document of {contract.WHERE}: {problem}")
 
