@@ -66,6 +66,9 @@ def check_point_requests(ctx: Audit, plan: dict) -> None:
         if problem is not None:
             ctx.fail("plan", problem)
             continue
+        if ctx.version < PLAN["point_requests_since"] and "requests" in pt:   # a downgrade attack
+            ctx.fail("plan", f"point {pt['key']} lists its requests, which format version {ctx.version} does not "
+                             f"(they are version {PLAN['point_requests_since']} content)")
         reqs = point_requests(ctx, pt)
         problems = (contract.fields_problem(q, PLAN["point_request_fields"], "", closed=closed) if isinstance(q, dict)
                     else f"{q!r} is not an object" for q in reqs)
