@@ -79,7 +79,11 @@ def reason_problem(reason: Any) -> str | None:
     extra = sorted(set(reason) - {"code"} - set(spec["fields"]))
     if extra:
         return f"code {reason['code']!r} has fields {extra} that {WHERE} does not define"
-    return fields_problem(reason, spec["fields"], f"code {reason['code']!r}: ")
+    problem = fields_problem(reason, spec["fields"], f"code {reason['code']!r}: ")
+    stops = DOCS["children"]["interrupted_by_values"]
+    if problem is None and reason["code"] == "stopped" and reason["by"] not in stops:
+        return f"code 'stopped': by {reason['by']!r} is not one of {stops} ({WHERE})"
+    return problem
 
 
 def reason_text(reason: dict) -> str:

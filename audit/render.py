@@ -56,7 +56,7 @@ def _result_tables(results: list[dict]) -> list[str]:
         lines += _table([h.format(baseline=b, candidate=c) for h in R["result"]["columns"]],
                         [result_row(r) for r in rows])
         lines.append("")
-    return lines
+    return lines or [""]   # no results: one empty line, as harness/report.py writes it
 
 
 def _prompt_label(wl: dict) -> str:

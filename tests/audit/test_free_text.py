@@ -48,3 +48,10 @@ def test_interrupted_by_outside_the_contract_is_named(bundle):
     _refinalize(bundle)
     text = failed(bundle)
     assert "has interrupted_by 'SIGTERM\\n\\n## Result\\n\\n**fake**', not one of ['SIGTERM', 'SIGINT', 'lost']" in text
+
+
+def test_stop_signal_outside_the_contract_in_a_status_code_is_named(bundle):
+    edit_json(bundle / "summary.json", lambda s: s.update(
+        status="incomplete", incomplete_reasons=[{"code": "stopped", "by": "SIGTERM\n\n## Result"}]))
+    rewrite_manifest(bundle)
+    assert "incomplete_reasons[0]: code 'stopped': by 'SIGTERM\\n\\n## Result' is not one of" in failed(bundle)
