@@ -31,12 +31,12 @@ def task(cfg) -> int:
     from . import controller
 
     try:
-        conf.validate(cfg)       # a bad key or value: one clear line and exit 2, not a traceback
+        spec = conf.validate(cfg)    # a bad key or value: one clear line and exit 2, not a traceback
     except (ValueError, TypeError) as exc:
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
-    return show(controller.run(cfg))
+    return show(controller.run(spec))
 
 
 def show(result) -> int:

@@ -224,10 +224,11 @@ def open_bundle(spec: BenchSpec, code: dict) -> Path:
     return evidence.bundle_dir(results_dir, spec.name, short)
 
 
-def run(cfg: DictConfig | dict) -> RunResult:
+def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
     """Run one benchmark end to end, or resume one (``resume``); returns the bundle and its summary (never a
-    verdict for a partial run). SIGTERM or Ctrl-C stops the children and publishes an incomplete bundle."""
-    spec = conf.validate(cfg)
+    verdict for a partial run). SIGTERM or Ctrl-C stops the children and publishes an incomplete bundle.
+    ``cfg`` is a composed config (validated here) or the ``BenchSpec`` a caller already validated."""
+    spec = cfg if isinstance(cfg, BenchSpec) else conf.validate(cfg)
     if spec.resume is not None:
         from .resume import resume
 

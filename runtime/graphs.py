@@ -177,7 +177,7 @@ class CudaGraphs:
             static = self._desc[bucket] = torch.empty((DESC_ROWS, bucket), dtype=torch.int32, device=self.device)
         outs = self.decode.run(
             bucket, tuple(static), publish=lambda: self.banks.publish(bank, into=static),
-            warm_inputs=lambda: static.copy_(torch.tensor(PADDING_ROW, dtype=torch.int32)[:, None]))
+            warm_inputs=lambda: static.copy_(torch.from_numpy(_PADDING_COLUMNS)))
         return outs if n == bucket else tuple(o[:n] for o in outs)
 
     def run_prefill(self, x: torch.Tensor, slot: int, depth: int) -> torch.Tensor:
