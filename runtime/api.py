@@ -169,7 +169,7 @@ class EngineStats:
     decode_steps: int = 0
     peak_kv_blocks: int = 0           # a high-water mark: ``minus`` keeps it as it is
     decode_graphs: GraphCounters = field(default_factory=GraphCounters)    # recurrent-core graphs, by bucket
-    prefill_graphs: GraphCounters = field(default_factory=GraphCounters)   # full-prompt loop graphs, by length
+    prefill_graphs: GraphCounters = field(default_factory=GraphCounters)   # packed prefill-loop graphs, by rows
 
     WORK_FIELDS: ClassVar[tuple[str, ...]] = ("rows_per_depth", "prefill_tokens", "prefill_rows", "decode_tokens", "steps", "decode_steps")
 

@@ -7,6 +7,7 @@ bank; the device reads them by an async copy (``h2d``) or directly through unifi
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .api import DescriptorMode
@@ -58,3 +59,14 @@ class DescriptorBanks:
         self.events[self.i].record()
         self.pending[self.i] = True
         return dst
+
+
+def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` without a host sync: on CUDA through a pinned buffer and an
+    async copy (torch's caching host allocator keeps the buffer until the copy has run, so the caller may
+    reuse or free ``array`` at once); elsewhere a copy. A pageable host-to-device copy would block the host
+    until the GPU drained its queue, the idle time this runtime removes."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host.clone()
+    return host.pin_memory().to(device, non_blocking=True)

@@ -17,9 +17,11 @@ step.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .api import EngineConfig, EngineStats, Request, RequestOutput
+from .descriptors import to_device_async
 from .exit_policy import make_policy
 from .kv_cache import DepthKVCache
 from .model import OuroModel
@@ -51,7 +53,7 @@ class LoopEngine:
                                num_blocks=num_blocks, device=model.device, dtype=model.dtype,
                                poison=config.poison_kv)
         self.stats = EngineStats(rows_per_depth=[0] * self.num_planes)
-        self.policy = make_policy(config.exit_policy, config.schedule, config.eos_token_id)
+        self.policy = make_policy(config.exit_policy, config.schedule, config.eos_token_id, S)
         self.scheduler = Scheduler(config, self.kv, self.policy, vocab_size=cfg.vocab_size,
                                    num_planes=self.num_planes)
         self.runner = Runner(model, config, self.kv, self.policy, self.stats)
@@ -98,49 +100,57 @@ class LoopEngine:
         return self.outputs()
 
     def step(self) -> None:
-        """One engine step: grow KV for decode rows, admit, one prefill loop per prefilling request,
-        one recurrent-core loop for all decode rows. Raises OutOfBlocksError before doing any work
+        """One engine step: grow KV for decode rows, admit, one packed prefill loop for every prefilling
+        request, one recurrent-core loop for all decode rows. Raises OutOfBlocksError before doing any work
         when the pool cannot hold the running requests' next positions."""
         plan = self.scheduler.schedule()                      # plan: host decisions only
+        self.runner.stage(plan.admitted)                      # run: async uploads, then launches
         for run in plan.admitted:
-            self.runner.admit(run.slot, run.req)
             self.stats.prefill_tokens += len(run.req.prompt_token_ids)
-        for loop in plan.prefill:
-            self._apply_prefill(loop, self.runner.prefill(loop))
+        if plan.prefill:
+            self._apply_prefill(plan.prefill, self.runner.prefill(plan.prefill))
         if plan.decode:
             self._apply_decode(plan, self.runner.decode(plan))
         self.stats.steps += 1
         self.stats.peak_kv_blocks = self.kv.allocator.peak_used
 
-    def _apply_prefill(self, loop: PrefillLoop, first: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """After a prefill loop: the next loop, or (final loop) the first token and the decode phase."""
-        run = self.scheduler.slots[loop.slot]
-        T = len(run.req.prompt_token_ids)
-        self.stats.prefill_rows += T
-        if first is None:
-            run.depth += 1
+    def _apply_prefill(self, loops: tuple[PrefillLoop, ...],
+                       first: tuple[list[int], torch.Tensor, torch.Tensor] | None) -> None:
+        """After a packed prefill loop: each request goes one loop deeper, or (its final loop) takes its
+        first token and enters the decode phase."""
+        runs = [self.scheduler.slots[loop.slot] for loop in loops]
+        finals, logits, tokens = first if first is not None else ([], None, None)
+        for run in runs:
+            self.stats.prefill_rows += len(run.req.prompt_token_ids)
+        for i, run in enumerate(runs):
+            if i not in finals:
+                run.depth += 1
+        if not finals:
             return
-        logits, token = first
-        self._keep_logits([run], logits)
-        run.exit_depths.append(loop.depth)
-        run.n_out, run.phase, run.depth, run.pos = 1, "decode", 1, T
-        if self.policy.needs_host_tokens(run.req):
-            run.host_tokens.append(int(token[0]))
-        self._after_token(run)
+        done = [runs[i] for i in finals]
+        self._keep_logits(done, logits)
+        host = any(self.policy.needs_host_tokens(r.req) for r in done)
+        for j, run in enumerate(done):
+            T = len(run.req.prompt_token_ids)
+            run.exit_depths.append(loops[finals[j]].depth)
+            run.n_out, run.phase, run.depth, run.pos = 1, "decode", 1, T
+            if host and self.policy.needs_host_tokens(run.req):
+                run.host_tokens.append(int(tokens[j]))        # EOS must be seen: a sync, only then
+            self._after_token(run)
 
-    def _apply_decode(self, plan: StepPlan, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    def _apply_decode(self, plan: StepPlan, out: tuple[torch.Tensor, ...]) -> None:
         """After a decode loop: exiting rows take their token and restart at depth 1, the rest go deeper."""
-        exit_flags, tok, logits = out
+        exit_flags, tok, logits, triggered = out
         rows = plan.decode
         for r in rows:
             self.stats.rows_per_depth[r.depth - 1] += 1
         self.stats.decode_steps += 1
-        exits = self.policy.exits_after_step(plan.forced, exit_flags)   # natural policies read the gate
+        exits = self.policy.exits_after_step(plan, exit_flags, triggered)   # natural policies: the gate
         ex = [i for i, e in enumerate(exits) if e]
         exr = [rows[i] for i in ex]
         host_tokens = any(self.policy.needs_host_tokens(r.req) for r in exr)
         if ex and (self.config.keep_logits or host_tokens):
-            idx = torch.tensor(ex, dtype=torch.long, device=self.model.device)
+            idx = to_device_async(np.array(ex, dtype=np.int64), self.model.device)
             self._keep_logits(exr, logits[idx])
             if host_tokens:
                 for r, t in zip(exr, tok[idx].tolist()):
@@ -181,6 +191,7 @@ class LoopEngine:
         """Outputs of every finished request (synchronises the device once)."""
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
+        self.policy.drain()
         out = {}
         for rid, (req, host, exits, reason) in self._finished.items():
             toks = tuple(host.tolist()) if host is not None else ()

@@ -15,12 +15,14 @@ A policy is one object with the same methods for both kinds (:class:`NaturalPoli
 :class:`ReplayPolicy`, made by :func:`make_policy`): the scheduler asks it for the host-known exits of
 a step's rows, the runner for the device exit rule, the engine for the exits after a step and whether a
 request stops early. The device methods are vectorised over rows and never synchronise with the host; only
-``NaturalPolicy.exits_after_step`` reads the device (the gate decides there, so the host must learn it).
+``NaturalPolicy.exits_after_step`` reads the device (the gate decides there, so the host must learn it;
+under ``ouro_delayed`` one step late, without stalling the GPU).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from .api import ExitPolicyName, choice_values
@@ -28,7 +30,7 @@ from .api import ExitPolicyName, choice_values
 if TYPE_CHECKING:
     from .api import Request
     from .schedule import Schedule, ScheduledRequest
-    from .scheduler import Running
+    from .scheduler import Running, StepPlan
 
 POLICIES = choice_values(ExitPolicyName)
 
@@ -66,13 +68,29 @@ class SlotBounds(Protocol):
 
 
 class NaturalPolicy:
-    """``fixed``, ``ouro`` or ``ouro_delayed``: the gate decides on the device; the host reads the exit
-    flags once per step and, for requests that stop at EOS, the sampled tokens of exiting rows."""
+    """``fixed``, ``ouro`` or ``ouro_delayed``: the gate decides on the device, and the host learns each
+    step's exits as late as the rule allows, so that it never waits for the step it has just launched.
 
-    def __init__(self, name: str, eos_token_id: int | None):
+    - ``fixed``: a row exits at ``max_loops``; the host knows that without reading anything.
+    - ``ouro_delayed``: a row exits after loop r when r = max_loops or the test held at an earlier loop of
+      its token; the loop-(r-1) flags come from the *previous* step, read back asynchronously (a pinned
+      copy and an event recorded after that step). The host waits for the previous step only, while the
+      GPU runs the one just launched. It also reads that step's device exit flags and checks them
+      against what it predicted one step before (a mismatch is a RuntimeError: host and device state
+      would have diverged).
+    - ``ouro``: loop r's own gate decides, so the host reads the step's exit flags at once (one sync).
+
+    Requests that stop at EOS additionally have the sampled tokens of exiting rows read (a sync).
+    """
+
+    def __init__(self, name: str, eos_token_id: int | None, max_num_seqs: int = 0):
         if name not in POLICIES or name == ExitPolicyName.REPLAY:
             raise ValueError(f"{name!r} is not a natural exit policy")
         self.name, self.eos_token_id = name, eos_token_id
+        self._triggered = np.zeros(max_num_seqs, dtype=bool)   # per slot, after its latest loop read back
+        self._reads: list[tuple[torch.Tensor, object]] = []     # two pinned [2, S] bool buffers + events
+        self._pending: tuple[int, np.ndarray, np.ndarray] | None = None   # (buffer, slots, predicted exits)
+        self._turn = 0
 
     def check_request(self, req: Request) -> None:
         """ValueError if the request cannot run under this policy."""
@@ -92,9 +110,55 @@ class NaturalPolicy:
         return exit_step(self.name, hazard, depth, survival, triggered, bounds.min_loops[sl],
                          bounds.max_loops[sl], bounds.threshold[sl])
 
-    def exits_after_step(self, forced: list[bool], exit_flags: torch.Tensor) -> list[bool]:
-        """Which of a step's rows exited: read from the device flags ([n] bool; one host sync)."""
-        return exit_flags.tolist()
+    def exits_after_step(self, plan: StepPlan, exit_flags: torch.Tensor, triggered: torch.Tensor) -> list[bool]:
+        """Which of the step's rows exit after this loop (see the class docstring for when the host learns
+        it). exit_flags, triggered: [n] bool device outputs of the step just launched."""
+        if self.name == ExitPolicyName.OURO:
+            return exit_flags.tolist()                       # this loop's own gate decides: one sync
+        self.drain()
+        slots, depth = plan.rows[:, 0], plan.rows[:, 1]
+        exits = depth >= np.array([r.req.max_loops for r in plan.decode])
+        if self.name == ExitPolicyName.OURO_DELAYED:
+            exits |= (depth > 1) & self._triggered[slots]
+            self._read_later(slots, exits, exit_flags, triggered)
+        return exits.tolist()
+
+    def _read_later(self, slots: np.ndarray, exits: np.ndarray, exit_flags: torch.Tensor,
+                    triggered: torch.Tensor) -> None:
+        """Start copying a step's flags to the host without waiting for them (``drain`` collects them)."""
+        n = slots.shape[0]
+        if not exit_flags.is_cuda:
+            self._triggered[slots] = triggered.numpy()
+            self._check(exits, exit_flags.numpy())
+            return
+        if not self._reads:
+            S = self._triggered.shape[0]
+            self._reads = [(torch.empty((2, S), dtype=torch.bool, pin_memory=True), torch.cuda.Event())
+                           for _ in range(2)]
+        buf, event = self._reads[self._turn]
+        buf[0, :n].copy_(exit_flags, non_blocking=True)
+        buf[1, :n].copy_(triggered, non_blocking=True)
+        event.record()
+        self._pending = (self._turn, slots.copy(), exits)
+        self._turn ^= 1
+
+    def drain(self) -> None:
+        """Collect the flags of the step read back last (waits for that step's GPU work, not later ones)."""
+        if self._pending is None:
+            return
+        turn, slots, exits = self._pending
+        self._pending = None
+        buf, event = self._reads[turn]
+        event.synchronize()
+        flags = buf[:, :slots.shape[0]].numpy()
+        self._triggered[slots] = flags[1]
+        self._check(exits, flags[0])
+
+    @staticmethod
+    def _check(predicted: np.ndarray, device: np.ndarray) -> None:
+        if not np.array_equal(predicted, device):
+            raise RuntimeError(f"the host predicted exits {predicted.tolist()} for a step, the device took "
+                               f"{device.tolist()}: host and device exit state diverged")
 
     def needs_host_tokens(self, req: Request) -> bool:
         """Whether the host must see this request's tokens (to stop at EOS)."""
@@ -129,8 +193,11 @@ class ReplayPolicy:
         """Forced exits ``forced > 0`` ([N] int32); survival advances as the gate says."""
         return forced > 0, survival * (1.0 - hazard), triggered
 
-    def exits_after_step(self, forced: list[bool], exit_flags: torch.Tensor) -> list[bool]:
-        return forced
+    def exits_after_step(self, plan: StepPlan, exit_flags: torch.Tensor, triggered: torch.Tensor) -> list[bool]:
+        return plan.forced
+
+    def drain(self) -> None:
+        """Nothing is read back under replay."""
 
     def needs_host_tokens(self, req: Request) -> bool:
         return False
@@ -141,6 +208,9 @@ class ReplayPolicy:
         return run.n_out >= len(run.entry.exit_depths)
 
 
-def make_policy(name: str, schedule: Schedule | None, eos_token_id: int | None) -> NaturalPolicy | ReplayPolicy:
+def make_policy(name: str, schedule: Schedule | None, eos_token_id: int | None,
+                max_num_seqs: int) -> NaturalPolicy | ReplayPolicy:
     """The policy object for ``EngineConfig.exit_policy`` (validated there)."""
-    return ReplayPolicy(schedule) if name == ExitPolicyName.REPLAY else NaturalPolicy(name, eos_token_id)
+    if name == ExitPolicyName.REPLAY:
+        return ReplayPolicy(schedule)
+    return NaturalPolicy(name, eos_token_id, max_num_seqs)

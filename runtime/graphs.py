@@ -1,5 +1,5 @@
 """CUDA Graphs for the engine: one manager (:class:`CudaGraphs`) over one captured graph per padded
-decode bucket and one per prompt length of the full-prompt prefill loop.
+decode bucket and one per padded row count of the packed full-prompt prefill loop.
 
 vLLM v1 style: a pure function maps a batch of n rows to its bucket (:func:`bucket_for`); the descriptor
 of a step ([DESC_ROWS, bucket] int32: slot, depth, position, first-alias, forced exit) is padded with
@@ -142,13 +142,14 @@ _PADDING_COLUMNS = np.array(PADDING_ROW, dtype=np.int32)[:, None]
 
 
 class CudaGraphs:
-    """The engine's CUDA graphs: the decode core by padded bucket, the prefill loop by prompt length.
+    """The engine's CUDA graphs: the decode core by padded bucket, the packed prefill loop by padded rows.
 
     Owns the buckets, the static inputs of each graph (allocated on a bucket's first use, then reused),
     the padding of a decode step and the slicing of its outputs. ``decode_fn(slot, depth, pos,
     first_alias, forced)`` takes [bucket] int32 rows and returns (exit [bucket] bool, token [bucket]
-    int64, logits [bucket, vocab]); ``prefill_fn(x, slot, depth, positions)`` takes x [T, hidden] and
-    [T] int32 rows and returns (x_out [T, hidden],). Neither may synchronise with the host.
+    int64, logits [bucket, vocab], triggered [bucket] bool); ``prefill_fn(x, slot, depth, positions,
+    tiles)`` takes x [rows, hidden], [rows] int32 rows and [3, num_tiles] int32 query tiles and returns
+    (x_out [rows, hidden],). Neither may synchronise with the host.
     """
 
     def __init__(self, decode_fn: Callable, prefill_fn: Callable, *, max_num_seqs: int, capacity: int,
@@ -158,7 +159,7 @@ class CudaGraphs:
         self.decode = GraphCache(decode_fn, capacity, decode_counters)
         self.prefill = GraphCache(prefill_fn, capacity, prefill_counters, name="prefill")
         self._desc: dict[int, torch.Tensor] = {}          # bucket -> [DESC_ROWS, bucket] int32 on device
-        self._prefill_inputs: dict[int, tuple] = {}       # T -> (x [T, hidden], slot, depth, positions [T] int32)
+        self._prefill_inputs: dict[int, tuple] = {}       # rows -> (x [rows, hidden], descriptor int32)
 
     def bucket(self, n: int) -> int:
         """The padded batch size a decode step of n rows runs on (:func:`bucket_for`)."""
@@ -168,7 +169,7 @@ class CudaGraphs:
         """Run the decode core on a descriptor bank ([DESC_ROWS, bucket] int32 host view; ``host`` its numpy
         view, the first n columns written): pads the rest, publishes it into the bucket's static
         descriptor and replays (or captures, or falls back eagerly on the same shape).
-        Returns (exit [n] bool, token [n] int64, logits [n, vocab]): views of the graph's static outputs,
+        Returns (exit [n] bool, token [n] int64, logits [n, vocab], triggered [n] bool): views of the graph's static outputs,
         valid until the next decode step."""
         bucket = host.shape[1]
         host[:, n:] = _PADDING_COLUMNS
@@ -180,23 +181,44 @@ class CudaGraphs:
             warm_inputs=lambda: static.copy_(torch.from_numpy(_PADDING_COLUMNS)))
         return outs if n == bucket else tuple(o[:n] for o in outs)
 
-    def run_prefill(self, x: torch.Tensor, slot: int, depth: int) -> torch.Tensor:
-        """One full-prompt loop for x [T, hidden] of ``slot`` at ``depth`` through the graph of length T;
-        returns a fresh x_out [T, hidden] (not the graph's static output)."""
-        T = x.shape[0]
-        static = self._prefill_inputs.get(T)
+    def prefill_bucket(self, total: int) -> int:
+        """The padded row count a packed prefill loop of ``total`` prompt rows runs on."""
+        return prefill_bucket_for(total)
+
+    def run_prefill(self, xs: list[torch.Tensor], meta: np.ndarray, rows: int) -> torch.Tensor:
+        """One packed full-prompt loop through the graph of ``rows`` rows: the prompts' activations ``xs``
+        ([T_i, hidden] each, sum T_i <= rows) are copied back to back into the static input, and ``meta``
+        (``runner.prefill_descriptor``: per-row slot, depth, position, then the query tiles; int32) is
+        published with one async copy. Returns the graph's static output [rows, hidden]: valid until the
+        next prefill loop (the caller copies what it keeps)."""
+        static = self._prefill_inputs.get(rows)
         if static is None:
-            static = (torch.empty_like(x), torch.empty(T, dtype=torch.int32, device=self.device),
-                      torch.empty(T, dtype=torch.int32, device=self.device),
-                      torch.arange(T, device=self.device, dtype=torch.int32))
-            self._prefill_inputs[T] = static
+            x = torch.zeros((rows, xs[0].shape[1]), dtype=xs[0].dtype, device=self.device)
+            desc = torch.zeros(meta.shape[0], dtype=torch.int32, device=self.device)
+            static = self._prefill_inputs[rows] = (x, desc)
+        x, desc = static
+        total = sum(t.shape[0] for t in xs)
 
         def publish():
-            static[0].copy_(x)
-            static[1].fill_(slot)
-            static[2].fill_(depth)
+            torch.cat(xs, out=x[:total])
+            desc.copy_(torch.from_numpy(meta).pin_memory(), non_blocking=True)
 
-        return self.prefill.run(T, static, publish, warm_inputs=publish)[0].clone()
+        slot, depth, pos, tiles = desc[:rows], desc[rows:2 * rows], desc[2 * rows:3 * rows], desc[3 * rows:].view(3, -1)
+        return self.prefill.run(rows, (x, slot, depth, pos, tiles), publish, warm_inputs=publish)[0]
+
+
+def prefill_bucket_for(total: int) -> int:
+    """Smallest entry >= total of the ladder 16, 24, 32, 48, 64, 96, ... (2^k and 1.5 * 2^k): a bounded set
+    of packed-prefill graph shapes (two per doubling) that pads a batch of prompts by less than 50%."""
+    if total < 1:
+        raise ValueError(f"a packed prefill needs at least one row, got {total}")
+    b = 16
+    while True:
+        if total <= b:
+            return b
+        if total <= b + b // 2:
+            return b + b // 2
+        b *= 2
 
 
 class KernelCompileInCapture(RuntimeError):

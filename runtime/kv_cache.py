@@ -10,7 +10,10 @@ the model or about how attention reads the planes (``attention.py`` does).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from .descriptors import to_device_async
 
 
 class OutOfBlocksError(RuntimeError):
@@ -72,6 +75,9 @@ class DepthKVCache:
         self.allocator = BlockAllocator(num_blocks)
         # host mirror: blocks[slot][plane] -> list of physical block ids
         self._blocks: list[list[list[int]] | None] = [None] * max_num_seqs
+        # Block-table entries assigned on the host but not yet on the device: (flat index, block id).
+        # They travel in one pinned async copy per step (flush_tables), never a pageable, syncing one.
+        self._pending: list[tuple[np.ndarray, list[int]]] = []
 
     @property
     def bytes(self) -> int:
@@ -109,10 +115,24 @@ class DepthKVCache:
         if need <= have:
             return
         new = self.allocator.allocate((need - have) * len(planes))
+        _, num_planes, width = self.block_tables.shape
+        cols = np.arange(have, need)
         for p, plane in enumerate(planes):
-            ids = new[p * (need - have):(p + 1) * (need - have)]
-            plane.extend(ids)
-            self.block_tables[slot, p, have:need] = torch.tensor(ids, dtype=torch.int32)
+            plane.extend(new[p * (need - have):(p + 1) * (need - have)])
+            self._pending.append(((slot * num_planes + p) * width + cols, plane[have:need]))
+
+    def flush_tables(self) -> None:
+        """Write the block-table entries assigned since the last flush to the device: one pinned host
+        buffer, one async copy and one scatter, in stream order (no host sync; the caching host
+        allocator keeps the pinned buffer until the copy has run). The runner calls it before each
+        step's device work."""
+        if not self._pending:
+            return
+        idx = np.concatenate([i for i, _ in self._pending])
+        ids = np.concatenate([np.asarray(b, dtype=np.int64) for _, b in self._pending])
+        self._pending.clear()
+        both = to_device_async(np.stack([idx.astype(np.int64), ids]), self.block_tables.device)
+        self.block_tables.view(-1)[both[0]] = both[1].to(torch.int32)
 
     def close_slot(self, slot: int) -> None:
         """Free the slot's blocks and point its table entries back at the reserved block 0, so no stale
@@ -120,6 +140,7 @@ class DepthKVCache:
         already issued). With ``poison`` the freed blocks are NaN-filled first."""
         planes = self._blocks[slot]
         if planes is not None:
+            self.flush_tables()              # entries assigned to this slot must land before the reset
             self.block_tables[slot].zero_()
             if self.poison and any(planes):
                 ids = torch.tensor([b for plane in planes for b in plane], dtype=torch.long).to(self.k.device)

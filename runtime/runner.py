@@ -9,18 +9,47 @@ The decode path never synchronises with the host.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
-from loopbench.kernels.prefill_attention import prefill_attention
+from loopbench.kernels.prefill_attention import DEFAULT_BLOCK_M as PREFILL_BLOCK_M
+from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefill_attention, prefill_tiles
 
 from .api import EngineConfig, EngineStats, KVLayout, Request
 from .attention import get_backend
-from .descriptors import DescriptorBanks
+from .descriptors import DescriptorBanks, to_device_async
 from .exit_policy import NaturalPolicy, ReplayPolicy
 from .graphs import CudaGraphs
 from .kv_cache import DepthKVCache
 from .model import OuroModel
-from .scheduler import PrefillLoop, StepPlan
+from .scheduler import PrefillLoop, Running, StepPlan
+
+
+def prefill_descriptor(loops: Sequence[PrefillLoop], lens: Sequence[int], rows: int,
+                       max_num_seqs: int) -> np.ndarray:
+    """The host side of a packed prefill loop: one int32 array of ``3 * rows + 3 * num_tiles`` entries,
+    the per-row slot, depth and position ([rows] each; rows past the prompts are padding: slot -1,
+    depth 1, position 0) followed by the query tiles ([3, num_tiles], kernels/prefill_attention.py) with
+    room for any packing of up to ``max_num_seqs`` prompts into ``rows`` rows (a fixed size per bucket)."""
+    total = sum(lens)
+    meta = np.zeros(3 * rows + 3 * max_prefill_tiles(rows, max_num_seqs, PREFILL_BLOCK_M), dtype=np.int32)
+    slot, depth, pos = meta[:rows], meta[rows:2 * rows], meta[2 * rows:3 * rows]
+    slot[:total] = np.repeat([loop.slot for loop in loops], lens)
+    slot[total:] = -1
+    depth[:total] = np.repeat([loop.depth for loop in loops], lens)
+    depth[total:] = 1
+    pos[:total] = np.concatenate([np.arange(n) for n in lens])
+    tiles = meta[3 * rows:].reshape(3, -1)
+    tiles[:] = prefill_tiles(lens, block_m=PREFILL_BLOCK_M, num_tiles=tiles.shape[1])
+    return meta
+
+
+def unpack_prefill_descriptor(meta: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """Views of a prefill descriptor tensor (:func:`prefill_descriptor`): slot, depth, position [rows]
+    int32 and tiles [3, num_tiles] int32."""
+    return meta[:rows], meta[rows:2 * rows], meta[2 * rows:3 * rows], meta[3 * rows:].view(3, -1)
 
 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -58,55 +87,84 @@ class Runner:
                                      prefill_counters=stats.prefill_graphs, banks=self.banks, device=dev)
 
     # ------------------------------------------------------------------------------------ prefill
-    def admit(self, slot: int, req: Request) -> None:
-        """Stage an admitted request: its exit bounds into the slot, its prompt embedded [T, hidden]."""
-        ids = torch.tensor(req.prompt_token_ids, dtype=torch.long).to(self.model.device)
-        self.min_loops[slot], self.max_loops[slot] = req.min_loops, req.max_loops
-        self.threshold[slot] = req.exit_threshold
-        self._prefill_x[slot] = self.model.embed[ids]
+    def stage(self, admitted: Sequence[Running]) -> None:
+        """Put a step's host decisions on the device before its work: the KV block-table entries assigned
+        since the last step, and each admitted request's exit bounds and embedded prompt [T, hidden].
+        One pinned async upload each, never a pageable copy (that would block the host until the GPU
+        drained its queue)."""
+        self.kv.flush_tables()
+        if not admitted:
+            return
+        dev, reqs = self.model.device, [r.req for r in admitted]
+        lens = [len(r.prompt_token_ids) for r in reqs]
+        ints = np.concatenate([[r.slot for r in admitted], [r.min_loops for r in reqs],
+                               [r.max_loops for r in reqs], *[r.prompt_token_ids for r in reqs]]).astype(np.int64)
+        up, a = to_device_async(ints, dev), len(reqs)
+        slots = up[:a]
+        self.min_loops[slots] = up[a:2 * a].to(torch.int32)
+        self.max_loops[slots] = up[2 * a:3 * a].to(torch.int32)
+        threshold = np.array([r.exit_threshold for r in reqs], dtype=np.float64)
+        self.threshold[slots] = to_device_async(threshold, dev).to(self.threshold.dtype)
+        prompts = self.model.embed[up[3 * a:]]                                     # [sum T, hidden]
+        for run, x in zip(admitted, prompts.split(lens)):
+            self._prefill_x[run.slot] = x
 
     def release(self, slot: int) -> None:
         """Forget a finished or aborted request's prompt activations (if it was still prefilling)."""
         self._prefill_x.pop(slot, None)
 
-    def prefill(self, loop: PrefillLoop) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One full-depth loop over the slot's prompt at ``loop.depth``; KV into that plane. The final loop
-        samples the first output token into the slot and returns (logits [1, vocab], token [1] int64)."""
-        x, slot, dev = self._prefill_x[loop.slot], loop.slot, self.model.device
+    def prefill(self, loops: Sequence[PrefillLoop]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """One full-depth loop for every prefilling request, packed into one launch sequence: their prompts
+        back to back, each causal within itself (no attention across requests), K/V into each request's
+        plane of ``loop.depth``. Requests on their final loop sample their first output token into their
+        slots; returns (indices of those loops in ``loops``, logits [F, vocab], tokens [F] int64) on the
+        device, or None when no loop was final."""
+        xs = [self._prefill_x[loop.slot] for loop in loops]
+        lens = [x.shape[0] for x in xs]
+        total = sum(lens)
+        rows = self.graphs.prefill_bucket(total) if self.graphs is not None else total
+        meta = prefill_descriptor(loops, lens, rows, self.config.max_num_seqs)
         if self.graphs is None:
-            T = x.shape[0]
-            positions = torch.arange(T, device=dev, dtype=torch.int32)
-            row_slot = torch.full((T,), slot, dtype=torch.int32, device=dev)
-            row_depth = torch.full((T,), loop.depth, dtype=torch.int32, device=dev)
-            x = self.prefill_core(x, row_slot, row_depth, positions)[0]
+            up = to_device_async(meta, self.model.device)
+            out = self.prefill_core(torch.cat(xs), *unpack_prefill_descriptor(up, rows))[0]
         else:
-            x = self.graphs.run_prefill(x, slot, loop.depth)
-        if not loop.final:
-            self._prefill_x[slot] = x
+            out = self.graphs.run_prefill(xs, meta, rows)[:total].clone()
+        finals, last_rows = [], []
+        for i, (loop, x) in enumerate(zip(loops, out.split(lens))):
+            if loop.final:
+                finals.append(i)
+                last_rows.append(sum(lens[:i + 1]) - 1)
+                del self._prefill_x[loop.slot]
+            else:
+                self._prefill_x[loop.slot] = x
+        if not finals:
             return None
-        del self._prefill_x[slot]
-        logits = self.model.logits(x[-1:])
-        token = sample_greedy(logits)                                       # [1]
-        self.last_token[slot] = token[0]
-        self.out_tokens[slot, 0] = token[0]
-        self.n_out[slot] = 1
-        return logits, token
+        idx = to_device_async(np.array([last_rows, [loops[i].slot for i in finals]], dtype=np.int64),
+                              self.model.device)
+        logits = self.model.logits(out[idx[0]])
+        token = sample_greedy(logits)                                         # [F]
+        slots = idx[1]
+        self.last_token[slots] = token
+        self.out_tokens[slots, 0] = token
+        self.n_out[slots] = 1
+        return finals, logits, token
 
-    def prefill_core(self, x, row_slot, row_depth, positions):
-        """One full-depth loop over a prompt: x [T, hidden]; [T] int32 slot/depth/positions.
-        Writes the prompt's K/V into the depth's plane; returns (x_out [T, hidden],)."""
+    def prefill_core(self, x, row_slot, row_depth, positions, tiles):
+        """One full-depth loop over packed prompts: x [T, hidden]; [T] int32 slot/depth/position per row
+        (padding rows: slot -1); tiles [3, num_tiles] int32 query tiles (kernels/prefill_attention.py).
+        Writes each row's K/V into its request's plane; returns (x_out [T, hidden],)."""
         kv, be = self.kv, self.backend
 
         def attend(layer, q, k, v):
             be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
-            return prefill_attention(q, k, v)
+            return packed_prefill_attention(q, k, v, tiles, block_m=PREFILL_BLOCK_M)
 
         return (self.model.run_loop(x, positions, attend)[0],)
 
     # ------------------------------------------------------------------------------------- decode
     def decode(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One resident loop for the plan's decode rows (graph or eager; no host sync).
-        Returns (exit [n] bool, token [n] int64, logits [n, vocab]) on the device."""
+        Returns (exit [n] bool, token [n] int64, logits [n, vocab], triggered [n] bool) on the device."""
         n = len(plan.decode)
         bucket = n if self.graphs is None else self.graphs.bucket(n)
         bank = self.banks.acquire(bucket)
@@ -124,7 +182,8 @@ class Runner:
         tokens for all rows and, for the exiting ones, updates the resident last token, output tokens and
         count, and publishes the exit (alias) or fills the skipped planes (native). Rows with slot < 0 are
         padding: they read and write only the scratch slot S and skip every KV write.
-        Returns (exit [N] bool, token [N] int64, logits [N, vocab]).
+        Returns (exit [N] bool, token [N] int64, logits [N, vocab], triggered [N] bool: the delayed exit
+        test held at this loop or an earlier one of the token, what ``ouro_delayed`` consumes next loop).
         """
         kv, be, cfg = self.kv, self.backend, self.config
         valid = row_slot >= 0
@@ -157,7 +216,7 @@ class Runner:
             be.publish_exits(kv.exit_map, exit_slot, row_pos, row_depth)
         else:
             be.native_fill(kv.k, kv.v, kv.block_tables, exit_slot, row_pos, row_depth, self.max_loops[sl])
-        return exit_now, tok, logits
+        return exit_now, tok, logits, trig
 
     def host_tokens(self, slot: int, n: int) -> torch.Tensor:
         """The slot's first n output tokens [n] int64 on the host; on CUDA an async copy into pinned memory

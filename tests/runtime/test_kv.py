@@ -256,6 +256,7 @@ def test_poison_kv_marks_never_written_and_freed_cells():
     kv = DepthKVCache(**kw, poison=True)
     assert torch.isnan(kv.k).all() and torch.isnan(kv.v).all()
     kv.open_slot(1, 2, 6, prompt_exit_depth=2)
+    kv.flush_tables()                             # the device tables get the new entries once per step
     blocks = kv.block_tables[1].flatten().long()
     kv.k[:, blocks] = 1.0
     kv.v[:, blocks] = 1.0
