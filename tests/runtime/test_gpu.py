@@ -183,3 +183,39 @@ def test_failed_capture_raises_clearly_and_leaves_the_process_usable(tmp_path):
     assert "_add_one_kernel" in report["error"] or "capturing" in report["error"], report["error"]
     assert report["cached_after_failure"] == [], "a failed capture must not be cached"
     assert report["after"] == [3.0] * 16 and report["matmul"] == 512.0, f"the process is not usable: {report}"
+
+
+@pytest.mark.parametrize("policy", ["replay", "ouro_delayed", "fixed"])
+@pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
+def test_measured_steps_never_synchronise(ckpt, policy, layout):
+    """After the warmup, every step of a run (admissions, block growth, packed prefill, decode, exits,
+    finishes) runs under torch's sync debug mode "error": any synchronising call raises. ouro_delayed
+    waits only on the previous step's event (DescriptorBanks and the gate read-back use events, which
+    the debug mode does not count: they wait for work already queued, not for the step just launched)."""
+    cfg, tensors = ckpt
+    model = OuroModel.from_tensors(cfg, tensors, device="cuda", dtype=torch.bfloat16)
+    reqs = requests(12, 10, [5, 17, 33, 64, 20])
+    kw = dict(max_num_seqs=4, max_model_len=128, attention_backend="triton", cuda_graphs=True, **layout)
+    natural = LoopEngine(model, EngineConfig(exit_policy="ouro_delayed" if policy == "replay" else policy, **kw))
+    for r in reqs:
+        natural.add_request(r)
+    natural.run()
+    eng = natural
+    if policy == "replay":                  # its warmup (graph captures synchronise) runs unchecked
+        eng = LoopEngine(model, EngineConfig(exit_policy="replay", schedule=natural.capture_schedule(), **kw))
+        for r in reqs:
+            eng.add_request(r)
+        eng.run()
+    expected = eng.outputs()
+    eng.reset_run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for r in reqs:
+            eng.add_request(r)
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eng.outputs() == expected
+    assert eng.stats.decode_graphs.fallbacks == 0 and eng.stats.prefill_graphs.fallbacks == 0
