@@ -66,39 +66,3 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
-
-
-# ---- TEMPORARY shim (replaced by the packed kernel branch): same API, torch per-sequence loop ----
-DEFAULT_BLOCK_M = 128
-
-
-def max_prefill_tiles(total_tokens: int, num_seqs: int, block_m: int) -> int:
-    return -(-total_tokens // block_m) + num_seqs
-
-
-def prefill_tiles(seq_lens, *, block_m: int, num_tiles: int | None = None):
-    import numpy as np
-    tiles, start = [], 0
-    for n in seq_lens:
-        for q in range(start, start + n, block_m):
-            tiles.append((start, q, min(q + block_m, start + n)))
-        start += n
-    num_tiles = len(tiles) if num_tiles is None else num_tiles
-    if num_tiles < len(tiles):
-        raise ValueError(f"num_tiles={num_tiles} < {len(tiles)} tiles needed")
-    out = np.zeros((3, num_tiles), dtype=np.int32)
-    if tiles:
-        out[:, :len(tiles)] = np.array(tiles, dtype=np.int32).T
-    return out
-
-
-def packed_prefill_attention(q, k, v, tiles, *, block_m: int = DEFAULT_BLOCK_M, scale=None):
-    out = torch.zeros_like(q)
-    t = tiles.cpu()
-    seqs = sorted({(int(s), int(e)) for s, _, e in t.T.tolist() if e > s} )
-    ends = {}
-    for s, e in seqs:
-        ends[s] = max(ends.get(s, 0), e)
-    for s, e in ends.items():
-        out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], scale)
-    return out
