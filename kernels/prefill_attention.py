@@ -234,7 +234,7 @@ def _packed_prefill_kernel(
     stride_on, stride_oh, stride_od,
     stride_tt, stride_ti,
     # meta
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # A prompt's later tiles see more keys; running the table back to front starts the long ones first.
@@ -265,7 +265,6 @@ def _packed_prefill_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     rows_ok = offs_m < n_keys
     d_ok = offs_d < HEAD_DIM
-    MASK_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     q = _load_2d(q_seq + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, rows_ok, d_ok, True, MASK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -363,6 +362,7 @@ def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"backend='triton' on {q.device} tensors needs TRITON_INTERPRET=1")
     n, h, d = q.shape
     num_tiles = tiles.shape[1]
+    head_dim_pad = max(16, triton.next_power_of_2(d))                       # tl.dot needs K >= 16
     # Zeros first: rows no tile covers (a padded bucket's tail) must read 0, and the kernel never sees them.
     out = torch.zeros((n, h, d), dtype=q.dtype, device=q.device)
     if n == 0 or num_tiles == 0:
@@ -371,7 +371,7 @@ def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q, k, v, out, tiles,
         num_tiles, n, scale * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *tiles.stride(),
-        GROUP=h // k.shape[1], HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)),
+        GROUP=h // k.shape[1], HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, MASK_D=head_dim_pad != d,
         BLOCK_M=block_m, BLOCK_N=_check_block("block_n", block_n),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
