@@ -10,9 +10,9 @@ the caller attends over the dense K/V it just computed and writes them into the 
 - :func:`packed_prefill_attention` runs every prompt admitted in one step in ONE launch: the prompts lie
   back to back in ``[N, H, D]`` tensors (``N`` may be a padded bucket), and a small int32 table of query
   tiles (:func:`prefill_tiles`) says which rows belong to which prompt. Each row attends causally within
-  its own prompt; rows no tile covers come out as zeros. The launch reads the table only on the device,
-  so the call can be captured once in a CUDA graph (grid fixed by :func:`max_prefill_tiles`) and replayed
-  with new prompts.
+  its own prompt; rows past the last tile come out as zeros, written by the same launch. The launch reads
+  the table only on the device, so the call can be captured once in a CUDA graph (grid fixed by
+  :func:`max_prefill_tiles` and the bucket size) and replayed with new prompts.
 
 Packed kernel (FlashAttention-2, Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
 and Work Partitioning"): one program per (query tile, head), ``BLOCK_M`` query rows against ``BLOCK_N``
@@ -220,6 +220,27 @@ def _attend_block(q, k_seq, v_seq, key0, offs_m, offs_n, offs_d, n_keys, m_i, l_
     return m_new, l_i, acc
 
 
+@triton.jit
+def _zero_tail(out_ptr, tiles_ptr, chunk, head, num_tiles, num_rows, stride_on, stride_oh, stride_od,
+               stride_tt, stride_ti, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+               SCAN: tl.constexpr = 256):
+    """Zeros of rows ``chunk * BLOCK_M ..`` of ``head`` that lie at or past the largest tile end.
+
+    The table (a few hundred int32, from L2) is scanned on the device, so the padding of a bucket is
+    known without the host; writing only those rows spares a memset of the whole output."""
+    ends = tiles_ptr + 2 * stride_tt
+    covered = tl.zeros([SCAN], tl.int32)
+    for first in range(0, num_tiles, SCAN):
+        offs = first + tl.arange(0, SCAN)
+        covered = tl.maximum(covered, tl.load(ends + offs * stride_ti, mask=offs < num_tiles, other=0))
+    covered_end = tl.minimum(tl.max(covered, 0), num_rows)
+    rows = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = ((rows >= covered_end) & (rows < num_rows))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptrs = out_ptr + head * stride_oh + rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :] * stride_od
+    tl.store(ptrs, tl.zeros([BLOCK_M, HEAD_DIM_PAD], out_ptr.dtype.element_ty), mask=mask)
+
+
 # The table's width and the bucket size change per graph: not specialised on, so no recompiles.
 @triton.jit(do_not_specialize=["num_tiles", "num_rows", "stride_tt", "stride_ti"])
 def _packed_prefill_kernel(
@@ -237,9 +258,13 @@ def _packed_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    head = tl.program_id(1)
+    if tl.program_id(0) >= num_tiles:       # the programs after the table's write the padding rows' zeros
+        _zero_tail(out_ptr, tiles_ptr, tl.program_id(0) - num_tiles, head, num_tiles, num_rows,
+                   stride_on, stride_oh, stride_od, stride_tt, stride_ti, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M)
+        return
     # A prompt's later tiles see more keys; running the table back to front starts the long ones first.
     tile = num_tiles - 1 - tl.program_id(0)
-    head = tl.program_id(1)
     seq_start = tl.load(tiles_ptr + tile * stride_ti)
     q_start = tl.load(tiles_ptr + stride_tt + tile * stride_ti)
     q_end = tl.load(tiles_ptr + 2 * stride_tt + tile * stride_ti)
@@ -305,6 +330,17 @@ def _validate_packed(q, k, v, tiles, block_m, block_n, scale) -> float:
     return float(scale)
 
 
+def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    return out
+
+
 def _packed_prefill_torch(q, k, v, tiles, block_m: int, scale: float) -> torch.Tensor:
     """Tile by tile in torch, fp32 softmax; reads the table on the host (syncs). Same clamps as the kernel."""
     n, group = q.shape[0], q.shape[1] // k.shape[1]
@@ -328,7 +364,7 @@ def _packed_prefill_torch(q, k, v, tiles, block_m: int, scale: float) -> torch.T
 def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor, *,
                              block_m: int, scale: float | None = None, backend: str = "auto",
                              block_n: int = DEFAULT_BLOCK_N, num_warps: int = DEFAULT_NUM_WARPS,
-                             num_stages: int = DEFAULT_NUM_STAGES) -> torch.Tensor:
+                             num_stages: int = DEFAULT_NUM_STAGES, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of prompts packed back to back, each attending only within itself.
 
     Args:
@@ -344,30 +380,36 @@ def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             or ``"auto"`` (triton on CUDA, torch elsewhere).
         block_n, num_warps, num_stages: kernel tuning knobs (benchmarks); a prompt's output is bitwise
             the same alone or packed for equal knobs.
+        out: optional ``[N, H, D]`` buffer of q's dtype and device to write into (e.g. a graph's static
+            output); by default a new tensor.
 
     Returns:
-        ``[N, H, D]`` in q's dtype, softmax and accumulation in float32; rows no tile covers are 0.
+        ``out``: ``[N, H, D]`` in q's dtype, softmax and accumulation in float32. Rows at or past the
+        largest ``q_end`` of the table (a padded bucket's tail) are 0; the triton backend leaves rows
+        before it that no tile covers unwritten (a :func:`prefill_tiles` table leaves none), the torch
+        backend zeroes them.
 
-    The triton backend never synchronises with the host (the table is read on the device, the output is
-    one ``torch.zeros``), so the call can be captured in a CUDA graph and replayed with new tiles and data.
+    The triton backend is one launch and never synchronises with the host (it reads the table on the
+    device, zeros included), so the call can be captured in a CUDA graph and replayed with new tiles and
+    data. Raises TypeError / ValueError for bad shapes, dtypes, devices, block sizes, scale or backend.
     """
     scale = _validate_packed(q, k, v, tiles, block_m, block_n, scale)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
+    out = _check_out(out, q)
     if backend == "torch":
-        return _packed_prefill_torch(q, k, v, tiles, block_m, scale)
+        return out.copy_(_packed_prefill_torch(q, k, v, tiles, block_m, scale))
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' on {q.device} tensors needs TRITON_INTERPRET=1")
     n, h, d = q.shape
     num_tiles = tiles.shape[1]
     head_dim_pad = max(16, triton.next_power_of_2(d))                       # tl.dot needs K >= 16
-    # Zeros first: rows no tile covers (a padded bucket's tail) must read 0, and the kernel never sees them.
-    out = torch.zeros((n, h, d), dtype=q.dtype, device=q.device)
-    if n == 0 or num_tiles == 0:
+    if n == 0:
         return out
-    _packed_prefill_kernel[(num_tiles, h)](
+    # After the table's programs, one per block_m rows writes the zeros of the rows past the last tile.
+    _packed_prefill_kernel[(num_tiles + triton.cdiv(n, block_m), h)](
         q, k, v, out, tiles,
         num_tiles, n, scale * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *tiles.stride(),

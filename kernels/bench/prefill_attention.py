@@ -1,10 +1,11 @@
 """Microbenchmark of packed causal prefill attention on CUDA (a script, not a test).
 
 For Ouro-1.4B's attention shape (16 heads, 16 kv heads, head_dim 128, bf16) and packs of prompts
-(16x128, 32x128, 16x512, 16x1024, 16x2048 and a mixed pack) it reports per pack:
+(16x128, 32x128, 16x512, 16x1024, 16x2048, a mixed pack, and 16x128 in a padded 4096-row bucket with a
+graph-sized table of ``max_prefill_tiles`` tiles) it reports per pack:
 
-- ``ours_us``: one :func:`packed_prefill_attention` call (the output's ``torch.zeros`` included), as a
-  CUDA-graph replay: the ``triton.testing.do_bench`` median, L2 flushed before each replay;
+- ``ours_us``: one :func:`packed_prefill_attention` call (which also writes the padding rows' zeros), as
+  a CUDA-graph replay: the ``triton.testing.do_bench`` median, L2 flushed before each replay;
 - ``sdpa_loop_us``: ``scaled_dot_product_attention(is_causal=True)`` called once per prompt on
   pre-transposed ``[1, H, L, D]`` tensors, all calls in one CUDA graph, timed the same way (what a
   per-prompt prefill costs on the device, without its Python launch overhead);
@@ -31,18 +32,22 @@ import triton
 import triton.testing
 
 from loopbench.kernels.prefill_attention import (DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, DEFAULT_NUM_STAGES,
-                                                 DEFAULT_NUM_WARPS, packed_prefill_attention, prefill_tiles)
+                                                 DEFAULT_NUM_WARPS, max_prefill_tiles, packed_prefill_attention,
+                                                 prefill_tiles)
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 16, 128
 DEVICE = "cuda"
+# name -> (prompt lengths, padded bucket rows or None for exactly the prompts' rows)
 PACKS = {
-    "16x128": [128] * 16,
-    "32x128": [128] * 32,
-    "16x512": [512] * 16,
-    "16x1024": [1024] * 16,
-    "16x2048": [2048] * 16,
-    "mixed": [37, 128, 300, 1000, 2048],
+    "16x128": ([128] * 16, None),
+    "32x128": ([128] * 32, None),
+    "16x512": ([512] * 16, None),
+    "16x1024": ([1024] * 16, None),
+    "16x2048": ([2048] * 16, None),
+    "mixed": ([37, 128, 300, 1000, 2048], None),
+    "16x128_pad4096": ([128] * 16, 4096),
 }
+MAX_SEQS_PER_BUCKET = 32
 # (block_m, block_n, num_warps, num_stages); the first is the module default.
 TUNE_CONFIGS = ((DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
                 (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3),
@@ -53,20 +58,23 @@ def causal_flops(lens: list[int]) -> int:
     return sum(4 * HEADS * HEAD_DIM * n * (n + 1) // 2 for n in lens)
 
 
-def make_pack(lens: list[int], seed: int = 0) -> dict:
-    """Packed q/k/v ``[N, H, D]`` bf16 and, for the SDPA loop, each prompt's ``[1, H, L, D]`` copies."""
+def make_pack(lens: list[int], bucket: int | None = None, seed: int = 0) -> dict:
+    """Packed q/k/v ``[N, H, D]`` bf16 (``N`` = bucket or the prompts' rows) and, for the SDPA loop, each
+    prompt's ``[1, H, L, D]`` copies."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    n = sum(lens)
+    n = sum(lens) if bucket is None else bucket
     q, k, v = (torch.randn((n, h, HEAD_DIM), generator=gen, device=DEVICE, dtype=torch.bfloat16)
                for h in (HEADS, KV_HEADS, KV_HEADS))
     starts = [sum(lens[:i]) for i in range(len(lens))]
     per_seq = [tuple(t[a:a + m].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
                for a, m in zip(starts, lens)]
-    return dict(lens=lens, q=q, k=k, v=v, per_seq=per_seq)
+    return dict(lens=lens, bucket=bucket, q=q, k=k, v=v, per_seq=per_seq)
 
 
 def ours_fn(pack: dict, block_m: int = DEFAULT_BLOCK_M, **kw):
-    tiles = torch.from_numpy(prefill_tiles(pack["lens"], block_m=block_m)).to(DEVICE)
+    bucket = pack["bucket"]
+    num_tiles = None if bucket is None else max_prefill_tiles(bucket, MAX_SEQS_PER_BUCKET, block_m)
+    tiles = torch.from_numpy(prefill_tiles(pack["lens"], block_m=block_m, num_tiles=num_tiles)).to(DEVICE)
     return lambda: packed_prefill_attention(pack["q"], pack["k"], pack["v"], tiles, block_m=block_m, **kw)
 
 
@@ -105,12 +113,16 @@ def graph_us(fn, rep_ms: int) -> float:
     return us
 
 
-def bench_pack(name: str, lens: list[int], rep_ms: int) -> dict:
-    pack = make_pack(lens)
+def bench_pack(name: str, lens: list[int], bucket: int | None, rep_ms: int) -> dict:
+    pack = make_pack(lens, bucket)
     ours, sdpa = ours_fn(pack), sdpa_loop_fn(pack)
     ref = torch.cat([o[0].transpose(0, 1) for o in sdpa()])
-    diff = (ours().float() - ref.float()).abs().max().item()
-    row = dict(pack=name, prompts=len(lens), tokens=sum(lens), ours_us=graph_us(ours, rep_ms),
+    got = ours()
+    diff = (got[:sum(lens)].float() - ref.float()).abs().max().item()
+    if not bool((got[sum(lens):] == 0).all()):
+        raise AssertionError(f"{name}: padding rows are not zero")
+    row = dict(pack=name, prompts=len(lens), tokens=sum(lens), rows=pack["q"].shape[0],
+               ours_us=graph_us(ours, rep_ms),
                sdpa_loop_us=graph_us(sdpa, rep_ms), ours_eager_us=median_us(ours, rep_ms),
                sdpa_loop_eager_us=median_us(sdpa, rep_ms), max_abs_diff=diff)
     flops = causal_flops(lens)
@@ -120,7 +132,7 @@ def bench_pack(name: str, lens: list[int], rep_ms: int) -> dict:
     return row
 
 
-COLUMNS = ["pack", "prompts", "tokens", "ours_us", "sdpa_loop_us", "ratio", "ours_tflop_s", "sdpa_tflop_s",
+COLUMNS = ["pack", "prompts", "tokens", "rows", "ours_us", "sdpa_loop_us", "ratio", "ours_tflop_s", "sdpa_tflop_s",
            "ours_eager_us", "sdpa_loop_eager_us", "max_abs_diff"]
 
 
@@ -134,7 +146,7 @@ def tune(rep_ms: int, emit) -> None:
     emit("## Launch settings (ours_us per pack; best marked *)\n")
     emit("| block_m | block_n | warps | stages | " + " | ".join(PACKS) + " |")
     emit("|" + "---|" * (4 + len(PACKS)))
-    packs = {name: make_pack(lens) for name, lens in PACKS.items()}
+    packs = {name: make_pack(lens, bucket) for name, (lens, bucket) in PACKS.items()}
     times = {}
     for cfg in TUNE_CONFIGS:
         block_m, block_n, warps, stages = cfg
@@ -179,8 +191,8 @@ def main(argv=None) -> int:
          f"`*_eager_us` without a graph. ratio = sdpa_loop_us / ours_us.\n")
     emit("| " + " | ".join(COLUMNS) + " |")
     emit("|" + "---|" * len(COLUMNS))
-    for name, lens in PACKS.items():
-        row = bench_pack(name, lens, args.rep_ms)
+    for name, (lens, bucket) in PACKS.items():
+        row = bench_pack(name, lens, bucket, args.rep_ms)
         emit("| " + " | ".join(fmt(row[c]) for c in COLUMNS) + " |")
         torch.cuda.empty_cache()
     emit("")

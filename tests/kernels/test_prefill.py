@@ -140,8 +140,9 @@ def test_packed_interpreter_matches_reference(heads, kv_heads, head_dim):
     tiles = packed_tiles(LENS, 16, num_tiles=max_prefill_tiles(n + 5, len(LENS), 16))
     ref = packed_prefill_attention_ref(q[:n], k[:n], v[:n], LENS)
     for backend in ("triton", "torch"):
-        out = packed_prefill_attention(q, k, v, tiles, block_m=16, block_n=16, backend=backend)
-        assert out.shape == q.shape and out.dtype == q.dtype
+        stale = torch.full_like(q, float("nan"))                  # the kernel itself must write the zeros
+        out = packed_prefill_attention(q, k, v, tiles, block_m=16, block_n=16, backend=backend, out=stale)
+        assert out is stale and out.shape == q.shape and out.dtype == q.dtype
         assert_close(out[:n], ref, f"{backend} vs reference")
         assert torch.equal(out[n:], torch.zeros_like(out[n:])), f"{backend}: padding rows must be 0"
 
@@ -177,6 +178,8 @@ def test_packed_rejects_bad_arguments(monkeypatch):
         packed_prefill_attention(q, k, v, tiles, block_m=16, backend="cuda")
     with pytest.raises(ValueError, match="dtype"):
         packed_prefill_attention(q.double(), k.double(), v.double(), tiles, block_m=16)
+    with pytest.raises(ValueError, match="out must be"):
+        packed_prefill_attention(q, k, v, tiles, block_m=16, out=torch.empty((4, 2, 8)))
     with pytest.raises(ValueError, match="sum to 5"):
         packed_prefill_attention_ref(q, k, v, [5])
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -225,14 +228,13 @@ def test_packed_gpu_alone_equals_packed_bitwise():
 @pytest.mark.gpu
 @needs_cuda
 def test_packed_gpu_cuda_graph_replay():
-    # Capture once on static buffers, then replay with new data and a different tile table of the same
-    # bucket: the replay must give the eager call's bits, so nothing in the call was fixed at capture.
+    # Capture once on static buffers, then replay with new data and other tile tables of the same bucket:
+    # each replay must give the eager call's bits, so nothing in the call was fixed at capture. The second
+    # table ends earlier than the first, so its padding rows held real outputs before and must be zeroed.
     bucket, max_seqs, block_m = 4096, 8, DEFAULT_BLOCK_M
     num_tiles = max_prefill_tiles(bucket, max_seqs, block_m)
-    first, second = [1000, 2000, 37], [2048, 1500, 300, 1, 129]
-    static = make_packed(6, first, 16, 16, 128, padding=bucket - sum(first), device="cuda",
-                         dtype=torch.bfloat16, pad_value=0.0)
-    tiles = packed_tiles(first, block_m, "cuda", num_tiles)
+    static = make_packed(6, [bucket], 16, 16, 128, device="cuda", dtype=torch.bfloat16)
+    tiles = packed_tiles([17, 3000], block_m, "cuda", num_tiles)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):                           # compile outside the capture
@@ -241,15 +243,15 @@ def test_packed_gpu_cuda_graph_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = packed_prefill_attention(*static, tiles, block_m=block_m)
-    fresh = make_packed(7, second, 16, 16, 128, padding=bucket - sum(second), device="cuda",
-                        dtype=torch.bfloat16)
-    for buf, new in zip(static, fresh):
-        buf.copy_(new)
-    tiles.copy_(packed_tiles(second, block_m, "cuda", num_tiles))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = packed_prefill_attention(*static, tiles, block_m=block_m)
-    assert torch.equal(out, eager)
-    n = sum(second)
-    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows (NaN inputs) must be 0"
-    assert_close(out[:n], packed_prefill_attention_ref(*(t[:n] for t in static), second), "replay vs ref")
+    for seed, lens in enumerate([[1000, 2000, 37, 1059], [2048, 1500, 300, 1, 129], [5, 700]]):
+        n = sum(lens)
+        fresh = make_packed(7 + seed, lens, 16, 16, 128, padding=bucket - n, device="cuda", dtype=torch.bfloat16)
+        for buf, new in zip(static, fresh):
+            buf.copy_(new)
+        tiles.copy_(packed_tiles(lens, block_m, "cuda", num_tiles))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = packed_prefill_attention(*static, tiles, block_m=block_m)
+        assert torch.equal(out, eager), f"replay {lens} differs from the eager call"
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])), f"{lens}: padding rows (NaN inputs) must be 0"
+        assert_close(out[:n], packed_prefill_attention_ref(*(t[:n] for t in static), lens), f"replay {lens}")
