@@ -223,8 +223,9 @@ def _attend_block(q, k_seq, v_seq, key0, offs_m, offs_n, offs_d, n_keys, m_i, l_
 @triton.jit
 def _zero_tail(out_ptr, tiles_ptr, chunk, head, num_tiles, num_rows, stride_on, stride_oh, stride_od,
                stride_tt, stride_ti, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               SCAN: tl.constexpr = 256):
-    """Zeros of rows ``chunk * BLOCK_M ..`` of ``head`` that lie at or past the largest tile end.
+               SCAN: tl.constexpr):
+    """Zeros of rows ``chunk * BLOCK_M ..`` of ``head`` that lie at or past the largest tile end
+    (the table's ``q_end`` row is read ``SCAN`` entries at a time).
 
     The table (a few hundred int32, from L2) is scanned on the device, so the padding of a bucket is
     known without the host; writing only those rows spares a memset of the whole output."""
@@ -261,7 +262,7 @@ def _packed_prefill_kernel(
     head = tl.program_id(1)
     if tl.program_id(0) >= num_tiles:       # the programs after the table's write the padding rows' zeros
         _zero_tail(out_ptr, tiles_ptr, tl.program_id(0) - num_tiles, head, num_tiles, num_rows,
-                   stride_on, stride_oh, stride_od, stride_tt, stride_ti, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M)
+                   stride_on, stride_oh, stride_od, stride_tt, stride_ti, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, 256)
         return
     # A prompt's later tiles see more keys; running the table back to front starts the long ones first.
     tile = num_tiles - 1 - tl.program_id(0)

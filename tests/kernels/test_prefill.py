@@ -148,6 +148,21 @@ def test_packed_interpreter_matches_reference(heads, kv_heads, head_dim):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU tensors need the Triton interpreter")
+def test_packed_interpreter_wide_table_in_any_order():
+    # A table wider than one scan of the padding programs (256 entries) with its tiles last: the padding
+    # rows' zeros must come from the largest q_end wherever it sits, and tile order must not matter.
+    lens = [20, 5]
+    q, k, v = make_packed(8, lens, 2, 2, 16, padding=15)
+    tiles = packed_tiles(lens, 16)
+    wide = torch.zeros((3, 600), dtype=torch.int32)
+    wide[:, [590, 350, 599]] = tiles
+    stale = torch.full_like(q, float("nan"))
+    out = packed_prefill_attention(q, k, v, wide, block_m=16, block_n=16, backend="triton", out=stale)
+    assert_close(out[:25], packed_prefill_attention_ref(q[:25], k[:25], v[:25], lens), "wide table")
+    assert torch.equal(out[25:], torch.zeros_like(out[25:]))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors need the Triton interpreter")
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
 def test_packed_interpreter_alone_equals_packed_bitwise(block_m, block_n):
     lens = [17, 50, 31]                                       # the 50-row prompt sits at offset 17
