@@ -314,8 +314,8 @@ def _packed_prefill_kernel(
 def _validate_packed(q, k, v, tiles, block_m, block_n, scale) -> float:
     """Checks shapes, dtypes and devices (never the table's values: that would read the device)."""
     _validate(q, k, v)
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if q.dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q dtype must be float64, float32, bfloat16 or float16, got {q.dtype}")
     if not isinstance(tiles, torch.Tensor):
         raise TypeError(f"tiles must be a torch.Tensor, got {type(tiles).__name__}")
     if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[0] != 3:
@@ -343,8 +343,10 @@ def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_prefill_torch(q, k, v, tiles, block_m: int, scale: float) -> torch.Tensor:
-    """Tile by tile in torch, fp32 softmax; reads the table on the host (syncs). Same clamps as the kernel."""
+    """Tile by tile in torch, fp32 softmax (fp64 for fp64); reads the table on the host (syncs). Same
+    clamps as the kernel."""
     n, group = q.shape[0], q.shape[1] // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for seq_start, q_start, q_end in tiles.cpu().t().tolist():
         seq_start = min(max(seq_start, 0), n)
@@ -352,9 +354,9 @@ def _packed_prefill_torch(q, k, v, tiles, block_m: int, scale: float) -> torch.T
         q_end = min(q_end, q_start + block_m, n)
         if q_end <= q_start:
             continue
-        kf = k[seq_start:q_end].float().repeat_interleave(group, dim=1)
-        vf = v[seq_start:q_end].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), kf) * scale
+        kf = k[seq_start:q_end].to(acc).repeat_interleave(group, dim=1)
+        vf = v[seq_start:q_end].to(acc).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].to(acc), kf) * scale
         rows = torch.arange(q_start, q_end, device=q.device)[:, None]
         keys = torch.arange(seq_start, q_end, device=q.device)[None, :]
         scores = scores.masked_fill(keys > rows, float("-inf"))
