@@ -7,7 +7,7 @@ time (a cold machine). Writes a JSON report to OUT.json; the parent test asserts
 - ``workload``: for each exit policy (fixed, ouro, ouro_delayed, and replay of the ouro_delayed run) and
   each layout (native, alias, alias+prefix), a fresh graph engine (tiny preset, bf16, Triton backend)
   runs requests whose batch shrinks through the decode buckets 8, 4, 2 and 1 and whose prompts have
-  several lengths (one prefill graph each). The collector stays on, and every engine is dropped for the
+  several lengths (packed into two prefill buckets). The collector stays on, and every engine is dropped for the
   next, as in the benchmark. Reports each run's graph counters, captured buckets and outputs.
 - ``failed-capture``: a graph whose captured call launches a Triton specialisation its warm-up did not
   (an integer argument of 1 instead of 16) must fail with a GraphCaptureError naming the bucket and the
