@@ -187,3 +187,42 @@ def test_annotate_runner_ranges_the_instance_only_and_restores_it(tmp_path):
     assert out[0].tolist() == [4.0, 4.0, 4.0] and out[2] == 6
     s = summarize(events, wall_s=0.01)
     assert (s.part("decode").ranges, s.part("prefill").ranges, s.num_kernels) == (2, 1, 0)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_kernels_are_attributed_to_the_range_that_launched_them(tmp_path):
+    """The trace facts summarize relies on, on a real CUDA trace: a graph replay's kernels are kernel events
+    correlated with the cudaGraphLaunch inside the range; an eager launch inside the other range is its own."""
+    x = torch.zeros(1 << 16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 2 + 1                                            # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2 + 1                                            # two kernels per replay
+
+    class Runner:
+        def decode(self):
+            graph.replay()
+
+        def prefill(self):
+            return x + 3
+
+    runner = Runner()
+    torch.cuda.synchronize()
+    with annotate_runner(runner):
+        def work():
+            for _ in range(3):
+                runner.decode()
+            runner.prefill()
+            torch.cuda.synchronize()
+        _, events = profile_call(work, tmp_path / "trace.json")
+    s = summarize(events, wall_s=1.0)
+    d, p = s.part("decode"), s.part("prefill")
+    assert (s.graph_launches, s.graph_launches_without_kernels) == (3, 0), figure_lines(s)
+    assert d.ranges == 3 and d.kernels >= 6 and d.kernels % 3 == 0, s
+    assert p.ranges == 1 and p.kernels >= 1, s
+    assert s.kernel_busy_s > 0 and 0.0 < s.idle_share < 1.0
+    assert y.shape == x.shape
