@@ -209,8 +209,11 @@ def _top_kernels(kernels: Sequence[TraceEvent], busy_us: float, top_n: int) -> t
                            total[n] / busy_us if busy_us > 0 else 0.0) for n in names)
 
 
-def _parts(kernels: Sequence[TraceEvent], part_of: Mapping[int, str], ranges: Sequence[TraceEvent]) -> tuple[PartRow, ...]:
-    n_ranges = {p: sum(1 for r in ranges if r.name == PART_PREFIX + p) for p in PARTS}
+def _parts(kernels: Sequence[TraceEvent], part_of: Mapping[int, str],
+           ranges: Sequence[TraceEvent]) -> tuple[PartRow, ...]:
+    n_ranges: dict[str, int] = defaultdict(int)
+    for r in ranges:
+        n_ranges[r.name[len(PART_PREFIX):]] += 1
     n: dict[str, int] = defaultdict(int)
     t: dict[str, float] = defaultdict(float)
     for k in kernels:
@@ -218,7 +221,7 @@ def _parts(kernels: Sequence[TraceEvent], part_of: Mapping[int, str], ranges: Se
         n[p] += 1
         t[p] += k.dur_us
     all_us = sum(t.values())
-    return tuple(PartRow(p, n_ranges.get(p, 0), n[p], n[p] / n_ranges[p] if n_ranges.get(p) else 0.0, t[p] / 1e6,
+    return tuple(PartRow(p, n_ranges[p], n[p], n[p] / n_ranges[p] if n_ranges[p] else 0.0, t[p] / 1e6,
                          t[p] / all_us if all_us > 0 else 0.0) for p in PARTS + ("other",))
 
 
@@ -248,7 +251,8 @@ def summarize(events: Iterable[TraceEvent], wall_s: float, top_n: int = 15) -> P
         memcpy_busy_s=union_us((e.ts_us, e.ts_us + e.dur_us) for e in by_cat["gpu_memcpy"]) / 1e6,
         memset_busy_s=union_us((e.ts_us, e.ts_us + e.dur_us) for e in by_cat["gpu_memset"]) / 1e6,
         num_kernels=len(kernels), num_memcpy=len(by_cat["gpu_memcpy"]), num_memset=len(by_cat["gpu_memset"]),
-        graph_launches=len(graphs), graph_launches_without_kernels=sum(1 for g in graphs if g.correlation not in device_corr),
+        graph_launches=len(graphs),
+        graph_launches_without_kernels=sum(1 for g in graphs if g.correlation not in device_corr),
         parts=_parts(kernels, part_of, ranges), top_kernels=_top_kernels(kernels, busy_us, top_n))
 
 
@@ -286,7 +290,8 @@ def render_markdown(title: str, params: Mapping[str, object], s: ProfileSummary)
     out = [f"## {title}", "", "| parameter | value |", "|---|---|"]
     out += [f"| {_cell(k)} | {_cell(v)} |" for k, v in params.items()]
     out += ["", *(f"- {line}" for line in figure_lines(s)), "",
-            "| part | ranges | kernels | kernels per range | GPU ms | share of kernel time |", "|---|---:|---:|---:|---:|---:|"]
+            "| part | ranges | kernels | kernels per range | GPU ms | share of kernel time |",
+            "|---|---:|---:|---:|---:|---:|"]
     out += [f"| {r.part} | {r.ranges:,} | {r.kernels:,} | {r.kernels_per_range:.1f} | {r.gpu_s * 1e3:.2f} | "
             f"{r.share_of_kernel_time:.1%} |" for r in s.parts]
     out.append("")
@@ -294,12 +299,15 @@ def render_markdown(title: str, params: Mapping[str, object], s: ProfileSummary)
         return "\n".join(out + ["No kernels recorded: no top-kernels table.", ""])
     out += [f"Top {len(s.top_kernels)} kernels by GPU time (share of the kernel-busy time):", "",
             "| # | kernel | count | total ms | mean us | share of busy |", "|---:|---|---:|---:|---:|---:|"]
-    out += [f"| {i} | `{_cell(k.short_name)}` | {k.count:,} | {k.total_ms:.2f} | {k.mean_us:.1f} | {k.share_of_busy:.1%} |"
-            for i, k in enumerate(s.top_kernels, 1)]
+    out += [f"| {i} | `{_cell(k.short_name)}` | {k.count:,} | {k.total_ms:.2f} | {k.mean_us:.1f} | "
+            f"{k.share_of_busy:.1%} |" for i, k in enumerate(s.top_kernels, 1)]
     return "\n".join(out + [""])
 
 
-def write_report(path: str | Path, sections: Sequence[tuple[str, Mapping[str, object], ProfileSummary]]) -> tuple[Path, Path]:
+Section = tuple[str, Mapping[str, object], ProfileSummary]      # (title, run parameters, summary)
+
+
+def write_report(path: str | Path, sections: Sequence[Section]) -> tuple[Path, Path]:
     """Write the sections as markdown to ``path`` (must end in ``.md``, ValueError otherwise) and as JSON beside
     it (``path`` with ``.json``: ``{"sections": [{"title", "params", "summary"}]}``); returns both paths."""
     md = Path(path)
@@ -308,8 +316,8 @@ def write_report(path: str | Path, sections: Sequence[tuple[str, Mapping[str, ob
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text("# loopbench profile\n\n" + "\n".join(render_markdown(*sec) for sec in sections))
     js = md.with_suffix(".json")
-    js.write_text(json.dumps({"sections": [{"title": t, "params": dict(p), "summary": asdict(s)} for t, p, s in sections]},
-                             indent=1, default=str) + "\n")
+    doc = {"sections": [{"title": t, "params": dict(p), "summary": asdict(s)} for t, p, s in sections]}
+    js.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return md, js
 
 

@@ -79,11 +79,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
     ap.add_argument("--profile", type=_markdown_path, default=None, metavar="PATH.md",
-                    help="after the timed runs, one more run per policy under torch.profiler; report to PATH.md + .json")
+                    help="after the timed runs, one more run per policy under torch.profiler; "
+                         "the report goes to PATH.md and PATH.json")
     ap.add_argument("--profile-top", type=_at_least_one, default=15, metavar="N", help="kernels in the report's table")
     ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
                     help="keep the profiler's Chrome trace here (with --policy both: PATH's stem + .natural/.replay)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.trace is not None and args.profile is None:
+        ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
+    return args
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
@@ -107,7 +111,8 @@ def make_requests(vocab_size: int, args: argparse.Namespace) -> list[Request]:
 
 
 def arm_spec(args: argparse.Namespace, device: str) -> ArmSpec:
-    return ArmSpec(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix",
+    return ArmSpec(kv_layout="alias" if args.layout != "native" else "native",
+                   prefix_tiles=args.layout == "alias_prefix",
                    attention_backend=args.backend,
                    cuda_graphs=not args.no_graphs and device == "cuda" and args.backend == "triton")
 
@@ -160,7 +165,8 @@ class PolicyEngine:
         try:
             self.schedule.verify(outs)
         except ScheduleMismatchError as e:
-            raise ScheduleMismatchError(f"the {self.policy} {label} does not reproduce the captured schedule: {e}") from e
+            raise ScheduleMismatchError(
+                f"the {self.policy} {label} does not reproduce the captured schedule: {e}") from e
         exits = [e for o in outs.values() for e in o.exit_depths[1:]]
         return TimedRun(self.policy, label, elapsed, sum(len(o.token_ids) for o in outs.values()),
                         exits.count(3) / max(1, len(exits)), eng.stats.minus(before))
@@ -229,7 +235,7 @@ def _trace_path(args: argparse.Namespace, policy: str, tmp: str) -> Path:
 def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args: argparse.Namespace,
                      arm: ArmSpec, identity: dict) -> None:
     """One more measured run per engine under torch.profiler, decode/prefill ranged; the report to args.profile."""
-    sections = []
+    sections, kept = [], []
     with tempfile.TemporaryDirectory(prefix="loopbench-trace-") as tmp:
         for p, pe in engines.items():
             trace = _trace_path(args, p, tmp)
@@ -237,13 +243,18 @@ def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args
             with annotate_runner(pe.engine.runner):
                 run, events = profile_call(lambda: pe.run(reqs, "profiled run"), trace)
             summary = summarize(events, run.elapsed_s, args.profile_top)
+            if args.trace is None:
+                trace.unlink()                  # a run with CUDA graphs leaves a trace of some hundred MB
+            else:
+                kept.append(str(trace))
             print(run.line())
             for line in figure_lines(summary):
                 print(f"  {line}")
-            sections.append((f"{p}: one measured run under torch.profiler", run_params(args, arm, run, identity), summary))
+            title = f"{p}: one measured run under torch.profiler"
+            sections.append((title, run_params(args, arm, run, identity), summary))
             del events
     md, js = write_report(args.profile, sections)
-    print(f"profile written to {md} and {js}" + (f"; trace kept at {args.trace}" if args.trace else ""))
+    print(f"profile written to {md} and {js}" + (f"; traces kept: {', '.join(kept)}" if kept else ""))
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,14 @@ def test_natural_policy_alone_and_a_kept_trace(tmp_path, capsys):
                           "--profile", str(tmp_path / "p.md"), "--trace", str(trace)])
     out = capsys.readouterr().out
     assert rc == 0 and "replay warmup" not in out and "median natural:" in out
-    assert "traceEvents" in json.loads(trace.read_text())
+    assert "traceEvents" in json.loads(trace.read_text()) and f"traces kept: {trace}" in out
+
+
+def test_both_policies_keep_one_trace_each(tmp_path, capsys):
+    rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--policy", "both",
+                          "--profile", str(tmp_path / "p.md"), "--trace", str(tmp_path / "t.json")])
+    assert rc == 0, capsys.readouterr().out
+    assert (tmp_path / "t.natural.json").exists() and (tmp_path / "t.replay.json").exists()
 
 
 def test_a_run_that_misses_the_schedule_exits_nonzero(tmp_path, capsys, monkeypatch):
@@ -66,4 +73,7 @@ def test_bad_profile_path_and_non_integer_are_argparse_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         throughput.parse_args(["--max-num-seqs", "two"])
     assert "argument --max-num-seqs: 'two' is not an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--trace", "t.json"])
+    assert "--trace 't.json' needs --profile" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
