@@ -214,13 +214,17 @@ def _versions() -> dict[str, str]:
     return {"device": device, "torch": torch.__version__, "triton": triton_version}
 
 
-def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: dict) -> dict[str, object]:
-    """The report's parameter table for one profiled run."""
+def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: dict,
+               timed: list[TimedRun]) -> dict[str, object]:
+    """The report's parameter table for one profiled run; ``timed`` are its policy's unprofiled runs, whose median
+    wall says how much the profiler itself slowed the profiled run."""
     return {"preset": args.checkpoint or args.preset, "B": args.max_num_seqs, "C": args.num_requests,
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
             "policy": run.policy, "graphs": arm.cuda_graphs, **_versions(),
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
-            "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1), "engine_steps": run.delta.steps,
+            "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
+            "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
+            "engine_steps": run.delta.steps,
             "decode_steps": run.delta.decode_steps}
 
 
@@ -233,7 +237,7 @@ def _trace_path(args: argparse.Namespace, policy: str, tmp: str) -> Path:
 
 
 def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args: argparse.Namespace,
-                     arm: ArmSpec, identity: dict) -> None:
+                     arm: ArmSpec, identity: dict, timed: dict[str, list[TimedRun]]) -> None:
     """One more measured run per engine under torch.profiler, decode/prefill ranged; the report to args.profile."""
     sections, kept = [], []
     with tempfile.TemporaryDirectory(prefix="loopbench-trace-") as tmp:
@@ -251,7 +255,7 @@ def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args
             for line in figure_lines(summary):
                 print(f"  {line}")
             title = f"{p}: one measured run under torch.profiler"
-            sections.append((title, run_params(args, arm, run, identity), summary))
+            sections.append((title, run_params(args, arm, run, identity, timed[p]), summary))
             del events
     md, js = write_report(args.profile, sections)
     print(f"profile written to {md} and {js}" + (f"; traces kept: {', '.join(kept)}" if kept else ""))
@@ -272,7 +276,7 @@ def main(argv=None) -> int:
     try:
         timed = time_policies(engines, reqs, args.repeats)
         if args.profile:
-            profile_policies(engines, reqs, args, arm, identity)
+            profile_policies(engines, reqs, args, arm, identity, timed)
     except ScheduleMismatchError as e:
         print(f"FAIL: {e}", flush=True)
         print(f"FAIL: {e}", file=sys.stderr)
