@@ -1,48 +1,93 @@
 """Quick single-arm throughput probe, not the paired benchmark.
 
-One natural run is captured as a schedule, then one engine replays it: a warmup and a few timed runs,
-each printed as tokens/s, ms per engine step and that run's own work and graph counters. For iterating
-on the runtime; published figures come from ``make bench`` and its audited bundle. On a machine
-without CUDA it runs the torch backend on the CPU (slowly).
+One natural ``ouro_delayed`` run is captured as a schedule; then the timed policy runs the same requests:
+``--policy replay`` (the default) an engine replaying that schedule, ``natural`` a fresh natural engine,
+``both`` the two alternating per repeat, with their throughput ratio at the end. Each policy's engine has
+one warmup, then the timed runs, each printed as tokens/s, ms per engine step and that run's own work and
+graph counters. Every run must reproduce the captured tokens and exit depths; a run that does not is
+printed and the probe exits 1. ``--profile PATH.md`` adds one measured run per timed policy under
+torch.profiler and writes where its GPU time goes (harness/profile.py) to PATH.md and PATH.json.
+For iterating on the runtime; published figures come from ``make bench`` and its audited bundle. On a
+machine without CUDA it runs the torch backend on the CPU (slowly).
 
     python -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs 16 --num-requests 32
+    python -m loopbench.harness.throughput --preset ouro-1.4b --policy both --profile /tmp/profile-b16.md
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from loopbench.runtime.api import Request
+from loopbench.runtime.api import EngineStats, Request
 from loopbench.runtime.checkpoint import load_checkpoint
 from loopbench.runtime.engine import LoopEngine
 from loopbench.runtime.model import OuroModel
+from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import write_calibrated_checkpoint
+from .identity import code_identity
+from .machine import cpu_name
+from .profile import annotate_runner, figure_lines, profile_call, summarize, write_report
 from .records import ArmSpec
 from .spec import max_model_len
 
+EXIT_POLICY = {"natural": "ouro_delayed", "replay": "replay"}
+POLICIES = {"replay": ("replay",), "natural": ("natural",), "both": ("natural", "replay")}
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _markdown_path(text: str) -> Path:
+    if not text.endswith(".md"):
+        raise argparse.ArgumentTypeError(f"{text!r} does not end in .md (the JSON goes beside it)")
+    return Path(text)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The probe's options; a bad value is an argparse error (exit 2) naming it, before anything runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cache = os.path.join(os.path.expanduser(os.environ.get("LOOPBENCH_CACHE", "~/.cache/loopbench")), "checkpoints")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", help="synthetic model preset (tiny, ouro-1.4b)")
     ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (overrides --preset)")
     ap.add_argument("--cache", default=cache, help="where synthetic checkpoints are written and reused")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="B: batch capacity")
-    ap.add_argument("--num-requests", type=int, default=32, help="C: requests submitted at once")
-    ap.add_argument("--prompt-len", type=int, default=128, help="P: prompt tokens (seeded random ids)")
-    ap.add_argument("--output-len", type=int, default=128, help="D: output tokens per request")
+    ap.add_argument("--max-num-seqs", type=_at_least_one, default=16, help="B: batch capacity")
+    ap.add_argument("--num-requests", type=_at_least_one, default=32, help="C: requests submitted at once")
+    ap.add_argument("--prompt-len", type=_at_least_one, default=128, help="P: prompt tokens (seeded random ids)")
+    ap.add_argument("--output-len", type=_at_least_one, default=128, help="D: output tokens per request")
     ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"])
     ap.add_argument("--backend", default="triton" if device == "cuda" else "torch", choices=["torch", "triton"],
                     help="attention backend (default: triton on CUDA, torch on the CPU)")
     ap.add_argument("--no-graphs", action="store_true", help="run eagerly (graphs need CUDA and triton)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warmup")
-    return ap.parse_args(argv)
+    ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
+    ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
+                    help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
+    ap.add_argument("--profile", type=_markdown_path, default=None, metavar="PATH.md",
+                    help="after the timed runs, one more run per policy under torch.profiler; "
+                         "the report goes to PATH.md and PATH.json")
+    ap.add_argument("--profile-top", type=_at_least_one, default=15, metavar="N", help="kernels in the report's table")
+    ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
+                    help="keep the profiler's Chrome trace here (with --policy both: PATH's stem + .natural/.replay)")
+    args = ap.parse_args(argv)
+    if args.trace is not None and args.profile is None:
+        ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
+    return args
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
@@ -57,43 +102,186 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
     return OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    max_len = max_model_len(args.prompt_len, args.output_len)
-    model = load(args, device, max_len)
+def make_requests(vocab_size: int, args: argparse.Namespace) -> list[Request]:
+    """C seeded random prompts of P tokens, D output tokens each, the seed's delayed gate 0.5/min2/max4."""
     g = torch.Generator().manual_seed(0)
-    reqs = [Request(f"r{i}", torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist(),
+    return [Request(f"r{i}", torch.randint(0, vocab_size, (args.prompt_len,), generator=g).tolist(),
                     args.output_len, min_loops=2, max_loops=4, exit_threshold=0.5)
             for i in range(args.num_requests)]
-    arm = ArmSpec(kv_layout="alias" if args.layout != "native" else "native", prefix_tiles=args.layout == "alias_prefix",
-                  attention_backend=args.backend,
-                  cuda_graphs=not args.no_graphs and device == "cuda" and args.backend == "triton")
-    natural = LoopEngine(model, arm.engine_config(args.max_num_seqs, max_len, "ouro_delayed"))
-    for r in reqs:
-        natural.add_request(r)
-    natural.run()
-    schedule = natural.capture_schedule()
-    eng = LoopEngine(model, arm.engine_config(args.max_num_seqs, max_len, "replay", schedule))
-    for i in range(args.repeats + 1):
-        if i:
+
+
+def arm_spec(args: argparse.Namespace, device: str) -> ArmSpec:
+    return ArmSpec(kv_layout="alias" if args.layout != "native" else "native",
+                   prefix_tiles=args.layout == "alias_prefix",
+                   attention_backend=args.backend,
+                   cuda_graphs=not args.no_graphs and device == "cuda" and args.backend == "triton")
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """One run from first submission to drain: wall seconds, output tokens and the engine's counters of it."""
+
+    policy: str
+    label: str
+    elapsed_s: float
+    tokens: int
+    three_loop_share: float
+    delta: EngineStats
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def line(self) -> str:
+        d = self.delta
+        return (f"{self.policy} {self.label}: {self.elapsed_s:.3f}s {self.tokens_per_s:.1f} tok/s  "
+                f"{self.elapsed_s / max(1, d.steps) * 1e3:.2f} ms/step  three-loop share {self.three_loop_share:.3f}  "
+                f"this run: {d.work()} decode graphs {d.decode_graphs}")
+
+
+class PolicyEngine:
+    """One timed policy's engine, run again and again on the probe's requests (``reset_run`` between)."""
+
+    def __init__(self, policy: str, engine: LoopEngine, schedule: Schedule):
+        self.policy, self.engine, self.schedule, self.runs = policy, engine, schedule, 0
+
+    def run(self, reqs: list[Request], label: str) -> TimedRun:
+        """One timed run; ScheduleMismatchError (naming policy and run) when its tokens or exit depths differ
+        from the captured schedule. Nothing but submission, stepping and the final sync is timed."""
+        eng, cuda = self.engine, self.engine.model.device.type == "cuda"
+        if self.runs:
             eng.reset_run()
+        self.runs += 1
         before = eng.stats.copy()
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for r in reqs:
             eng.add_request(r)
         outs = eng.run()
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-        el = time.perf_counter() - t0
-        schedule.verify(outs)
-        delta = eng.stats.minus(before)
-        n = sum(len(o.token_ids) for o in outs.values())
+        elapsed = time.perf_counter() - t0
+        try:
+            self.schedule.verify(outs)
+        except ScheduleMismatchError as e:
+            raise ScheduleMismatchError(
+                f"the {self.policy} {label} does not reproduce the captured schedule: {e}") from e
         exits = [e for o in outs.values() for e in o.exit_depths[1:]]
-        print(f"{'warmup' if i == 0 else 'run'} {i}: {el:.3f}s {n / el:.1f} tok/s  {el / delta.steps * 1e3:.2f} "
-              f"ms/step  three-loop share {exits.count(3) / max(1, len(exits)):.3f}  this run: {delta.work()} decode graphs {delta.decode_graphs}")
+        return TimedRun(self.policy, label, elapsed, sum(len(o.token_ids) for o in outs.values()),
+                        exits.count(3) / max(1, len(exits)), eng.stats.minus(before))
+
+
+def capture(model: OuroModel, arm: ArmSpec, max_num_seqs: int, max_len: int, reqs: list[Request]) -> Schedule:
+    """One natural ouro_delayed run of the requests, frozen as the schedule every timed run must reproduce."""
+    natural = LoopEngine(model, arm.engine_config(max_num_seqs, max_len, "ouro_delayed"))
+    for r in reqs:
+        natural.add_request(r)
+    natural.run()
+    return natural.capture_schedule()
+
+
+def time_policies(engines: dict[str, PolicyEngine], reqs: list[Request], repeats: int) -> dict[str, list[TimedRun]]:
+    """A warmup per engine, then ``repeats`` timed runs per engine, the policies alternating within a repeat."""
+    timed: dict[str, list[TimedRun]] = {p: [] for p in engines}
+    for i in range(repeats + 1):
+        for p, pe in engines.items():
+            run = pe.run(reqs, f"run {i}" if i else "warmup")
+            print(run.line(), flush=True)
+            if i:
+                timed[p].append(run)
+    return timed
+
+
+def print_medians(timed: dict[str, list[TimedRun]]) -> dict[str, float]:
+    """Median tokens/s per policy (and natural/replay when both ran); returns the medians."""
+    med = {p: statistics.median(r.tokens_per_s for r in runs) for p, runs in timed.items()}
+    for p, v in med.items():
+        print(f"median {p}: {v:.1f} tok/s over {len(timed[p])} timed runs")
+    if {"natural", "replay"} <= med.keys() and med["replay"] > 0:
+        print(f"natural/replay throughput ratio {med['natural'] / med['replay']:.3f}x "
+              f"(median tok/s {med['natural']:.1f} / {med['replay']:.1f})")
+    return med
+
+
+def _versions() -> dict[str, str]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({cpu_name()})"
+    return {"device": device, "torch": torch.__version__, "triton": triton_version}
+
+
+def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: dict,
+               timed: list[TimedRun]) -> dict[str, object]:
+    """The report's parameter table for one profiled run; ``timed`` are its policy's unprofiled runs, whose median
+    wall says how much the profiler itself slowed the profiled run."""
+    return {"preset": args.checkpoint or args.preset, "B": args.max_num_seqs, "C": args.num_requests,
+            "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
+            "policy": run.policy, "graphs": arm.cuda_graphs, **_versions(),
+            "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
+            "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
+            "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
+            "engine_steps": run.delta.steps,
+            "decode_steps": run.delta.decode_steps}
+
+
+def _trace_path(args: argparse.Namespace, policy: str, tmp: str) -> Path:
+    if args.trace is None:
+        return Path(tmp) / f"trace-{policy}.json"
+    if len(POLICIES[args.policy]) == 1:
+        return args.trace
+    return args.trace.with_name(f"{args.trace.stem}.{policy}{args.trace.suffix or '.json'}")
+
+
+def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args: argparse.Namespace,
+                     arm: ArmSpec, identity: dict, timed: dict[str, list[TimedRun]]) -> None:
+    """One more measured run per engine under torch.profiler, decode/prefill ranged; the report to args.profile."""
+    sections, kept = [], []
+    with tempfile.TemporaryDirectory(prefix="loopbench-trace-") as tmp:
+        for p, pe in engines.items():
+            trace = _trace_path(args, p, tmp)
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            with annotate_runner(pe.engine.runner):
+                run, events = profile_call(lambda: pe.run(reqs, "profiled run"), trace)
+            summary = summarize(events, run.elapsed_s, args.profile_top)
+            if args.trace is None:
+                trace.unlink()                  # a run with CUDA graphs leaves a trace of some hundred MB
+            else:
+                kept.append(str(trace))
+            print(run.line())
+            for line in figure_lines(summary):
+                print(f"  {line}")
+            title = f"{p}: one measured run under torch.profiler"
+            sections.append((title, run_params(args, arm, run, identity, timed[p]), summary))
+            del events
+    md, js = write_report(args.profile, sections)
+    print(f"profile written to {md} and {js}" + (f"; traces kept: {', '.join(kept)}" if kept else ""))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    identity = code_identity() if args.profile else {}     # a malformed LOOPBENCH_GIT_SHA fails before any run
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    max_len = max_model_len(args.prompt_len, args.output_len)
+    model = load(args, device, max_len)
+    reqs = make_requests(model.cfg.vocab_size, args)
+    arm = arm_spec(args, device)
+    schedule = capture(model, arm, args.max_num_seqs, max_len, reqs)
+    engines = {p: PolicyEngine(p, LoopEngine(model, arm.engine_config(
+        args.max_num_seqs, max_len, EXIT_POLICY[p], schedule if p == "replay" else None)), schedule)
+        for p in POLICIES[args.policy]}
+    try:
+        timed = time_policies(engines, reqs, args.repeats)
+        if args.profile:
+            profile_policies(engines, reqs, args, arm, identity, timed)
+    except ScheduleMismatchError as e:
+        print(f"FAIL: {e}", flush=True)
+        print(f"FAIL: {e}", file=sys.stderr)
+        return 1
+    print_medians(timed)
     return 0
 
 

@@ -1,0 +1,79 @@
+"""The throughput probe end to end on the CPU (tiny preset): natural vs replay, the profile report, bad arguments."""
+import json
+
+import pytest
+
+from loopbench.harness import throughput
+from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
+
+SMALL = ["--preset", "tiny", "--max-num-seqs", "2", "--num-requests", "2", "--prompt-len", "4", "--output-len", "3",
+         "--repeats", "1"]
+
+
+def test_both_policies_with_a_profile_write_two_sections(tmp_path, capsys):
+    report = tmp_path / "out" / "p.md"
+    rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--policy", "both", "--profile", str(report)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for line in ("natural warmup:", "replay warmup:", "natural run 1:", "replay run 1:",
+                 "natural profiled run:", "replay profiled run:", "natural/replay throughput ratio"):
+        assert line in out, out
+    assert out.index("natural run 1:") < out.index("replay run 1:")
+    assert "no GPU kernels in the trace" in out
+    md = report.read_text()
+    assert "## natural: one measured run" in md and "## replay: one measured run" in md
+    assert "no GPU kernels in the trace (a CPU run)" in md and "| B | 2 |" in md
+    doc = json.loads(report.with_suffix(".json").read_text())
+    assert [s["params"]["policy"] for s in doc["sections"]] == ["natural", "replay"]
+    for s in doc["sections"]:
+        assert s["summary"]["num_kernels"] == 0
+        assert s["summary"]["parts"][0]["ranges"] == s["params"]["decode_steps"] > 0
+    assert sorted(p.name for p in report.parent.iterdir()) == ["p.json", "p.md"]     # the trace stayed out
+
+
+def test_natural_policy_alone_and_a_kept_trace(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--policy", "natural",
+                          "--profile", str(tmp_path / "p.md"), "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "replay warmup" not in out and "median natural:" in out
+    assert "traceEvents" in json.loads(trace.read_text()) and f"traces kept: {trace}" in out
+
+
+def test_both_policies_keep_one_trace_each(tmp_path, capsys):
+    rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--policy", "both",
+                          "--profile", str(tmp_path / "p.md"), "--trace", str(tmp_path / "t.json")])
+    assert rc == 0, capsys.readouterr().out
+    assert (tmp_path / "t.natural.json").exists() and (tmp_path / "t.replay.json").exists()
+
+
+def test_a_run_that_misses_the_schedule_exits_nonzero(tmp_path, capsys, monkeypatch):
+    def mismatch(self, outputs, trace_sha256=None):
+        raise ScheduleMismatchError("request 'r0' token_ids[1] = 5, frozen schedule has 6")
+    monkeypatch.setattr(Schedule, "verify", mismatch)
+    rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--policy", "natural"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "FAIL: the natural warmup does not reproduce the captured schedule: request 'r0'" in captured.err
+
+
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--num-requests", "--prompt-len", "--output-len", "--repeats"])
+def test_counts_below_one_are_argparse_errors_naming_the_value(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        throughput.main(["--cache", str(tmp_path / "c"), flag, "0"])
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()                    # nothing ran
+
+
+def test_bad_profile_path_and_non_integer_are_argparse_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        throughput.main(["--cache", str(tmp_path / "c"), "--profile", str(tmp_path / "p.txt")])
+    assert "p.txt' does not end in .md" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--max-num-seqs", "two"])
+    assert "argument --max-num-seqs: 'two' is not an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--trace", "t.json"])
+    assert "--trace 't.json' needs --profile" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
