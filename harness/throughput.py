@@ -278,7 +278,7 @@ def main(argv=None) -> int:
         if args.profile:
             profile_policies(engines, reqs, args, arm, identity, timed)
     except ScheduleMismatchError as e:
-        print(f"FAIL: {e}", flush=True)
+        sys.stdout.flush()
         print(f"FAIL: {e}", file=sys.stderr)
         return 1
     print_medians(timed)
