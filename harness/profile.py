@@ -91,8 +91,17 @@ class ProfileSummary:
     num_memset: int
     graph_launches: int
     graph_launches_without_kernels: int   # > 0: the profiler missed graph kernels, the figures undercount
+    gaps_within_launches_s: float  # idle inside launches: a graph's span minus its kernels' busy time
     parts: tuple[PartRow, ...]
     top_kernels: tuple[KernelRow, ...]
+
+    @property
+    def idle_between_launches_share(self) -> float:
+        """Idle while no launch was on the GPU (the host had queued nothing): idle minus the gaps between
+        the kernels of one graph replay (launch latency inside the graph, set by its kernel count)."""
+        if not self.wall_s:
+            return 0.0
+        return max(0.0, self.idle_share - self.gaps_within_launches_s / self.wall_s)
 
     @property
     def has_gpu_activity(self) -> bool:
@@ -198,6 +207,15 @@ def attribute_launches(ranges: Sequence[TraceEvent], launches: Sequence[TraceEve
     return out
 
 
+def gaps_within_launches_us(kernels: Sequence[TraceEvent]) -> float:
+    """Idle time inside launches, microseconds: for the kernels of each launch (one correlation id: one
+    graph replay, or one kernel), their GPU span minus the union of their intervals."""
+    by_launch: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for k in kernels:
+        by_launch[k.correlation].append((k.ts_us, k.ts_us + k.dur_us))
+    return sum(max(e for _, e in iv) - min(b for b, _ in iv) - union_us(iv) for iv in by_launch.values())
+
+
 def _top_kernels(kernels: Sequence[TraceEvent], busy_us: float, top_n: int) -> tuple[KernelRow, ...]:
     count: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
@@ -253,6 +271,7 @@ def summarize(events: Iterable[TraceEvent], wall_s: float, top_n: int = 15) -> P
         num_kernels=len(kernels), num_memcpy=len(by_cat["gpu_memcpy"]), num_memset=len(by_cat["gpu_memset"]),
         graph_launches=len(graphs),
         graph_launches_without_kernels=sum(1 for g in graphs if g.correlation not in device_corr),
+        gaps_within_launches_s=gaps_within_launches_us(kernels) / 1e6,
         parts=_parts(kernels, part_of, ranges), top_kernels=_top_kernels(kernels, busy_us, top_n))
 
 
@@ -265,7 +284,8 @@ def figure_lines(s: ProfileSummary) -> list[str]:
         lines.append("no GPU kernels in the trace (a CPU run): no GPU busy or idle time to report")
     else:
         lines += [f"GPU kernel-busy {s.kernel_busy_s * 1e3:.1f} ms (union of {s.num_kernels:,} kernel intervals); "
-                  f"GPU idle {s.idle_share:.1%} of wall",
+                  f"GPU idle {s.idle_share:.1%} of wall: {s.gaps_within_launches_s / s.wall_s if s.wall_s else 0:.1%} "
+                  f"between the kernels of one launch, {s.idle_between_launches_share:.1%} with no launch on the GPU",
                   f"memcpy busy {s.memcpy_busy_s * 1e3:.2f} ms ({s.num_memcpy:,} copies); "
                   f"memset busy {s.memset_busy_s * 1e3:.2f} ms ({s.num_memset:,})",
                   f"GPU kernel time: decode {d.gpu_s * 1e3:.1f} ms ({d.share_of_kernel_time:.1%}), prefill "

@@ -226,3 +226,14 @@ def test_cuda_graph_replay_kernels_are_attributed_to_the_range_that_launched_the
     assert p.ranges == 1 and p.kernels >= 1, s
     assert s.kernel_busy_s > 0 and 0.0 < s.idle_share < 1.0
     assert y.shape == x.shape
+
+
+def test_idle_splits_into_gaps_inside_a_graph_launch_and_time_with_no_launch():
+    # one graph replay (correlation 1): kernels [0,10] and [12,20] -> a 2 us gap inside the launch;
+    # then nothing until a second replay (correlation 2) at [50,60]
+    evs = [kernel(0, 10, 1), kernel(12, 8, 1), kernel(50, 10, 2)]
+    s = summarize(evs, wall_s=100e-6)
+    assert s.kernel_busy_s == pytest.approx(28e-6) and s.idle_share == pytest.approx(0.72)
+    assert s.gaps_within_launches_s == pytest.approx(2e-6)
+    assert s.idle_between_launches_share == pytest.approx(0.70)
+    assert any("2.0% between the kernels of one launch, 70.0% with no launch" in line for line in figure_lines(s))
