@@ -3,17 +3,20 @@
 Each :meth:`LoopEngine.step` runs ONE loop of the recurrent core for every resident row: rows at
 different depths share one vectorised model call (Continuous Depth Batching, arXiv 2608.09444). A row
 that exits goes through ``lm_head`` and greedy sampling; its next token restarts at depth 1. Prompts
-are prefilled one full-depth loop per step (every loop runs for a prompt, BRIEF section 1), so a request
-can be aborted mid-prefill. A finished or aborted request frees its slot and blocks and the FIFO queue
+are prefilled one full-depth loop per step (every loop runs for a prompt, BRIEF section 1), all prefilling
+requests of a step packed into one launch sequence whatever their depths, so a request can be aborted
+mid-prefill. A finished or aborted request frees its slot and blocks and the FIFO queue
 refills the slot.
 
 A step is plan -> run -> apply: the :class:`~.scheduler.Scheduler` decides on the host (a frozen
 ``StepPlan``), the :class:`~.runner.Runner` does the device work, and the engine applies the result to
 the requests' host state and collects outputs. The engine knows token ids only: no tokenizer, no
 Hydra, no timing. It runs on ``cpu`` or ``cuda`` alike. Resident per-slot state stays on the device;
-the host keeps only positions, depths and counts. Under the ``replay`` policy the host knows every exit
-in advance and never reads device values inside a step; natural policies read the exit flags once per
-step.
+the host keeps only positions, depths and counts. Nothing in a step waits for the device: host
+decisions reach it through pinned async uploads, and the host plans step N+1 while the GPU runs step N.
+Under ``replay`` and ``fixed`` the host knows every exit in advance; under ``ouro_delayed`` it learns a
+step's exits from the previous step's gate, read back asynchronously; only ``ouro`` (and EOS detection)
+reads the step just launched.
 """
 from __future__ import annotations
 

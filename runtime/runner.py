@@ -146,7 +146,7 @@ class Runner:
         slots = idx[1]
         self.last_token[slots] = token
         self.out_tokens[slots, 0] = token
-        self.n_out[slots] = 1
+        self.n_out.index_fill_(0, slots, 1)           # a Python scalar via setitem would be a synchronising copy
         return finals, logits, token
 
     def prefill_core(self, x, row_slot, row_depth, positions, tiles):

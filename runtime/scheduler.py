@@ -50,7 +50,7 @@ class StepPlan:
     """The host's decision for one engine step."""
 
     admitted: tuple[Running, ...]     # admitted this step (KV opened); their prompts still to be staged
-    prefill: tuple[PrefillLoop, ...]  # one loop per prefilling request, in slot order
+    prefill: tuple[PrefillLoop, ...]  # one loop per prefilling request, in slot order (run as one pack)
     decode: tuple[Running, ...]       # requests decoding since before this step, in slot order
     rows: np.ndarray | None           # [len(decode), DESC_ROWS] int32: slot, depth, pos, first-alias, forced
     forced: list[bool]                # per decode row: the exit the host knows in advance (replay), else False

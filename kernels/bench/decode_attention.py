@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.testing
 
+from loopbench.kernels.bench import markdown_writer
 from loopbench.kernels.decode_attention import (DEFAULT_BLOCK_N, MIN_SPLIT_TOKENS, decode_attention,
                                                 launch_config)
 from loopbench.kernels.kv_write import native_fill
@@ -223,13 +224,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_decode_attention needs a CUDA device", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    md = args.out.open("w")
-
-    def emit(line: str) -> None:          # written as it goes, so a time-out still leaves the rows so far
-        print(line, flush=True)
-        md.write(line + "\n")
-        md.flush()
+    emit = markdown_writer(args.out)
 
     started = time.time()
     ceiling = copy_ceiling_bytes_per_s()
@@ -283,7 +278,6 @@ def main(argv=None) -> int:
     if args.sweep:
         sweep(ceiling, emit)
     emit(f"(total {time.time() - started:.0f} s)")
-    md.close()
     with args.out.with_suffix(".csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from loopbench.kernels.bench import markdown_writer
 from loopbench.kernels.prefill_attention import (DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, DEFAULT_NUM_STAGES,
                                                  DEFAULT_NUM_WARPS, max_prefill_tiles, packed_prefill_attention,
                                                  prefill_tiles)
@@ -174,13 +175,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kernels/bench/prefill_attention.py needs a CUDA device", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    md = args.out.open("w")
-
-    def emit(line: str) -> None:          # written as it goes, so a time-out still leaves the rows so far
-        print(line, flush=True)
-        md.write(line + "\n")
-        md.flush()
+    emit = markdown_writer(args.out)
 
     started = time.time()
     emit(f"# Packed prefill attention on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
@@ -199,7 +194,6 @@ def main(argv=None) -> int:
     if args.tune:
         tune(args.rep_ms, emit)
     emit(f"Elapsed {time.time() - started:.0f} s.")
-    md.close()
     return 0
 
 
