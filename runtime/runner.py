@@ -17,7 +17,7 @@ import torch
 from loopbench.kernels.prefill_attention import DEFAULT_BLOCK_M as PREFILL_BLOCK_M
 from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefill_attention, prefill_tiles
 
-from .api import EngineConfig, EngineStats, KVLayout, Request
+from .api import EngineConfig, EngineStats, KVLayout
 from .attention import get_backend
 from .descriptors import DescriptorBanks, to_device_async
 from .exit_policy import NaturalPolicy, ReplayPolicy
