@@ -371,7 +371,8 @@ def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Causal attention of prompts packed back to back, each attending only within itself.
 
     Args:
-        q: ``[N, H, D]``; k, v: ``[N, Hkv, D]``; one of float32/bfloat16/float16, one device. ``N`` may be
+        q: ``[N, H, D]``; k, v: ``[N, Hkv, D]``; one of float32/bfloat16/float16 (float64 with the torch
+            backend), one device. ``N`` may be
             a padded bucket; H a multiple of Hkv (head ``h`` uses kv head ``h // (H // Hkv)``).
         tiles: ``int32 [3, num_tiles]`` on q's device, as :func:`prefill_tiles` makes with this
             ``block_m``: query row ``t`` of the tile ``(seq_start, q_start, q_end)`` sees keys
@@ -406,6 +407,9 @@ def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return out.copy_(_packed_prefill_torch(q, k, v, tiles, block_m, scale))
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' on {q.device} tensors needs TRITON_INTERPRET=1")
+    if q.dtype == torch.float64:
+        raise ValueError("backend='triton' takes float32/bfloat16/float16; float64 (the CPU reference "
+                         "engine's dtype) needs backend='torch'")
     n, h, d = q.shape
     num_tiles = tiles.shape[1]
     head_dim_pad = max(16, triton.next_power_of_2(d))                       # tl.dot needs K >= 16

@@ -191,8 +191,10 @@ def test_packed_rejects_bad_arguments(monkeypatch):
         packed_prefill_attention(q, k, v, tiles, block_m=16, scale=-1.0)
     with pytest.raises(ValueError, match="backend"):
         packed_prefill_attention(q, k, v, tiles, block_m=16, backend="cuda")
+    with pytest.raises(ValueError, match="float64"):
+        packed_prefill_attention(q.double(), k.double(), v.double(), tiles, block_m=16, backend="triton")
     with pytest.raises(ValueError, match="dtype"):
-        packed_prefill_attention(q.double(), k.double(), v.double(), tiles, block_m=16)
+        packed_prefill_attention(q.int(), k.int(), v.int(), tiles, block_m=16)
     with pytest.raises(ValueError, match="out must be"):
         packed_prefill_attention(q, k, v, tiles, block_m=16, out=torch.empty((4, 2, 8)))
     with pytest.raises(ValueError, match="sum to 5"):
