@@ -7,15 +7,17 @@ NEEDS := import torch, triton, hydra, omegaconf, submitit, pandas, pyarrow, scip
 PYTHON := $(shell if $(PY) -c "$(NEEDS)" >/dev/null 2>&1; then echo $(PY); else echo $(VENV)/bin/python; fi)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: setup test test-gpu bench audit finish clean
+.PHONY: setup test test-gpu bench plan audit finish clean
 
 setup:
 ifeq ($(PYTHON),$(VENV)/bin/python)
 	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	@$(PYTHON) -c "$(NEEDS)" >/dev/null 2>&1 || { \
-	  $(PYTHON) -m pip install -q --upgrade pip && \
+	  echo "setup: upgrading pip in $(VENV)/" && $(PYTHON) -m pip install -q --upgrade pip && \
+	  echo "setup: installing torch==2.13.0 (the CPU build where the index has one; the largest download)" && \
 	  $(PYTHON) -m pip install -q torch==2.13.0 && \
-	  $(PYTHON) -m pip install -q -e '.[test]'; }
+	  echo "setup: installing loopbench (editable) with triton, hydra-core, submitit, pandas, pyarrow, scipy, matplotlib, pytest" && \
+	  $(PYTHON) -m pip install -q -e '.[test]' && echo "setup: done"; }
 else
 	@echo "using $(PYTHON): packages already importable, installing nothing"
 endif
@@ -27,17 +29,21 @@ test: setup
 test-gpu: setup
 	@$(PYTHON) -m pytest -q -m gpu $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
+# `loopbench bench` (harness/cli.py); `python -m loopbench` is the same command without the console script
 bench: setup
-	@$(PYTHON) -m loopbench.harness.bench $(ARGS)
+	@$(PYTHON) -m loopbench bench $(ARGS)
 
 audit: setup
 	@test -n "$(BUNDLE)" || { echo "usage: make audit BUNDLE=results/<bundle-dir>"; exit 2; }
-	@$(PYTHON) -m loopbench.audit $(BUNDLE)
+	@$(PYTHON) -m loopbench audit $(BUNDLE)
+
+plan: setup
+	@$(PYTHON) -m loopbench plan $(ARGS)
 
 # publish, as incomplete, the bundle of a controller that died without publishing (then audits it)
 finish: setup
 	@test -n "$(BUNDLE)" || { echo "usage: make finish BUNDLE=results/<bundle-dir>"; exit 2; }
-	@$(PYTHON) -m loopbench.harness.bench finish $(BUNDLE)
+	@$(PYTHON) -m loopbench finish $(BUNDLE)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,6 +1,8 @@
-"""``make bench``: the paired benchmark end to end, then the independent audit, then the report table.
+"""``loopbench bench`` (``make bench``): the paired benchmark end to end, then the independent audit,
+then the report table. ``harness/cli.py`` parses the command line and calls :func:`run_hydra`.
 
-    python -m loopbench.harness.bench [--config-name PRESET] [KEY=VALUE ...] [-m KEY=A,B ...]
+    loopbench bench [--config-name PRESET] [KEY=VALUE ...] [-m KEY=A,B ...]
+    python -m loopbench.harness.bench ...        # the same, without the console script
 
 Without ``--config-name`` the preset is ``ouro-1.4b`` where CUDA is available and ``cpu-smoke``
 otherwise. Any key can be overridden (``pairs=3``, ``model.checkpoint=/path``...); Hydra's multirun
@@ -12,24 +14,45 @@ separate process (the auditor imports nothing from the harness) -> the seed-styl
     python -m loopbench.harness.bench finish results/<bundle>         # publish a bundle whose controller died
 
 Exit status: 0 when every run is complete and its audit passes; 3 when a run is incomplete (no
-verdict) and its audit finds nothing else wrong; 1 when an audit fails or on any error. A configuration
-error (a misspelt key, a wrong type, an unknown arm...) is printed by Hydra before anything is
-measured and exits 1. SIGTERM or Ctrl-C stops the run's children and publishes an incomplete bundle
+verdict) and its audit finds nothing else wrong; 1 when an audit fails or on any error; 2 for a
+configuration error caught by our own checks (an unknown arm, a bad value...), printed as one line
+before anything is measured (a key Hydra itself refuses, misspelt or of a wrong type, exits 1). A
+multirun validates every job's configuration before the first one runs. SIGTERM or Ctrl-C stops the run's children and publishes an incomplete bundle
 (exit 3), which ``resume=`` can complete.
 """
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
-from . import conf, report
+from . import conf, progress, report
 
 _EXIT_CODES: list[int] = []
+_SWEEP = {"jobs": 0, "started": None}    # a multirun's size (cli.py counts it) and start, for the sweep's ETA
+
+
+def _sweep_progress() -> None:
+    """In a multirun, which job starts and when the whole sweep should end (mean job time so far)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    total = _SWEEP["jobs"]
+    if not total or HydraConfig.get().mode.name != "MULTIRUN":
+        return
+    num = HydraConfig.get().job.num
+    if _SWEEP["started"] is None:
+        _SWEEP["started"] = time.monotonic()
+    eta = ""
+    if num:
+        left = (time.monotonic() - _SWEEP["started"]) / num * (total - num)
+        eta = f"; the sweep should end in about {progress.duration(left)}"
+    progress.say("sweep", f"job {num + 1} of {total}{eta}")
 
 
 def task(cfg) -> int:
     from . import controller
 
+    _sweep_progress()
     try:
         spec = conf.validate(cfg)    # a bad key or value: one clear line and exit 2, not a traceback
     except (ValueError, TypeError) as exc:
@@ -88,18 +111,30 @@ def finish_main(argv: list[str]) -> int:
     return show(result)
 
 
-def main() -> int:
+def run_hydra(config_name: str, hydra_args: list[str], sweep_jobs: int = 0) -> int:
+    """Run :func:`task` under ``@hydra.main`` with ``hydra_args`` (overrides, ``-m``, Hydra's flags) for
+    preset ``config_name``; returns the worst exit status of its runs (1 when none ran)."""
     import hydra
 
-    argv = sys.argv[1:]
+    _EXIT_CODES.clear()
+    _SWEEP.update(jobs=sweep_jobs, started=None)
+    saved = sys.argv
+    sys.argv = [saved[0], *hydra_args]   # @hydra.main reads the command line from sys.argv
+    try:
+        hydra.main(version_base=None, config_path=str(conf.CONFIG_DIR), config_name=config_name)(task)()
+    finally:
+        sys.argv = saved
+    return max(_EXIT_CODES) if _EXIT_CODES else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loopbench.harness.bench [finish BUNDLE | ARGS]``: ``loopbench bench ARGS``."""
+    from . import cli
+
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["finish"]:
         return finish_main(argv[1:])
-    named = any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in argv)
-    name = None if named else default_config_name()
-    if name is not None:
-        print(f"loopbench: preset {name} ({'CUDA available' if name == 'ouro-1.4b' else 'no CUDA'})", flush=True)
-    hydra.main(version_base=None, config_path=str(conf.CONFIG_DIR), config_name=name)(task)()
-    return max(_EXIT_CODES) if _EXIT_CODES else 1
+    return cli.main(["bench", *argv])
 
 
 if __name__ == "__main__":

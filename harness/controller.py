@@ -34,7 +34,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from . import checker, conf, evidence, inputs, machine
+from . import checker, conf, evidence, inputs, machine, progress
 from .executors import REPO_ROOT, ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
@@ -73,13 +73,28 @@ def _progress(bundle: Path, total: int):
         from tqdm import tqdm
     except ImportError:  # tqdm is a dependency, but a bar is never worth failing a run for
         return lambda: None, lambda: None
-    bar = tqdm(total=total, desc="arms", unit="arm", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=total, desc="arms", unit="arm", dynamic_ncols=True, file=sys.stderr, disable=progress.quiet())
 
     def update() -> None:
         done = len(list((bundle / "raw").glob("*/*.json")))
         if done > bar.n:
             bar.update(done - bar.n)
     return update, bar.close
+
+
+def _log_echo(log: Path, prefix: str):
+    """A progress callback that prints each new line of a child's ``log`` that starts with ``prefix``
+    (after the child's timestamp): the reference child's one line per point."""
+    seen = [0]
+
+    def echo() -> None:
+        lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+        for line in lines[seen[0]:]:
+            text = line.split("] ", 1)[-1]
+            if text.startswith(prefix):
+                progress.say("references", text[len(prefix):])
+        seen[0] = len(lines)
+    return echo
 
 
 def write_job(bundle: Path, kind: str, dev: dict, stem: str | None = None, **extra) -> Path:
@@ -138,7 +153,10 @@ def capture_references(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path, e
     ref_spec = reference_job(spec, got, ckpt, bundle)
     write_children(bundle, [running_result(ref_spec).to_dict()])
     ex = spec.executor
-    children = [c.to_dict() for c in executor.run([ref_spec], poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)]
+    progress.say("references", f"natural run of arm {spec.reference} at {len(spec.points)} point(s) on "
+                               f"{got.devices[0]['label']} (reused by hash when cached)")
+    children = [c.to_dict() for c in executor.run([ref_spec], progress=_log_echo(ref_spec.log_file, "reference "),
+                                                  poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)]
     write_children(bundle, children)
     points = point_entries(spec)
     for pt in points:
@@ -212,6 +230,7 @@ def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunRes
 
 def audit(bundle: Path) -> int:
     """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code."""
+    progress.say("audit", f"re-deriving every figure of {bundle.name} from its raw records")
     return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None)).returncode
 
 

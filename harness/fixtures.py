@@ -35,6 +35,8 @@ from loopbench.runtime.checkpoint import (CONFIG_NAME, DTYPE_HF_NAMES, HF_DTYPE_
                                           SINGLE_FILE_NAME, is_int, is_number, load_checkpoint)
 from loopbench.runtime.model import PRESETS, OuroConfig, OuroModel, tensor_shapes
 
+from .progress import mib, say
+
 GATE_SIGMA = 0.5              # std of the gate logit w.x over tokens, x = normed state (RMS ~ 1)
 THREE_LOOP_FRACTION = 0.75    # target share of 3-loop tokens under ouro_delayed 0.5/min2/max4
 NORM_NOISE_STD = 0.02         # norm weights = 1 + N(0, NORM_NOISE_STD^2)
@@ -242,6 +244,7 @@ def _write_shards(out: Path, cfg: OuroConfig, shards: list[list[str]], single: b
             total_bytes += tensors[name].numel() * tensors[name].element_size()
             weight_map[name] = file_name
         save_file(tensors, out / file_name, metadata=metadata)
+        say("checkpoint", f"{out.name}/{file_name}: {len(names)} tensors, {mib(total_bytes)} written so far")
         del tensors
     return weight_map, total_bytes
 
@@ -331,15 +334,18 @@ def write_calibrated_checkpoint(path: str | Path, preset: str, *, seed: int = 0,
     calibrated bias. The bias and the measurement are recorded in ``loopbench_calibration.json``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    say("checkpoint", f"synthesizing {preset} (seed {seed}, {dtype}) into {path.parent}: uncalibrated weights first")
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".uncalibrated-") as tmp:
         write_synthetic_checkpoint(Path(tmp) / "ckpt", preset, seed=seed, dtype=dtype)
         cfg, tensors = load_checkpoint(Path(tmp) / "ckpt")
         calc_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
         model = OuroModel.from_tensors(cfg, tensors, device=device, dtype=calc_dtype, rope_len=256)
         del tensors
+        say("calibration", f"measuring the exit gate's logits on loop-1/2 states ({device})")
         u1, u2 = measure_gate_dots(model, seed=seed)
         del model
     bias = gate_bias_for_observed_mix(u1, u2, target_three_loop_fraction)
+    say("calibration", f"gate bias {bias:+.4f}; writing the calibrated weights")
     write_synthetic_checkpoint(path, preset, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                                gate_bias=bias)
     record = {"preset": preset, "seed": seed, "gate_bias": bias, "target_three_loop_fraction":

@@ -86,6 +86,13 @@ def model_config(spec: BenchSpec) -> dict:
     return _preset(spec).to_dict()
 
 
+def synthetic_checkpoint_path(spec: BenchSpec, cache: Path) -> Path:
+    """Where the preset's calibrated synthetic checkpoint lives in the cache (written or not)."""
+    m = spec.model
+    _preset(spec)
+    return cache / "checkpoints" / f"{m.preset}-seed{m.seed}-{m.dtype}-calibrated"
+
+
 def _synthetic_checkpoint(spec: BenchSpec, cache: Path) -> Path:
     """The preset's calibrated synthetic checkpoint in the cache, written once (atomically, by rename)."""
     from loopbench.runtime.checkpoint import CONFIG_NAME
@@ -94,8 +101,7 @@ def _synthetic_checkpoint(spec: BenchSpec, cache: Path) -> Path:
     from .session import TORCH_DTYPES
 
     m = spec.model
-    _preset(spec)
-    path = cache / "checkpoints" / f"{m.preset}-seed{m.seed}-{m.dtype}-calibrated"
+    path = synthetic_checkpoint_path(spec, cache)
     if not (path / CONFIG_NAME).is_file():
         import torch
 

@@ -1,0 +1,196 @@
+"""``loopbench``: the command line (the console script of pyproject.toml; ``python -m loopbench`` too).
+
+    loopbench bench [--config-name PRESET] [-m] [KEY=VALUE ...]   measure, check, bundle, audit, table
+    loopbench plan  [--config-name PRESET] [-m] [KEY=VALUE ...]   validate and show the plan; writes nothing
+    loopbench audit BUNDLE                                        re-audit a bundle
+    loopbench show BUNDLE | --all                                 a bundle's tables, or one line per bundle
+    loopbench compare A B                                         tokens/s change of bundle B against A
+    loopbench finish BUNDLE                                       publish a bundle whose controller died
+
+``--quiet`` (before or after the subcommand) silences progress lines (``harness/progress.py``).
+Exit statuses (``EXIT_STATUS``) are the same for every subcommand.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import progress
+
+EXIT_STATUS = """exit status:
+  0  done: the run is complete and its audit passes (bench, audit); the plan is valid (plan); printed (show, compare)
+  1  an audit found a discrepancy, an error, or (compare) the bundles are not comparable
+  2  bad configuration or usage, named in one line before anything is measured or written
+  3  the run or bundle is incomplete (stopped, failed child): no verdict, and nothing else wrong"""
+
+RUN_EPILOG = """examples:
+  loopbench bench --config-name cpu-smoke pairs=6
+  loopbench bench --config-name cpu-smoke -m order_seed=0,1     # a sweep: one bundle per value
+  loopbench plan --config-name ouro-1.4b pairs=9
+
+Without --config-name the preset is ouro-1.4b where CUDA is available, else cpu-smoke.
+$LOOPBENCH_CACHE (default ~/.cache/loopbench; the key cache_dir outranks it) holds synthetic
+checkpoints and frozen references; a reference is reused when its inputs hash the same
+(reuse_references=false captures it again)."""
+
+
+def _run_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    from . import keys
+
+    p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"{RUN_EPILOG}\n\n{keys.help_text()}\n\n{EXIT_STATUS}")
+    p.add_argument("--config-name", "-cn", dest="config_name", metavar="PRESET",
+                   help="preset of configs/ (cpu-smoke, ouro-1.4b)")
+    p.add_argument("-m", "--multirun", action="store_true",
+                   help="Hydra multirun: KEY=A,B runs one benchmark per combination, each into its own bundle")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (keys below)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``loopbench`` parser and its subcommands."""
+    parser = argparse.ArgumentParser(prog="loopbench", description="Auditable A/B evidence for looped-LM inference.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_STATUS)
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines or bars (for scripts)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _run_parser(sub, "bench", "run the paired benchmark: references, arms, checks, bundle, audit, table")
+    _run_parser(sub, "plan", "validate a configuration and print its plan; creates nothing")
+    for name, what in (("audit", "audit a bundle with the independent auditor (writes its audit.json)"),
+                       ("finish", "publish, as incomplete, the bundle of a controller that died")):
+        p = sub.add_parser(name, help=what, description=what, epilog=EXIT_STATUS,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("bundle", type=Path, metavar="BUNDLE")
+    p = sub.add_parser("show", help="a bundle's result tables, or one line per bundle with --all",
+                       description="a bundle's result tables and status, or (--all) one line per bundle: name, "
+                                   "preset, status and audit, code SHA, headline speedups", epilog=EXIT_STATUS,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bundle", type=Path, nargs="?", metavar="BUNDLE")
+    p.add_argument("--all", action="store_true", help="every bundle of --results")
+    p.add_argument("--results", type=Path, default=None, metavar="DIR", help="bundles folder (default: results/)")
+    p = sub.add_parser("compare", help="tokens/s change of bundle B against bundle A, per point and arm",
+                       description="per point and arm, the change of B's median tokens/s against A's with a "
+                                   "bootstrap interval from both bundles' measured runs (pyperf compare_to style), "
+                                   "or 'not comparable' naming the plan fields that differ (model, checkpoint, "
+                                   "workload, prompts, exit policy, warmup)", epilog=EXIT_STATUS,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", type=Path, metavar="A")
+    p.add_argument("b", type=Path, metavar="B")
+    p.add_argument("--confidence", type=float, default=None,
+                   help="interval level (default: A's verdict.confidence)")
+    return parser
+
+
+def _preset(config_name: str | None) -> str:
+    from .bench import default_config_name
+
+    if config_name:
+        return config_name
+    name = default_config_name()
+    progress.say("preset", f"{name} ({'CUDA available' if name == 'ouro-1.4b' else 'no CUDA'})")
+    return name
+
+
+def _bad(exc: Exception, where: str = "") -> int:
+    cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
+    print(f"loopbench: bad configuration{where}: {exc}{cause}", file=sys.stderr)
+    return 2
+
+
+def _bench(args, extra: list[str]) -> int:
+    from . import bench, planning
+
+    name = _preset(args.config_name)
+    jobs = 0
+    if args.multirun:   # every job's config is checked before the first one runs
+        try:
+            jobs = len(planning.check_sweep(name, args.overrides))
+        except planning.SweepError as exc:
+            return _bad(exc.cause, f" in sweep job {exc.job}")
+        progress.say("sweep", f"{jobs} jobs, every configuration valid")
+    return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs)
+
+
+def _plan(args) -> int:
+    from . import planning
+
+    name = _preset(args.config_name)
+    try:
+        jobs = planning.check_sweep(name, args.overrides) if args.multirun else [args.overrides]
+        texts = [planning.plan_text(name, job) for job in jobs]
+    except planning.SweepError as exc:
+        return _bad(exc.cause, f" in sweep job {exc.job}")
+    except planning.CONFIG_ERRORS as exc:
+        return _bad(exc)
+    print("\n\n".join(texts))
+    return 0
+
+
+def _show(args) -> int:
+    from . import compare
+
+    if args.all == (args.bundle is not None):
+        print("loopbench show: give a BUNDLE or --all", file=sys.stderr)
+        return 2
+    if args.all:
+        from .executors import REPO_ROOT
+
+        results = args.results or REPO_ROOT / "results"
+        dirs = compare.bundle_dirs(results)
+        print("\n".join(compare.bundle_line(d) for d in dirs) if dirs else f"no bundles in {results}")
+        return 0
+    try:
+        print(compare.show_text(compare.Bundle.load(args.bundle)))
+    except ValueError as exc:
+        print(f"loopbench show: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _compare(args) -> int:
+    from . import compare
+
+    try:
+        text, comparable = compare.compare_text(compare.Bundle.load(args.a), compare.Bundle.load(args.b),
+                                                args.confidence)
+    except ValueError as exc:
+        print(f"loopbench compare: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if comparable else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--quiet" in argv or "-q" in argv:   # anywhere, so that `loopbench bench -q` and `loopbench -q bench` agree
+        argv = [a for a in argv if a not in ("--quiet", "-q")]
+        os.environ[progress.QUIET_ENV] = "1"   # the children inherit it
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command in ("bench", "plan"):   # overrides after -m land in extra: they are overrides all the same
+        args.overrides += [a for a in extra if not a.startswith("-") and "=" in a]
+        extra = [a for a in extra if a.startswith("-") or "=" not in a]
+    if extra and args.command != "bench":     # Hydra's own flags (--cfg job, ...) pass through bench only
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "bench":
+        return _bench(args, extra)
+    if args.command == "plan":
+        return _plan(args)
+    if args.command in ("audit", "finish"):
+        if not args.bundle.is_dir():
+            print(f"loopbench {args.command}: no bundle folder at {args.bundle}", file=sys.stderr)
+            return 2
+        if args.command == "finish":
+            from .bench import finish_main
+
+            return finish_main([str(args.bundle)])
+        from .controller import audit
+
+        return audit(args.bundle)
+    return _show(args) if args.command == "show" else _compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""``loopbench compare A B`` and ``loopbench show``: reading published bundles side by side.
+
+A comparison of two bundles (two commits, two machines) is unpaired: their runs come from different
+sessions, so the change is the ratio of B's median tokens/s to A's, per point and arm, with a
+percentile bootstrap interval that resamples each bundle's measured runs independently
+(``scipy.stats.bootstrap``, ``paired=False``). As in pyperf's ``compare_to``, a change whose interval
+contains 1 is "not significant"; nothing is guessed.
+
+Two bundles are comparable only when what they measured is the same: model (config and checkpoint
+sha256), workload (config and prompts sha256), exit policy and warmup. Otherwise the comparison is
+refused, naming every field that differs. An arm whose own config differs between the bundles is shown
+as such and not compared.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sps
+
+from .fileio import canonical_json, sha256_bytes
+
+# plan.json fields that decide what a run measured; any difference makes two bundles not comparable
+SAME_FIELDS = ("config.model", "checkpoint.sha256", "config.workload", "prompts.sha256", "config.exit",
+               "config.warmup")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A published bundle's plan, summary and arms table (one row per measured arm run)."""
+
+    path: Path
+    plan: dict
+    summary: dict
+    arms: pd.DataFrame
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Bundle":
+        """Read ``plan.json``, ``summary.json`` and ``tables/arms.parquet``; ValueError names what is missing."""
+        path = Path(path)
+        missing = [f for f in ("plan.json", "summary.json", "tables/arms.parquet") if not (path / f).is_file()]
+        if missing:
+            raise ValueError(f"{path}: not a published bundle (no {', '.join(missing)})")
+        return cls(path, json.loads((path / "plan.json").read_text()), json.loads((path / "summary.json").read_text()),
+                   pd.read_parquet(path / "tables" / "arms.parquet"))
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict[str, dict]:
+    """The schema's defaults of the config nodes compared, so that a key added after a bundle was written
+    compares equal to its default there."""
+    from . import conf
+
+    return {"config.model": conf.to_plain(conf.ModelConf()), "config.workload": conf.to_plain(conf.WorkloadConf()),
+            "config.exit": conf.to_plain(conf.ExitConf()), "arm": conf.to_plain(conf.ArmConf())}
+
+
+def _get(doc: dict, dotted: str):
+    for part in dotted.split("."):
+        doc = doc.get(part) if isinstance(doc, dict) else None
+    default = _defaults().get(dotted)
+    return {**default, **doc} if default is not None and isinstance(doc, dict) else doc
+
+
+def _leaf_diffs(a, b, prefix: str) -> list[str]:
+    """Dotted paths (with both values) where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _leaf_diffs(a.get(k), b.get(k), f"{prefix}.{k}")]
+    return [] if a == b else [f"{prefix}: {a!r} vs {b!r}"]
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """Why two plans are not comparable: every differing leaf of ``SAME_FIELDS`` ([] when comparable)."""
+    return [d for field in SAME_FIELDS for d in _leaf_diffs(_get(a, field), _get(b, field), field)]
+
+
+def config_hash(plan: dict) -> str:
+    """sha256 of the part of a plan's config that decides what is measured (``SAME_FIELDS`` of config)."""
+    part = {f: _get(plan, f) for f in SAME_FIELDS if f.startswith("config.")}
+    return sha256_bytes(canonical_json(part).encode())
+
+
+def ratio_interval(a: np.ndarray, b: np.ndarray, confidence: float, n_resamples: int = 10_000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of median(b) / median(a), each sample resampled on its own; None
+    with fewer than two runs on either side (no interval can be formed)."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    res = sps.bootstrap((a, b), lambda x, y, axis: np.median(y, axis=axis) / np.median(x, axis=axis),
+                        paired=False, vectorized=True, confidence_level=confidence, n_resamples=n_resamples,
+                        method="percentile", rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def change_words(ratio: float, ci: tuple[float, float] | None) -> str:
+    """pyperf's wording: "1.0123x faster", "1.0500x slower" or "not significant" (interval contains 1)."""
+    if ci is None:
+        return "no interval (fewer than 2 runs)"
+    if ci[0] <= 1.0 <= ci[1]:
+        return "not significant"
+    return f"{ratio:.4f}x faster" if ratio > 1 else f"{1 / ratio:.4f}x slower"
+
+
+def _runs(bundle: Bundle) -> dict[tuple[str, str], np.ndarray]:
+    """(point, arm) -> tokens/s of every measured run of that arm at that point, in any comparison."""
+    return {(pt, arm): g["tokens_per_s"].to_numpy(float) for (pt, arm), g in bundle.arms.groupby(["point", "arm"])}
+
+
+def compare_rows(a: Bundle, b: Bundle, confidence: float) -> list[dict]:
+    """One row per (point, arm) of both bundles: medians, runs, ratio B/A, its interval and words."""
+    ra, rb = _runs(a), _runs(b)
+    arms_a, arms_b = a.plan["config"]["arms"], b.plan["config"]["arms"]
+    rows = []
+    for key in sorted(set(ra) & set(rb)):
+        pt, arm = key
+        row = {"point": pt, "arm": arm, "runs_a": len(ra[key]), "runs_b": len(rb[key]),
+               "a_tokens_per_s": float(np.median(ra[key])), "b_tokens_per_s": float(np.median(rb[key]))}
+        arm_default = _defaults()["arm"]
+        diff = _leaf_diffs({**arm_default, **arms_a[arm]}, {**arm_default, **arms_b[arm]}, f"arms.{arm}")
+        if diff:
+            rows.append({**row, "ratio": None, "ci": None, "words": "arm config differs: " + "; ".join(diff)})
+            continue
+        ratio = row["b_tokens_per_s"] / row["a_tokens_per_s"]
+        ci = ratio_interval(ra[key], rb[key], confidence)
+        rows.append({**row, "ratio": ratio, "ci": ci, "words": change_words(ratio, ci)})
+    return rows
+
+
+def _pct(x: float) -> str:
+    return f"{100 * (x - 1):+.2f}%"
+
+
+def _identity(bundle: Bundle) -> str:
+    code = bundle.plan["code"]
+    sha = (code.get("git_sha") or "unknown")[:12] + ("+dirty" if code.get("git_dirty") else "")
+    devices = ", ".join(sorted({d["label"] for d in bundle.plan["devices"]}))
+    return f"{bundle.path.name} (code {sha}; {devices}; {bundle.summary['status']})"
+
+
+def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple[str, bool]:
+    """The comparison of B against A as text, and whether the bundles were comparable."""
+    diffs = differences(a.plan, b.plan)
+    head = [f"A: {_identity(a)}", f"B: {_identity(b)}"]
+    if diffs:
+        return "\n".join(head + ["not comparable: the bundles measured different things:"]
+                         + [f"  {d}" for d in diffs]), False
+    level = confidence if confidence is not None else a.plan["config"]["verdict"]["confidence"]
+    rows = compare_rows(a, b, level)
+    lines = head + ["", f"tokens/s: median over each arm's measured runs; change = B / A - 1 with a {level:.0%} "
+                        "percentile bootstrap interval, resampling each bundle's runs on its own", "",
+                    f"| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [{level:.0%} interval] | |",
+                    "|---|---|---|---|---|---|"]
+    points = {p["key"]: p for p in a.plan["points"]}
+    for r in rows:
+        pt = points[r["point"]]
+        change = (f"{_pct(r['ratio'])} [{_pct(r['ci'][0])}, {_pct(r['ci'][1])}]" if r["ci"]
+                  else _pct(r["ratio"]) if r["ratio"] else "-")
+        lines.append(f"| {pt['max_num_seqs']} / {pt['num_requests']} | {r['arm']} | {r['a_tokens_per_s']:.2f} "
+                     f"({r['runs_a']}) | {r['b_tokens_per_s']:.2f} ({r['runs_b']}) | {change} | {r['words']} |")
+    only = sorted(set(_runs(a)) ^ set(_runs(b)))
+    if only:
+        lines += ["", "in one bundle only (not compared): " + ", ".join(f"{p} {arm}" for p, arm in only)]
+    if {d["label"] for d in a.plan["devices"]} != {d["label"] for d in b.plan["devices"]}:
+        lines += ["", "note: the bundles ran on different devices; the change includes the device's"]
+    return "\n".join(lines), True
+
+
+# ------------------------------------------------------------------------------------------ show
+
+def show_text(bundle: Bundle) -> str:
+    """``loopbench show BUNDLE``: identity, the result tables and the status line of a published bundle."""
+    from . import report
+
+    s = bundle.summary
+    audit_file = bundle.path / "audit.json"
+    audit = json.loads(audit_file.read_text()).get("status", "?") if audit_file.is_file() else "not audited"
+    status = s["status"] + (f" ({report.reasons_text(s)})" if s["incomplete_reasons"] else "")
+    return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s),
+                      f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts "
+                      f"{'published' if s['verdicts_published'] else 'barred'}", f"report: {bundle.path / 'report.md'}"])
+
+
+def headline(summary: dict) -> str:
+    """Every result's speedup, "<comparison> <point> 1.0049x", joined by ", " (or "no results")."""
+    parts = [f"{r['comparison']} {r['point']} {r['stats']['speedup']:.4f}x" for r in summary.get("results", [])
+             if r.get("stats", {}).get("speedup") is not None]
+    return ", ".join(parts) or "no results"
+
+
+def bundle_line(path: Path) -> str:
+    """``show --all``'s line for one bundle folder: name, preset, status (and audit), code SHA, headline."""
+    try:
+        plan = json.loads((path / "plan.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path.name}: unreadable plan.json ({exc.__class__.__name__})"
+    summary_file, audit_file = path / "summary.json", path / "audit.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    audit = json.loads(audit_file.read_text()).get("status", "?") if audit_file.is_file() else "not audited"
+    status = summary["status"] if summary else ("unpublished" if not (path / "manifest.json").is_file() else "?")
+    code = plan.get("code", {})
+    sha = (code.get("git_sha") or "unknown")[:8] + ("+dirty" if code.get("git_dirty") else "")
+    preset = plan.get("checkpoint", {}).get("preset") or "checkpoint"
+    return (f"{path.name}  {plan.get('name')}  model {preset}  {status} (audit {audit})  code {sha}  "
+            f"{headline(summary) if summary else 'no summary'}")
+
+
+def bundle_dirs(results_dir: Path) -> list[Path]:
+    """The folders of ``results_dir`` that hold a ``plan.json``, by name."""
+    return sorted(p for p in results_dir.iterdir() if (p / "plan.json").is_file()) if results_dir.is_dir() else []

@@ -1,0 +1,120 @@
+"""Every configuration key of ``conf.BenchConf`` with its type, default and meaning, for ``--help``.
+
+The meanings live here, one line each; ``tests/harness/test_cli.py`` holds this table and the schema
+to the same set of keys, so a key added to ``conf.py`` without a meaning fails a test.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from enum import Enum
+
+from omegaconf import MISSING
+
+from . import conf
+
+MEANINGS: dict[str, str] = {
+    "name": "the run's name: the bundle folder is results/<date>-<name>-<short sha>",
+    "model.preset": "synthetic checkpoint of this runtime/model.py preset (tiny, ouro-1.4b...), written once into the cache",
+    "model.checkpoint": "a real HF safetensors checkpoint directory instead of the preset",
+    "model.dtype": "dtype every tensor is cast to and the model runs in",
+    "model.seed": "seed of the synthetic weights",
+    "workload.prompt_len": "P: tokens per seeded prompt (null when prompt_lens is set)",
+    "workload.output_len": "D: output tokens per request, exactly (EOS ignored), greedy",
+    "workload.prompt_seed": "seed of the random prompt token ids",
+    "workload.prompts_file": "prompts from a parquet (prompt_token_ids column) or JSONL file instead",
+    "workload.prompt_lens": "cycled prompt lengths instead of one prompt_len",
+    "points[].max_num_seqs": "B: batch capacity of the engine at this point",
+    "points[].num_requests": "C: requests submitted at once at this point",
+    "exit.policy": "natural exit policy of the frozen reference run (arms replay its exits)",
+    "exit.threshold": "exit when 1 - survival reaches this (policy ouro / ouro_delayed)",
+    "exit.min_loops": "earliest exit depth",
+    "exit.max_loops": "deepest loop; every token exits there at the latest",
+    "arms.<name>.kv_layout": "native (copy K/V into skipped planes) or alias (read through the exit map)",
+    "arms.<name>.prefix_tiles": "alias only: read key tiles before the first aliased position directly",
+    "arms.<name>.attention_backend": "torch (reference) or triton kernels",
+    "arms.<name>.cuda_graphs": "capture decode and prefill as CUDA graphs (needs CUDA)",
+    "arms.<name>.graph_cache_size": "most CUDA graphs kept per kind",
+    "arms.<name>.descriptor_mode": "how step descriptors reach the GPU: h2d (pinned copies) or mapped",
+    "arms.<name>.block_size": "KV block size in positions",
+    "arms.<name>.tile_size": "attention key-tile size in positions",
+    "arms.<name>.engine": "engine factory \"package.module:factory\" (default: our LoopEngine)",
+    "comparisons[].baseline": "baseline arm; pair ratio = baseline_s / candidate_s",
+    "comparisons[].candidate": "candidate arm (= baseline: an A/A noise-floor comparison)",
+    "comparisons[].name": "table name; default <baseline>_vs_<candidate>",
+    "reference_arm": "arm of the frozen natural run; null = the first comparison's baseline",
+    "pairs": "paired measurements per point and comparison",
+    "order_seed": "seed of the balanced order of each pair's two arms",
+    "warmup": "one full untimed run per arm before its measured run",
+    "verdict.min_effect": "|speedup - 1| a faster / slower verdict needs",
+    "verdict.confidence": "level of the bootstrap confidence interval",
+    "verdict.min_pairs": "fewer pairs than this: always inconclusive",
+    "verdict.n_resamples": "bootstrap resamples",
+    "verdict.bootstrap_seed": "bootstrap seed",
+    "executor.kind": "local (one subprocess per device) or slurm (one submitit job per device)",
+    "executor.device": "auto (CUDA when available), cpu or cuda",
+    "executor.gpus": "GPU indices of the local sessions; null = every visible GPU",
+    "executor.cpu_threads": "torch threads of a CPU session",
+    "executor.session_timeout_s": "a measuring session is killed after this many seconds",
+    "executor.reference_timeout_s": "the reference capture is killed after this many seconds",
+    "executor.poll_s": "how often the controller polls its children, seconds",
+    "executor.stop_grace_s": "on SIGTERM / Ctrl-C: seconds between the children's SIGTERM and SIGKILL",
+    "executor.slurm.cluster": "submitit cluster: null = Slurm, local / debug = submitit's test executors",
+    "executor.slurm.partition": "Slurm partition",
+    "executor.slurm.gpus_per_job": "GPUs per Slurm job",
+    "executor.slurm.cpus_per_task": "CPUs per Slurm task",
+    "executor.slurm.mem_gb": "memory per Slurm job, GB",
+    "executor.slurm.jobs": "sessions (one device each) to submit",
+    "executor.slurm.additional_parameters": "extra sbatch parameters (a mapping)",
+    "results_dir": "where bundles are written",
+    "cache_dir": "synthetic checkpoints and frozen references; null = $LOOPBENCH_CACHE or ~/.cache/loopbench",
+    "reuse_references": "reuse a cached frozen reference of the same inputs (hash) instead of capturing it",
+    "fault.kill_after_arms": "testing aid: a session SIGKILLs itself after this many arms",
+    "resume": "an incomplete bundle to finish measuring (every other key as in its plan)",
+}
+
+_CONTAINERS = {"points": "points[]", "comparisons": "comparisons[]", "arms": "arms.<name>"}
+
+
+def _type_name(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (list, typing.List):
+        return f"list of {_type_name(args[0])}"
+    if typing.get_origin(tp) in (dict, typing.Dict):
+        return "mapping"
+    if args and typing.get_origin(tp) is typing.Union:
+        return _type_name(args[0]) + " or null"
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "|".join(m.name for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is MISSING or f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return "required"
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return value.name if isinstance(value, Enum) else "null" if value is None else str(value)
+
+
+def schema_keys(node=conf.BenchConf, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, type, default) of every leaf key of the schema, in declaration order."""
+    hints = typing.get_type_hints(node)
+    out = []
+    for f in dataclasses.fields(node):
+        key, tp = prefix + f.name, hints[f.name]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            out += schema_keys(tp, key + ".")
+        elif inner and f.name in _CONTAINERS:
+            out += schema_keys(inner[0], _CONTAINERS[f.name] + ".")
+        else:
+            out.append((key, _type_name(tp), _default(f)))
+    return out
+
+
+def help_text() -> str:
+    """The ``--help`` section of configuration keys: one line per key (type, default: meaning)."""
+    lines = ["configuration keys (override as KEY=VALUE; presets in configs/):"]
+    for key, tp, default in schema_keys():
+        lines.append(f"  {key} ({tp}; {default}): {MEANINGS[key]}")
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""``loopbench plan`` and a multirun's up-front check: a configuration validated, its plan printed,
+nothing created (no bundle, no cache entry, no Hydra folder).
+
+The estimated duration comes from the wall times of the most recent earlier bundle in ``results_dir``
+that measured the same thing (``compare.differences``) on the same kind of devices: its reference
+child's wall time, and per point the median of an arm run's warmup + measured seconds plus each
+session's fixed cost (model load, engine builds: its wall time minus those runs). Without such a
+bundle the estimate is unknown, and the plan says so rather than guess.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from . import compare, conf, inputs, progress
+from .plan import measurement_order
+
+CONFIG_ERRORS = (ValueError, TypeError, HydraException, OmegaConfBaseException)
+
+
+class SweepError(Exception):
+    """A job of a sweep whose configuration is bad: ``job`` names it (number and overrides)."""
+
+    def __init__(self, job: str, cause: Exception):
+        super().__init__(f"sweep job {job}: {cause}")
+        self.job, self.cause = job, cause
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The override list of every job of a Hydra multirun (``KEY=A,B`` sweeps; Hydra's basic sweeper)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
+
+
+def check(config_name: str, overrides: list[str]):
+    """Compose, validate and check one job against its model and devices; (spec, inputs). Raises one of
+    ``CONFIG_ERRORS`` naming the key."""
+    spec = conf.validate(conf.compose(config_name, overrides))
+    return spec, inputs.gather(spec)
+
+
+def check_sweep(config_name: str, overrides: list[str]) -> list[list[str]]:
+    """Every job's overrides of a multirun, each checked (:func:`check`); SweepError names the first bad one."""
+    try:
+        jobs = sweep_jobs(overrides)
+    except CONFIG_ERRORS as exc:
+        raise SweepError("(the sweep's overrides)", exc) from exc
+    for i, job in enumerate(jobs):
+        try:
+            check(config_name, job)
+        except CONFIG_ERRORS as exc:
+            raise SweepError(f"{i} ({' '.join(job)})", exc) from exc
+    return jobs
+
+
+def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None:
+    """The most recent complete bundle of ``results_dir`` that measured what ``plan_like`` would, on the
+    same device labels (None when there is none)."""
+    labels = {d["label"] for d in plan_like["devices"]}
+    for path in sorted(compare.bundle_dirs(results_dir), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            b = compare.Bundle.load(path)
+        except (ValueError, OSError):
+            continue
+        same_devices = {d["label"] for d in b.plan["devices"]} == labels
+        if same_devices and b.summary["status"] == "complete" and not compare.differences(b.plan, plan_like):
+            return b
+    return None
+
+
+def estimate_s(earlier: compare.Bundle, order: list) -> tuple[float, float]:
+    """(reference capture s, one device's sessions s) for ``order`` from ``earlier``'s wall times."""
+    arms = earlier.arms
+    run_s = arms["warmup_elapsed_s"].fillna(0) + arms["elapsed_s"]
+    per_point = run_s.groupby(arms["point"]).median()
+    fallback = float(run_s.median())
+    children = earlier.summary["children"]
+    sessions = [c for c in children if c["name"] != "reference" and c.get("wall_s")]
+    fixed = 0.0
+    if sessions:
+        rows = arms[arms["job"] == sessions[0]["name"]]
+        fixed = max(0.0, sum(c["wall_s"] for c in sessions if c["name"] == sessions[0]["name"])
+                    - float((rows["warmup_elapsed_s"].fillna(0) + rows["elapsed_s"]).sum()))
+    ref = sum(c["wall_s"] or 0.0 for c in children if c["name"] == "reference")
+    return ref, fixed + sum(float(per_point.get(item.point, fallback)) for item in order)
+
+
+def _order_lines(spec, order) -> list[str]:
+    """One line per point and pair: each comparison's two arms in their measured order."""
+    lines, key = [], None
+    for item in order:
+        if item.slot == 0:
+            line = f"    {item.point} pair {item.pair}:" if key != (item.point, item.pair) else line
+            key = (item.point, item.pair)
+            first = item
+        else:
+            aa = first.arm == item.arm     # an A/A pair: say which engine is the baseline's
+            names = [f"{it.arm} ({it.position})" if aa else it.arm for it in (first, item)]
+            line += f"  {item.comparison} [{names[0]} -> {names[1]}]"
+            if item.comparison == spec.comparisons[-1].name:
+                lines.append(line)
+    return lines
+
+
+def plan_text(config_name: str, overrides: list[str]) -> str:
+    """The plan of one configuration as text (nothing is written); raises one of ``CONFIG_ERRORS``."""
+    spec, got = check(config_name, overrides)
+    order = measurement_order(spec)
+    plain = spec.to_plain()
+    m, wl, ex = plain["model"], plain["workload"], plain["exit"]
+    if spec.model.checkpoint:
+        model = f"checkpoint {spec.model.checkpoint}"
+    else:
+        cached = (inputs.synthetic_checkpoint_path(spec, got.cache) / "config.json").is_file()
+        model = (f"synthetic {m['preset']} (seed {m['seed']}), "
+                 + ("cached" if cached else f"to be synthesized once into {got.cache}"))
+    prompts = wl["prompts_file"] or (",".join(map(str, wl["prompt_lens"])) + " cycled" if wl["prompt_lens"]
+                                     else str(wl["prompt_len"]))
+    n_comp = len(spec.comparisons)
+    lines = [f"plan: {spec.name} (preset {config_name}; {len(overrides)} override{'s' * (len(overrides) != 1)})",
+             f"  model: {model}; {m['dtype']}",
+             f"  workload: prompt tokens {prompts}; {wl['output_len']} output tokens; exit {ex['policy']} "
+             f"{ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']}",
+             f"  devices: {', '.join(d['label'] for d in got.devices)} (one session each, the same order)",
+             f"  points: {', '.join(f'B{p.max_num_seqs}/C{p.num_requests}' for p in spec.points)}",
+             f"  comparisons: {', '.join(c.name + (' (A/A)' if c.baseline == c.candidate else '') for c in spec.comparisons)}",
+             f"  arms: {len(order)} measured runs per device = {len(spec.points)} points x {n_comp} comparisons x "
+             f"{spec.pairs} pairs x 2, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
+             f"reference arm {spec.reference} (natural run per point, reused from the cache when its inputs match)",
+             "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
+    return "\n".join(lines + [_estimate_line(spec, got, order, plain)])
+
+
+def _estimate_line(spec, got, order, plain) -> str:
+    results = Path(spec.results_dir)
+    if not results.is_absolute():
+        from .executors import REPO_ROOT
+
+        results = REPO_ROOT / results
+    from .fileio import sha256_bytes
+
+    plan_like = {"config": plain, "devices": got.devices, "prompts": {"sha256": sha256_bytes(got.prompts_text.encode())},
+                 "checkpoint": {"sha256": _cached_checkpoint_sha(spec, got)}}
+    earlier = _earlier_bundle(results, plan_like) if plan_like["checkpoint"]["sha256"] else None
+    if earlier is None:
+        return (f"  estimated duration: unknown (no complete earlier bundle of this model, workload and devices in "
+                f"{results}; one run gives the figures)")
+    ref_s, sessions_s = estimate_s(earlier, order)
+    return (f"  estimated duration: about {progress.duration(ref_s + sessions_s)} of measuring (reference "
+            f"{progress.duration(ref_s)} unless reused, sessions {progress.duration(sessions_s)}), plus set-up and "
+            f"audit; from {earlier.path.name}")
+
+
+def _cached_checkpoint_sha(spec, got) -> str | None:
+    """The checkpoint's sha256 where it can be had without writing anything: a real checkpoint, or the
+    cached synthetic one (its sha256 is the cached bundles' ``checkpoint.sha256``)."""
+    from loopbench.runtime.checkpoint import checkpoint_sha256
+
+    path = inputs.checkpoint_path(spec) or inputs.synthetic_checkpoint_path(spec, got.cache)
+    return checkpoint_sha256(path) if (path / "config.json").is_file() else None
