@@ -56,7 +56,8 @@ def check_sweep(config_name: str, overrides: list[str]) -> list[list[str]]:
         try:
             check(config_name, job)
         except CONFIG_ERRORS as exc:
-            raise SweepError(f"{i} ({' '.join(job)})", exc) from exc
+            swept = [o for o in job if not all(o in other for other in jobs)]   # what makes this job this job
+            raise SweepError(f"{i} ({' '.join(swept or job)})", exc) from exc
     return jobs
 
 

@@ -38,16 +38,6 @@ def test_misspelt_key_fails_before_anything_runs(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_multirun_sweeps(tmp_path):
-    proc = bench(tmp_path, "order_seed=0,1", flags=["-m"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    bundles = sorted((tmp_path / "r").iterdir())
-    assert len(bundles) == 2
-    seeds = [json.loads((b / "plan.json").read_text())["config"]["order_seed"] for b in bundles]
-    assert sorted(seeds) == [0, 1]
-    assert all(json.loads((b / "audit.json").read_text())["status"] == "pass" for b in bundles)
-
-
 def test_default_preset_follows_cuda():
     from loopbench.harness import bench as bench_mod
     import torch

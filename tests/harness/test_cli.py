@@ -1,0 +1,143 @@
+"""The ``loopbench`` command: help, plan (creates nothing), a multirun checked up front, show, compare."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopbench.harness import cli, keys
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--config-name", "cpu-smoke", "name=cli", "points=[{max_num_seqs:2,num_requests:2}]", "workload.prompt_len=5",
+        "workload.prompt_lens=null", "workload.output_len=2", "pairs=2",
+        "comparisons=[{baseline:native,candidate:alias_prefix}]", "executor.poll_s=0.1"]
+
+
+def loopbench(cwd: Path, *args: str):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("LOOPBENCH_QUIET", None)
+    return subprocess.run([sys.executable, "-m", "loopbench", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=600)
+
+
+def test_every_config_key_has_a_meaning_and_help_lists_them(capsys):
+    assert {k for k, _, _ in keys.schema_keys()} == set(keys.MEANINGS)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert "workload.output_len (int; 128): D: output tokens" in out and "arms.<name>.kv_layout" in out
+    assert "exit status:" in out and "3  the run or bundle is incomplete" in out and "LOOPBENCH_CACHE" in out
+    for command in ("plan", "show", "compare", "audit"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert "exit status:" in capsys.readouterr().out, command
+
+
+def test_plan_prints_the_order_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["plan", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "arms: 4 measured runs per device = 1 points x 1 comparisons x 2 pairs x 2" in out
+    assert "B2C2 pair 0:  native_vs_alias_prefix [" in out and "B2C2 pair 1:" in out
+    assert "to be synthesized once" in out and "estimated duration: unknown" in out
+    assert list(tmp_path.iterdir()) == []      # no bundle, no cache, no outputs/ of Hydra's
+
+
+def test_plan_names_a_bad_key_and_quiet_silences_progress(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LOOPBENCH_QUIET", raising=False)
+    assert cli.main(["plan", "pairs=0"]) == 2
+    err = capsys.readouterr().err
+    assert "loopbench: preset: cpu-smoke" in err and "bad configuration: pairs must be a positive integer" in err
+    assert cli.main(["-q", "plan", "exit.treshold=0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "exit.treshold" in err and "loopbench: preset" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_multirun_checks_every_job_before_the_first_runs(tmp_path):
+    proc = loopbench(tmp_path, "bench", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}",
+                     "-m", "pairs=1,0")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "bad configuration in sweep job 1 (pairs=0): pairs must be a positive integer" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def two_bundles(tmp_path_factory):
+    """Two cpu bundles of one configuration (a two-job multirun), run from an empty working directory."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    work = tmp / "cwd"
+    work.mkdir()
+    proc = loopbench(work, "bench", *TINY, f"results_dir={tmp / 'r'}", f"cache_dir={tmp / 'c'}", "-m", "order_seed=0,1")
+    return proc, work, sorted((tmp / "r").iterdir())
+
+
+def test_multirun_makes_two_audited_bundles_with_progress_and_no_hydra_folders(two_bundles):
+    proc, work, bundles = two_bundles
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(json.loads((b / "plan.json").read_text())["config"]["order_seed"] for b in bundles) == [0, 1]
+    assert all(json.loads((b / "audit.json").read_text())["status"] == "pass" for b in bundles)
+    assert list(work.iterdir()) == []          # no outputs/, multirun/, multirun.yaml or log file
+    for line in ("loopbench: sweep: 2 jobs, every configuration valid", "loopbench: sweep: job 2 of 2; the sweep "
+                 "should end in about", "loopbench: checkpoint: ", "loopbench: calibration: gate bias",
+                 "loopbench: references: B2C2: captured", "loopbench: references: B2C2: reused", "loopbench: audit: "):
+        assert line in proc.stderr, line
+
+
+def test_compare_of_two_cpu_bundles_prints_a_table(two_bundles):
+    _, work, (a, b) = two_bundles
+    proc = loopbench(work, "compare", str(a), str(b))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [95% interval] | |" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 / 2 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["alias_prefix", "native"]
+    assert all(r.endswith(("faster |", "slower |", "not significant |")) for r in rows), rows
+
+
+def test_compare_of_different_workloads_is_not_comparable_and_says_why(two_bundles, tmp_path):
+    _, work, (a, b) = two_bundles
+    other = tmp_path / b.name
+    shutil.copytree(b, other)
+    plan = json.loads((other / "plan.json").read_text())
+    plan["config"]["workload"]["output_len"] = 3
+    plan["prompts"]["sha256"] = "0" * 64
+    (other / "plan.json").write_text(json.dumps(plan))
+    proc = loopbench(work, "compare", str(a), str(other))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "not comparable" in proc.stdout
+    assert "config.workload.output_len: 2 vs 3" in proc.stdout and "prompts.sha256:" in proc.stdout
+    assert "| 2 / 2 |" not in proc.stdout
+
+
+def test_show_a_bundle_and_show_all(two_bundles, tmp_path):
+    _, work, (a, b) = two_bundles
+    proc = loopbench(work, "show", str(a))
+    assert proc.returncode == 0, proc.stderr
+    assert "| cpu | 2 / 2 |" in proc.stdout and "status: complete" in proc.stdout and "audit pass" in proc.stdout
+    proc = loopbench(work, "show", "--all", "--results", str(a.parent))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [a.name, b.name]
+    assert all("cli  model tiny  complete (audit pass)" in line and "native_vs_alias_prefix B2C2 " in line
+               for line in lines), lines
+
+
+def test_show_all_lists_every_committed_bundle(capsys):
+    assert cli.main(["show", "--all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    committed = sorted(p.name for p in (REPO / "results").iterdir() if (p / "plan.json").is_file())
+    assert [line.split()[0] for line in lines] == committed
+    assert all("complete (audit pass)" in line and "B16C32" in line for line in lines), lines
+
+
+def test_show_and_compare_refuse_what_is_no_bundle(tmp_path, capsys):
+    assert cli.main(["show", str(tmp_path)]) == 2
+    assert "not a published bundle" in capsys.readouterr().err
+    assert cli.main(["show"]) == 2
+    assert cli.main(["compare", str(tmp_path), str(tmp_path)]) == 2
