@@ -153,7 +153,8 @@ def capture_references(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path, e
     ref_spec = reference_job(spec, got, ckpt, bundle)
     write_children(bundle, [running_result(ref_spec).to_dict()])
     ex = spec.executor
-    progress.say("references", f"natural run of arm {spec.reference} at {len(spec.points)} point(s) on "
+    n = len(spec.points)
+    progress.say("references", f"natural run of arm {spec.reference} at {n} point{'s' * (n != 1)} on "
                                f"{got.devices[0]['label']} (reused by hash when cached)")
     children = [c.to_dict() for c in executor.run([ref_spec], progress=_log_echo(ref_spec.log_file, "reference "),
                                                   poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)]

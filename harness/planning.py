@@ -93,6 +93,11 @@ def estimate_s(earlier: compare.Bundle, order: list) -> tuple[float, float]:
     return ref, fixed + sum(float(per_point.get(item.point, fallback)) for item in order)
 
 
+def _n(count: int, noun: str) -> str:
+    """"1 point", "2 points"."""
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
 def _order_lines(spec, order) -> list[str]:
     """One line per point and pair: each comparison's two arms in their measured order."""
     lines, key = [], None
@@ -125,15 +130,15 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
     prompts = wl["prompts_file"] or (",".join(map(str, wl["prompt_lens"])) + " cycled" if wl["prompt_lens"]
                                      else str(wl["prompt_len"]))
     n_comp = len(spec.comparisons)
-    lines = [f"plan: {spec.name} (preset {config_name}; {len(overrides)} override{'s' * (len(overrides) != 1)})",
+    lines = [f"plan: {spec.name} (preset {config_name}; {_n(len(overrides), 'override')})",
              f"  model: {model}; {m['dtype']}",
              f"  workload: prompt tokens {prompts}; {wl['output_len']} output tokens; exit {ex['policy']} "
              f"{ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']}",
              f"  devices: {', '.join(d['label'] for d in got.devices)} (one session each, the same order)",
              f"  points: {', '.join(f'B{p.max_num_seqs}/C{p.num_requests}' for p in spec.points)}",
              f"  comparisons: {', '.join(c.name + (' (A/A)' if c.baseline == c.candidate else '') for c in spec.comparisons)}",
-             f"  arms: {len(order)} measured runs per device = {len(spec.points)} points x {n_comp} comparisons x "
-             f"{spec.pairs} pairs x 2, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
+             f"  arms: {len(order)} measured runs per device = {_n(len(spec.points), 'point')} x "
+             f"{_n(n_comp, 'comparison')} x {_n(spec.pairs, 'pair')} x 2 arms, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
              f"reference arm {spec.reference} (natural run per point, reused from the cache when its inputs match)",
              "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
     return "\n".join(lines + [_estimate_line(spec, got, order, plain)])

@@ -197,7 +197,9 @@ def plot_ratios(summary: dict, pairs: pd.DataFrame, path: Path) -> None:
                        fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("pair ratio baseline_s / candidate_s (> 1: candidate faster)")
-    ax.set_title("Paired ratios, median and 95% CI" + ("" if summary["status"] == "complete" else " (INCOMPLETE)"))
+    levels = sorted({r["stats"]["confidence"] for r in results if r["stats"].get("confidence") is not None})
+    level = "/".join(f"{c:.0%}" for c in levels) or "no"   # verdict.confidence, as the intervals were computed
+    ax.set_title(f"Paired ratios, median and {level} CI" + ("" if summary["status"] == "complete" else " (INCOMPLETE)"))
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})

@@ -42,7 +42,7 @@ def test_plan_prints_the_order_and_creates_nothing(tmp_path, monkeypatch, capsys
     rc = cli.main(["plan", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "arms: 4 measured runs per device = 1 points x 1 comparisons x 2 pairs x 2" in out
+    assert "arms: 4 measured runs per device = 1 point x 1 comparison x 2 pairs x 2 arms" in out
     assert "B2C2 pair 0:  native_vs_alias_prefix [" in out and "B2C2 pair 1:" in out
     assert "to be synthesized once" in out and "estimated duration: unknown" in out
     assert list(tmp_path.iterdir()) == []      # no bundle, no cache, no outputs/ of Hydra's
