@@ -103,6 +103,12 @@ def declared_columns(table: str) -> dict[str, dict]:
     return {c["name"]: c for c in FORMAT["tables"][table]["columns"]}
 
 
+def columns_since(table: str, version: int) -> list[str]:
+    """The declared columns of ``table`` added after format ``version`` (their ``since`` is later), which a
+    bundle of that version does not have."""
+    return [c["name"] for c in FORMAT["tables"][table]["columns"] if c.get("since", 1) > version]
+
+
 def _arrow_family(arrow_type: str) -> str:
     if "string" in arrow_type:
         return "string"

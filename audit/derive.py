@@ -61,6 +61,7 @@ def arm_row(r: dict) -> dict:
     row.update({f"arm_{k}": v for k, v in r["arm_config"].items()})
     row["tokens_per_s"] = r["tokens_per_s"]
     row.update(_phase_columns("", m))
+    row.update({k: (r.get("wall_clock") or {}).get(k) for k in ("measured_start_unix_s", "measured_end_unix_s")})
     row.update(_phase_columns("warmup_", r.get("warmup")))
     row.update({f"work_{k}": v for k, v in m["work"].items()})
     row["kv_blocks_used"] = m["kv_blocks_used"]
@@ -84,12 +85,13 @@ def request_rows(r: dict) -> list[dict]:
 
 
 def token_tuples(r: dict) -> list[tuple]:
-    """tokens.parquet rows of one record: (job, seq, phase, request_id, position, token_id, exit_depth)."""
+    """tokens.parquet rows of one record: (job, seq, point, comparison, arm, phase, request_id, position,
+    token_id, exit_depth)."""
     out = []
     for phase in PHASES:
         data = r.get(phase)
         for rid, o in ((data or {}).get("outputs") or {}).items():
-            out += [(r["job"], r["seq"], phase, rid, pos, t, d)
+            out += [(r["job"], r["seq"], r["point"], r["comparison"], r["arm"], phase, rid, pos, t, d)
                     for pos, (t, d) in enumerate(zip(o["token_ids"], o["exit_depths"]))]
     return out
 
@@ -127,7 +129,7 @@ def expected_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
         "arms": pd.DataFrame([arm_row(r) for r in records]),
         "pairs": pd.DataFrame(pair_rows(records)),
         "requests": pd.DataFrame([q for r in records for q in request_rows(r)]),
-        "tokens": pd.DataFrame(tokens, columns=list(contract.TABLE_KEYS["tokens"]) + ["token_id", "exit_depth"]),
+        "tokens": pd.DataFrame(tokens, columns=list(contract.declared_columns("tokens"))),
         "telemetry": pd.DataFrame([t for r in records for t in telemetry_rows(r)]),
     }
 

@@ -154,6 +154,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
                "arm": r["arm"], **{f"arm_{k}": v for k, v in sorted(r["arm_config"].items())},
                "tokens_per_s": r["tokens_per_s"]}
         row.update(_phase_row("", m))
+        # the measured run's wall-clock span (format version 3); a record without one is the auditor's to name
+        row.update({k: (r.get("wall_clock") or {}).get(k) for k in ("measured_start_unix_s", "measured_end_unix_s")})
         row.update(_phase_row("warmup_", r.get("warmup")))
         for k, v in sorted(m["work"].items()):
             row[f"work_{k}"] = v
@@ -172,7 +174,7 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
                              "finish_reason": out["finish_reason"],
                              "mean_exit_depth": float(np.mean(depths)) if depths else None})
                 for pos, (tok, dep) in enumerate(zip(out["token_ids"], depths)):
-                    toks.append((r["job"], r["seq"], phase, rid, pos, tok, dep))
+                    toks.append((r["job"], r["seq"], r["point"], r["comparison"], r["arm"], phase, rid, pos, tok, dep))
         for when in ("start", "end"):
             sample = (r.get("telemetry") or {}).get(when)
             if sample:

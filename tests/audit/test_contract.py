@@ -31,12 +31,15 @@ def test_every_column_the_writer_writes_is_declared_with_type_and_unit(honest_bu
 NEWER_THAN_GPU_BUNDLE = {"arms": {"arm_engine"}}
 
 
-def test_no_declared_column_is_dead():
-    """Every declared column is one the writer has written (the GPU bundle has all but those declared since;
-    a CPU one lacks telemetry)."""
+def test_no_declared_column_is_dead(honest_bundle):
+    """Every declared column is one the writer has written (the GPU bundle has all but those declared since,
+    by name or by a since later than its format version; the CPU bundle written now has those)."""
     for name in evidence.TABLES:
         written = set(pq.read_schema(GPU_BUNDLE / "tables" / f"{name}.parquet").names)
-        assert set(contract.declared_columns(name)) == written | NEWER_THAN_GPU_BUNDLE.get(name, set()), name
+        later = set(contract.columns_since(name, 2))
+        assert set(contract.declared_columns(name)) == written | NEWER_THAN_GPU_BUNDLE.get(name, set()) | later, name
+        if name != "telemetry":   # a CPU bundle has no telemetry rows
+            assert later <= set(pq.read_schema(honest_bundle / "tables" / f"{name}.parquet").names), name
 
 
 def test_undeclared_column_is_refused_by_writer_and_auditor(bundle):
@@ -142,10 +145,10 @@ def test_plan_point_listing_too_few_requests_is_named(bundle):
 
 
 def test_older_format_versions_are_audited_by_their_rules_and_others_refused(bundle):
-    assert contract.SUPPORTED == (1, 2) and contract.VERSION == 2
+    assert contract.SUPPORTED == (1, 2, 3) and contract.VERSION == 3
     assert set(contract.FORMAT["versions"]) == {str(v) for v in contract.SUPPORTED}
     edit_json(bundle / "manifest.json", lambda m: (m.pop("format_version"), m.update(layout_version=0)))
-    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2]" \
+    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2, 3]" \
         in failed(bundle)
 
 
@@ -163,6 +166,8 @@ def _as_version_1(bundle):
         schema_version=1, plan_sha256=new_sha,
         incomplete_reasons=[report.reason_text(r) for r in s["incomplete_reasons"]]))
     (bundle / "report.md").write_text((bundle / "report.md").read_text().replace(old_sha, new_sha))
+    for name in ("arms", "tokens"):   # columns a version-1 writer did not have
+        edit_table(bundle, name, lambda df, later=contract.columns_since(name, 1): df.drop(columns=later))
     (bundle / "manifest.json").write_text(json.dumps({"layout_version": 1}))
     rewrite_manifest(bundle)
 

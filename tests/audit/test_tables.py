@@ -1,4 +1,6 @@
 """Every column of every table is compared with the raw records; missing, extra and repeated rows are named."""
+import json
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -30,10 +32,11 @@ def test_every_table_column_is_compared_with_the_raw_records(bundle, table):
     df = pd.read_parquet(path)
     i = int(np.flatnonzero(select(df))[0])
     must_cover = {"arms": {"arm_kv_layout", "arm_prefix_tiles", "arm_cuda_graphs", "work_rows_per_depth",
-                           "work_decode_tokens", "kv_blocks_used", "trace_sha256", "warmup_elapsed_s"},
+                           "work_decode_tokens", "kv_blocks_used", "trace_sha256", "warmup_elapsed_s",
+                           "measured_start_unix_s", "measured_end_unix_s"},
                   "pairs": {"baseline_seq", "candidate_seq", "first", "ratio"},
                   "requests": {"finish_reason", "num_tokens", "mean_exit_depth"},
-                  "tokens": {"token_id", "exit_depth"}}[table]
+                  "tokens": {"token_id", "exit_depth", "point", "comparison", "arm"}}[table]
     assert must_cover <= set(df.columns)
     for col in df.columns:
         changed = df.copy()
@@ -102,3 +105,25 @@ def test_version_1_rules_match_column_types_by_family():
     assert contract.column_type_problem("tokens", "token_id", "int32", exact=False) is None
     assert contract.column_type_problem("tokens", "token_id", "int32") is not None
     assert contract.column_type_problem("tokens", "token_id", "int64") is None
+
+
+def test_columns_of_a_later_version_are_not_asked_of_an_earlier_bundle():
+    """Format 3 added arms' wall-clock span and tokens' point / comparison / arm; version 2 has neither."""
+    assert contract.columns_since("arms", 2) == ["measured_start_unix_s", "measured_end_unix_s"]
+    assert contract.columns_since("tokens", 2) == ["point", "comparison", "arm"]
+    assert contract.columns_since("tokens", 3) == []
+
+
+def test_version_3_columns_are_required_from_3_and_named_in_an_earlier_bundle(bundle):
+    path = bundle / "tables" / "tokens.parquet"
+    original = path.read_bytes()
+    edit_table(bundle, "tokens", lambda df: df.drop(columns=["arm"]))
+    rewrite_manifest(bundle)
+    assert "tokens.parquet: lacks column 'arm'" in failed(bundle)
+    path.write_bytes(original)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    (bundle / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    rewrite_manifest(bundle)   # a bundle claiming version 2 with the columns of version 3
+    text = failed(bundle)
+    assert "arms.parquet: has column 'measured_start_unix_s', which the raw records do not give" in text, text
+    assert "tokens.parquet: has column 'point', which the raw records do not give" in text, text
