@@ -51,10 +51,10 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import check_files, check_plan, check_runs, check_sessions, check_summary, check_tables, contract, load
+from . import check_files, check_plan, check_runs, check_sessions, check_summary, check_tables, contract, evidence, load
 from .context import Audit
 
-AUDITOR_VERSION = 4   # 4: implements bundle format 2 (status codes, point request lists), audits format 1 too
+AUDITOR_VERSION = 5   # 5: implements bundle format 4 (sessions, drift, detectable effect), audits formats 1 to 3
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -72,6 +72,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     tables = load.load_tables(ctx)
     ctx.section("plan", check_plan.check_plan, plan)
     ctx.section("plan", check_plan.check_point_requests, plan)
+    ctx.section("plan", evidence.check_detectable_effect, plan)
     ctx.section("reference", check_plan.check_references, plan, refs)
     ctx.section("order", check_plan.check_order, plan, records)
     ctx.section("devices", check_sessions.check_devices, plan, records, children)
@@ -82,6 +83,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     checks_ok = bool(ctx.section("reference", check_runs.check_against_references, plan, records, refs))
     ctx.section("sessions", check_sessions.check_child_states, children)
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
+    ctx.section("sessions", evidence.check_session_restarts, plan, records)
     return checks_ok
 
 

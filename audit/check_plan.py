@@ -27,7 +27,8 @@ def check_plan(ctx: Audit, plan: dict) -> None:
     """plan.json has the contract's fields; the config's, prompts' and references' sha256s are the ones it
     records."""
     closed = ctx.version >= contract.CLOSED_SINCE
-    problem = contract.fields_problem(plan, PLAN["fields"], "plan.json: ", closed=closed)
+    fields = contract.fields_at(PLAN["fields"], PLAN["fields_since"], ctx.version)
+    problem = contract.fields_problem(plan, fields, "plan.json: ", closed=closed)
     if problem is not None:
         ctx.fail("plan", problem)
     for job, items in plan["order"].items():
@@ -122,23 +123,27 @@ def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
 
 
 def balanced_order(plan: dict) -> list[dict]:
-    """The seeded balanced order: per point, pair i of every comparison, first arm ceil/floor balanced."""
+    """The seeded balanced order: restart after restart (format 4's ``sessions``; one before it), per
+    point, pair i of every comparison, first arm ceil/floor balanced, seeded with the restart appended
+    after the first; pair indices run on over restarts."""
     cfg = plan["config"]
     n, comps = cfg["pairs"], cfg["comparisons"]
     expected, seq = [], 0
-    for pi, pt in enumerate(plan["points"]):
-        firsts = []
-        for ci in range(len(comps)):
-            base = ["baseline"] * math.ceil(n / 2) + ["candidate"] * (n // 2)
-            perm = np.random.default_rng([cfg["order_seed"], pi, ci]).permutation(n)
-            firsts.append([base[i] for i in perm])
-        for pair in range(n):
-            for ci, comp in enumerate(comps):
-                pos = ("baseline", "candidate") if firsts[ci][pair] == "baseline" else ("candidate", "baseline")
-                for slot, p in enumerate(pos):
-                    expected.append({"seq": seq, "point": pt["key"], "comparison": comp["name"], "pair": pair,
-                                     "position": p, "slot": slot, "arm": comp[p]})
-                    seq += 1
+    for restart in range(cfg.get("sessions", 1)):
+        for pi, pt in enumerate(plan["points"]):
+            firsts = []
+            for ci in range(len(comps)):
+                base = ["baseline"] * math.ceil(n / 2) + ["candidate"] * (n // 2)
+                seed = [cfg["order_seed"], pi, ci] + ([restart] if restart else [])
+                perm = np.random.default_rng(seed).permutation(n)
+                firsts.append([base[i] for i in perm])
+            for i in range(n):
+                for ci, comp in enumerate(comps):
+                    pos = ("baseline", "candidate") if firsts[ci][i] == "baseline" else ("candidate", "baseline")
+                    for slot, p in enumerate(pos):
+                        expected.append({"seq": seq, "point": pt["key"], "comparison": comp["name"],
+                                         "pair": restart * n + i, "position": p, "slot": slot, "arm": comp[p]})
+                        seq += 1
     return expected
 
 

@@ -71,7 +71,7 @@ def check_summary(ctx: Audit, claimed: dict, expected: dict) -> None:
 def expected_report(ctx: Audit, plan: dict, summary: dict, records: list[dict], environment: dict) -> str:
     prompts_sha = sha256_file(ctx.bundle / plan["prompts"]["file"])
     return render.report(plan, summary["plan_sha256"], prompts_sha, summary,
-                         [derive.arm_row(r) for r in records], environment)
+                         [derive.arm_row(r) for r in records], environment, ctx.version)
 
 
 def check_report(ctx: Audit, want: str) -> None:

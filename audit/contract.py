@@ -69,6 +69,12 @@ def fields_problem(data: dict, fields: dict[str, str], where: str,
     return None
 
 
+def fields_at(fields: dict[str, str], since: dict[str, int] | None, version: int) -> dict[str, str]:
+    """The ``fields`` a document of format ``version`` holds: those ``since`` (field -> first version) dates
+    later are left out."""
+    return {k: v for k, v in fields.items() if (since or {}).get(k, 1) <= version}
+
+
 def reason_problem(reason: Any) -> str | None:
     """Why one ``incomplete_reasons`` entry is not a status code of the contract (with exactly its fields)."""
     if not isinstance(reason, dict) or not isinstance(reason.get("code"), str):
@@ -152,11 +158,14 @@ def column_type_problem(table: str, name: str, arrow_type: str, exact: bool = Tr
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
-def device_sessions(devices: list[str], ran: set[str]) -> list[str]:
-    """The ids in ``ran`` of a device's session: its name (a bundle's first run) or ``<name>.r<k>`` (k-th resume)."""
+def device_sessions(devices: list[str], ran: set[str], restarts: int = 1) -> list[str]:
+    """The ids in ``ran`` of a device's session: its name (a bundle's first run), ``<name>.s<j>`` for its
+    j-th restart (0 < j < ``restarts``, format 4), then ``.r<k>`` for the k-th resume."""
     def of_device(sid: str) -> bool:
         name, sep, k = sid.rpartition(".r")
-        return sid in devices or (bool(sep) and name in devices and k.isdigit())
+        base = name if sep and k.isdigit() else sid
+        dev, sep, j = base.rpartition(".s")
+        return base in devices or (bool(sep) and dev in devices and j.isdigit() and 0 < int(j) < restarts)
     return sorted(s for s in ran if of_device(s))
 
 
@@ -164,14 +173,15 @@ def layout_domains(plan: dict, ran: set[str]) -> dict[str, dict[str, list[str] |
     """Per ``required`` condition of the contract's files, the values each placeholder takes in this bundle
     (None: any one path segment). ``ran``: the sessions that children.json or a raw record shows ran."""
     devices = [d["name"] for d in plan.get("devices", [])]
+    restarts = (plan.get("config") or {}).get("sessions", 1)
     anywhere = {"point": [pt["key"] for pt in plan.get("points", [])], "device": devices,
-                "session": sorted(set(devices) | set(device_sessions(devices, ran))),
+                "session": sorted(set(devices) | set(device_sessions(devices, ran, restarts))),
                 "reference_device": devices[:1], "table": list(TABLES), "record": None}
     return {"always": anywhere, "optional": anywhere,
             "point_with_reference": {**anywhere, "point": [pt["key"] for pt in plan.get("points", [])
                                                            if pt.get("reference")]},
             "session_ran": {**anywhere, "device": [d for d in devices if d in ran],
-                            "session": device_sessions(devices, ran)}}
+                            "session": device_sessions(devices, ran, restarts)}}
 
 
 def layout_required(plan: dict, ran: set[str]) -> list[str]:

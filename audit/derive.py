@@ -27,6 +27,7 @@ import scipy
 import scipy.stats
 
 from . import contract
+from . import evidence as _evidence
 
 PHASES = tuple(contract.DOCS["record"]["phases"])
 GRAPH_KEYS = ("captures", "replays", "fallbacks", "prefill_captures", "prefill_replays", "prefill_fallbacks")
@@ -202,22 +203,29 @@ def verdict(speedup: float, ci: list | None, min_effect: float, n_pairs: int, mi
     return "inconclusive", f"effect {speedup - 1:+.2%} smaller than the minimum {min_effect:.2%}"
 
 
-def comparison_stats(ratios: list[float], vd: dict) -> dict:
-    """The summary's ``stats`` of one (job, point, comparison), ratios in pair order."""
+def comparison_stats(ratios: list[float], vd: dict, groups: list[np.ndarray] | None = None) -> dict:
+    """The summary's ``stats`` of one (job, point, comparison), ratios in pair order; ``groups``: the
+    ratios per session (format 4), whose CI with more than one is the two-stage bootstrap's and whose BCa
+    is undefined."""
     x = np.asarray(ratios, dtype=float)
     speedup = float(np.median(x))
-    ci = bootstrap_ci(x, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "percentile")
-    bca = bootstrap_ci(x, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "BCa")
+    groups = groups if groups is not None else [x]
+
+    def pair_ci(g: np.ndarray):
+        return bootstrap_ci(g, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "percentile")
+
+    ci = _evidence.interval(groups, vd, pair_ci)
+    bca = bootstrap_ci(x, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "BCa") if len(groups) == 1 else None
     p, p_method = wilcoxon(x)
     word, why = verdict(speedup, ci, vd["min_effect"], x.size, vd["min_pairs"])
     return {"n_pairs": int(x.size), "ratios": [float(v) for v in x], "speedup": speedup, "ci": ci, "bca_ci": bca,
-            "ci_method": "percentile", "confidence": vd["confidence"], "n_resamples": vd["n_resamples"],
+            "ci_method": "percentile" if len(groups) == 1 else _evidence.HIERARCHICAL, "confidence": vd["confidence"], "n_resamples": vd["n_resamples"],
             "bootstrap_seed": vd["bootstrap_seed"], "distinct_resamples": math.comb(2 * x.size - 1, x.size),
             "wilcoxon_p": p, "wilcoxon_method": p_method, "throughput_change": speedup - 1,
             "verdict": word, "verdict_reason": why}
 
 
-def results(plan: dict, pairs: list[dict], publish: bool) -> list[dict]:
+def results(plan: dict, pairs: list[dict], publish: bool, version: int = contract.VERSION) -> list[dict]:
     """The summary's ``results``, in plan order (device, point, comparison), for groups with a complete pair."""
     cfg = plan["config"]
     groups: dict[tuple, list[dict]] = {}
@@ -231,7 +239,9 @@ def results(plan: dict, pairs: list[dict], publish: bool) -> list[dict]:
                 if not rows:
                     continue
                 first = rows[0]
-                st = comparison_stats([p["ratio"] for p in rows], cfg["verdict"])
+                sessions = version >= contract.DOCS["plan"]["sessions_since"]
+                st = comparison_stats([p["ratio"] for p in rows], cfg["verdict"],
+                                      _evidence.session_groups(plan, rows) if sessions else None)
                 cd = first["num_requests"] * first["output_len"]
                 out.append({
                     "job": dev["name"], "device": first["device"], "point": pt["key"],
@@ -240,7 +250,8 @@ def results(plan: dict, pairs: list[dict], publish: bool) -> list[dict]:
                     "baseline": comp["baseline"], "candidate": comp["candidate"], "pairs": [p["pair"] for p in rows],
                     "baseline_tokens_per_s": float(np.median([cd / p["baseline_s"] for p in rows])),
                     "candidate_tokens_per_s": float(np.median([cd / p["candidate_s"] for p in rows])),
-                    "stats": st, "verdict": st["verdict"] if publish else None})
+                    "stats": st, "verdict": st["verdict"] if publish else None,
+                    **({"evidence": _evidence.comparison_evidence(plan, rows)} if sessions else {})})
     return out
 
 
@@ -331,7 +342,9 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
         "checks": {"ok": checks_ok, **check_counts(records, reference_points), "findings": findings,
                    **coverage_warnings(records)},
         "children": children,
-        "results": results(plan, pairs, publish),
+        "results": results(plan, pairs, publish, version),
+        **({"evidence_rule": _evidence.evidence_rule(plan), "memory_creep": _evidence.memory_creep(plan, records)}
+           if version >= contract.DOCS["plan"]["sessions_since"] else {}),
     }
 
 

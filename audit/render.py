@@ -177,19 +177,74 @@ def _children(children: list[dict]) -> list[str]:
     return [R["headings"]["children"], ""] + _table(spec["columns"], rows)
 
 
+# ------------------------------------------------------------------- format 4: sessions, drift
+
+def _num(template: str, value) -> str:
+    return WORDS["na"] if value is None else template.format(value)
+
+
+def _rule(plan: dict, summary: dict, version: int) -> str:
+    vd = plan["config"]["verdict"]
+    if version < contract.DOCS["plan"]["sessions_since"]:
+        return R["result"]["rule"].format(**vd)
+    return R["result"]["rule_since_4"].format(**vd, **summary["evidence_rule"])
+
+
+def _sessions(plan: dict, summary: dict) -> list[str]:
+    """Per result each session's median, between / within SDs and the pooled median [CI]; the plan's MDE."""
+    spec, de = R["sessions"], plan["detectable_effect"]
+    noise = de["noise"]
+    mde = spec["mde"].format(**de, sigma=_num(spec["sigma"], noise["sigma_log_ratio"]),
+                             source=spec["source"][noise["source"]].format(**noise),
+                             mde=_num(spec["mde_value"], de["mde_relative"]))
+    rows = []
+    for r in summary["results"]:
+        ev = r["evidence"]
+        medians = spec["median_separator"].join(spec["median"].format(m) for m in ev["session_medians"])
+        rows.append(spec["row"].format(**r, n_sessions=len(ev["sessions"]), medians=medians,
+                                       between=_num(spec["sd"], ev["between_sd"]), within=_num(spec["sd"], ev["within_sd"]),
+                                       speedup=r["stats"]["speedup"], ci=_ci(r["stats"]["ci"], f"[{WORDS['na']}]")))
+    return ["", R["headings"]["sessions"], "", spec["text"].format(**summary["evidence_rule"]), "", mde, ""] \
+        + _table(spec["columns"], rows)
+
+
+def _drift(summary: dict) -> list[str]:
+    """Per result the Spearman trend and Mann-Whitney order test; per device the allocator creep."""
+    spec, rows = R["drift"], []
+    for r in summary["results"]:
+        t, o = r["evidence"]["trend"], r["evidence"]["order"]
+        flags = [spec["flag_trend"]] * t["flag"] + [spec["flag_order"]] * o["flag"]
+        rows.append(spec["row"].format(**r, n_baseline_first=o["n_baseline_first"],
+                                       n_candidate_first=o["n_candidate_first"], rho=_num(spec["stat"], t["statistic"]),
+                                       trend_p=_num(spec["p"], t["p"]), u=_num(spec["stat"], o["statistic"]),
+                                       order_p=_num(spec["p"], o["p"]),
+                                       flags=spec["flag_separator"].join(flags) or spec["no_flag"]))
+    creep = []
+    for c in summary["memory_creep"]:
+        mib = [None if v is None else v / 2**20 for v in (c["first"], c["last"])]
+        creep.append(spec["creep_row"].format(device=c["device"], n=c["n"], first=_num(spec["mib"], mib[0]),
+                                              last=_num(spec["mib"], mib[1]), rho=_num(spec["stat"], c["statistic"]),
+                                              p=_num(spec["p"], c["p"]),
+                                              flag=spec["flag_creep"] if c["flag"] else spec["no_flag"]))
+    return ["", R["headings"]["drift"], "", spec["text"].format(**summary["evidence_rule"]), ""] \
+        + _table(spec["columns"], rows) + [""] + _table(spec["creep_columns"], creep)
+
+
 def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm_rows: list[dict],
-           environment: dict) -> str:
-    """The whole ``report.md`` text of a bundle whose re-derived summary is ``summary``: the contract's
-    sections in its order (the arm sections only with arms)."""
+           environment: dict, version: int = contract.VERSION) -> str:
+    """The whole ``report.md`` text of a bundle of format ``version`` whose re-derived summary is
+    ``summary``: that version's sections in the contract's order (the arm sections only with arms)."""
     sections = {
         "header": lambda: _header(plan, plan_sha256, prompts_sha256, summary, environment),
         "result": lambda: ["", R["headings"]["result"], "", *_result_tables(summary["results"]),
-                           R["result"]["rule"].format(**plan["config"]["verdict"]), ""],
+                           _rule(plan, summary, version), ""],
         "statistics": lambda: _statistics(summary["results"]),
+        "sessions": lambda: _sessions(plan, summary),
+        "drift": lambda: _drift(summary),
         "checks": lambda: ["", *_checks(summary["checks"])],
         "graph_memory": lambda: ["", *_graph_memory(arm_rows)] if arm_rows else [],
         "coverage": lambda: _coverage(arm_rows) if arm_rows else [],
         "children": lambda: ["", *_children(summary["children"])],
         "plot": lambda: ["", R["plot"], ""],
     }
-    return "\n".join(one_line(line) for name in R["sections"] for line in sections[name]())
+    return "\n".join(one_line(line) for name in R["sections_by_version"][str(version)] for line in sections[name]())

@@ -164,6 +164,18 @@ class VerdictConf:
 
 
 @dataclass
+class EvidenceConf:
+    """Evidence beyond one session (issue 12): the drift / order tests' level and the plan's minimum
+    detectable effect (``stats.detectable_effect``), whose noise comes from ``noise_bundle`` (a previous
+    bundle's A/A comparisons), else ``noise_sigma`` (SD of one pair's log ratio), else is unknown."""
+
+    alpha: float = 0.05                # drift, order and allocator-creep tests flag p < alpha
+    power: float = 0.8                 # of the minimum detectable effect, at level 1 - verdict.confidence
+    noise_bundle: Optional[str] = None
+    noise_sigma: Optional[float] = None
+
+
+@dataclass
 class SlurmConf:
     """submitit settings. ``cluster``: None = Slurm; ``local`` / ``debug`` are submitit's test executors."""
 
@@ -207,9 +219,11 @@ class BenchConf:
     comparisons: List[ComparisonConf] = MISSING
     reference_arm: Optional[str] = None  # natural-run arm of the frozen schedule; None = first baseline
     pairs: int = 7
+    sessions: int = 1                    # independent restarts per device, each its own balanced pairs
     order_seed: int = 0
     warmup: bool = True
     verdict: VerdictConf = field(default_factory=VerdictConf)
+    evidence: EvidenceConf = field(default_factory=EvidenceConf)
     executor: ExecutorConf = field(default_factory=ExecutorConf)
     results_dir: str = "results"
     cache_dir: Optional[str] = None      # None = $LOOPBENCH_CACHE or ~/.cache/loopbench

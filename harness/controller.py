@@ -11,8 +11,11 @@
 3. :func:`capture_references`: one ``reference`` child on the first device runs (or reuses by hash) a
    natural capture of the reference arm per point; the frozen ``Schedule`` files land in ``references/``.
 4. :func:`freeze_plan`: ``plan.json`` (harness/plan.py), written before any measurement.
-5. :func:`run_sessions`: one child per device (local processes or submitit jobs) with timeouts and a
-   progress bar fed by the raw records the sessions write as each arm completes.
+5. :func:`run_restarts`: per restart (``sessions: k``, issue 12: k independent sessions per device, one
+   after another, each a fresh process that loads the model and measures its own balanced pairs),
+   :func:`run_sessions` starts one child per device (local processes or submitit jobs) with timeouts
+   and a progress bar fed by the raw records the sessions write as each arm completes. A restart starts
+   only when every child of the one before completed.
 6. :func:`check` and :func:`publish`: :mod:`checker`, :mod:`stats` and :mod:`evidence` turn whatever was
    recorded into the bundle; a failed, killed, timed-out or interrupted run is marked incomplete and
    publishes no verdict. :func:`audit` runs the independent auditor on it in its own interpreter.
@@ -38,7 +41,7 @@ from . import checker, conf, evidence, inputs, machine, progress
 from .executors import REPO_ROOT, ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
-from .plan import make_plan, point_entries
+from .plan import make_plan, point_entries, restart_seqs
 from .spec import BenchSpec, ExecutorSpec
 
 REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_format.json
@@ -113,9 +116,10 @@ def write_children(bundle: Path, children: list[dict]) -> None:
     atomic_write_json(bundle / "children.json", children)
 
 
-def session_id(name: str, attempt: int) -> str:
-    """A session child's id: its device's name in the first run, ``<name>.r<k>`` in the k-th resume."""
-    return name if attempt == 0 else f"{name}.r{attempt}"
+def session_id(name: str, attempt: int, restart: int = 0) -> str:
+    """A session child's id: its device's name, ``.s<j>`` for its j-th restart (j > 0), then ``.r<k>`` in
+    the bundle's k-th resume (``cpu0``, ``cpu0.s1``, ``cpu0.r1``, ``cpu0.s1.r1``)."""
+    return name + (f".s{restart}" if restart else "") + (f".r{attempt}" if attempt else "")
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -177,12 +181,13 @@ def freeze_plan(spec: BenchSpec, got: Inputs, ckpt: dict, points: list[dict], bu
 
 
 def run_sessions(ex: ExecutorSpec, executor, bundle: Path, devices: list[dict], children: list[dict],
-                 stop: StopSignals, attempt: int = 0, seqs: dict[str, list[int]] | None = None) -> list[dict]:
+                 stop: StopSignals, attempt: int = 0, seqs: dict[str, list[int]] | None = None,
+                 restart: int = 0) -> list[dict]:
     """Start one session child per device (measuring ``seqs[name]`` of its order, or all of it), wait for
     them or for ``stop``; returns their children.json entries."""
     specs = []
     for d in devices:
-        sid = session_id(d["name"], attempt)
+        sid = session_id(d["name"], attempt, restart)
         extra = {"session": sid} if seqs is None else {"session": sid, "seqs": seqs[d["name"]]}
         specs.append(ChildSpec(d["name"], write_job(bundle, "session", d, sid, **extra),
                                bundle / "logs" / f"{sid}.log", d["gpu_index"], d["label"], ex.session_timeout_s,
@@ -195,6 +200,38 @@ def run_sessions(ex: ExecutorSpec, executor, bundle: Path, devices: list[dict], 
     finally:
         close()
     return [r.to_dict() for r in results]
+
+
+def run_restarts(ex: ExecutorSpec, executor, bundle: Path, plan: dict, devices: list[dict], children: list[dict],
+                 stop: StopSignals, attempt: int = 0, todo: dict[str, list[int]] | None = None) -> list[dict]:
+    """Every restart's session children, restart after restart (``plan.restart_seqs``); ``todo``: per
+    device the seqs still to measure (a resume), else all. A restart with nothing to measure is skipped;
+    a device of ``devices`` left with nothing to measure at all (a resume of a session that wrote every
+    record but did not complete) runs one session, with no seqs, in the last round. Stops after a
+    restart whose children did not all complete, or on ``stop``; returns the children.json entries."""
+    cfg = plan["config"]
+    n, k = cfg["pairs"], cfg.get("sessions", 1)
+    per_restart = {d["name"]: restart_seqs(plan["order"][d["name"]], n, k) for d in devices}
+    rounds = []
+    for r in range(k):
+        seqs = {name: (planned[r] if todo is None else [s for s in todo[name] if s in set(planned[r])])
+                for name, planned in per_restart.items()}
+        if any(seqs.values()):
+            rounds.append((r, seqs))
+    idle = [d["name"] for d in devices if not any(seqs[d["name"]] for _, seqs in rounds)]
+    if idle and rounds:
+        rounds[-1][1].update({name: [] for name in idle})
+    elif idle:
+        rounds = [(k - 1, {name: [] for name in idle})]
+    out: list[dict] = []
+    for r, seqs in rounds:
+        active = [d for d in devices if seqs[d["name"]] or d["name"] in idle]
+        if stop() or any(c["state"] != "completed" for c in out):
+            break
+        whole = todo is None and k == 1   # a job without ``seqs`` measures its whole order (as before restarts)
+        out += run_sessions(ex, executor, bundle, active, children + out, stop, attempt,
+                            None if whole else {d["name"]: seqs[d["name"]] for d in active}, r)
+    return out
 
 
 def reference_failure(plan: dict, children: list[dict]) -> str | None:
@@ -265,7 +302,7 @@ def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
             plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
             # no sessions after a failed or stopped reference capture
             if children[0]["state"] == "completed" and all("reference" in pt for pt in points):
-                children += run_sessions(spec.executor, executor, bundle, got.devices, children, stop)
+                children += run_restarts(spec.executor, executor, bundle, plan, got.devices, children, stop)
             return publish(bundle, plan, children, prepared.environment)
     finally:
         os.close(lock)

@@ -31,6 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import diagnostics
 from . import stats as _stats
 from .fileio import (atomic_write_bytes, atomic_write_json, atomic_write_text, canonical_json,  # noqa: F401
                      sha256_bytes, sha256_file, try_lock)
@@ -269,7 +270,7 @@ def comparison_results(plan: dict, arms: pd.DataFrame, pairs: pd.DataFrame, publ
         grp = groups[(job, point, comp)].sort_values("pair")
         st = _stats.compare(grp["baseline_s"].tolist(), grp["candidate_s"].tolist(), confidence=vd["confidence"],
                             n_resamples=vd["n_resamples"], seed=vd["bootstrap_seed"], min_effect=vd["min_effect"],
-                            min_pairs=vd["min_pairs"])
+                            min_pairs=vd["min_pairs"], sessions=diagnostics.pair_sessions(grp["pair"].tolist(), cfg))
         first = grp.iloc[0]
         sel = arms[(arms["job"] == job) & (arms["point"] == point) & (arms["comparison"] == comp)
                    & arms["pair"].isin(set(grp["pair"]))]
@@ -282,6 +283,7 @@ def comparison_results(plan: dict, arms: pd.DataFrame, pairs: pd.DataFrame, publ
             "baseline_tokens_per_s": float(np.median(sel[sel["position"] == "baseline"]["tokens_per_s"])),
             "candidate_tokens_per_s": float(np.median(sel[sel["position"] == "candidate"]["tokens_per_s"])),
             "stats": st.to_dict(), "verdict": st.verdict if publish else None,
+            "evidence": diagnostics.comparison_evidence(grp, cfg),
         })
     return results
 
@@ -311,6 +313,7 @@ def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], che
                    "pairs_planned": planned // 2, "pairs_complete": int(len(pairs)),
                    "requests": int(len(tables["requests"])), "tokens": int(len(tables["tokens"]))},
         "checks": checks, "children": children, "results": results,
+        "evidence_rule": diagnostics.evidence_rule(plan["config"]), "memory_creep": diagnostics.memory_creep(plan, arms),
     }
 
 

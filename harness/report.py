@@ -158,13 +158,71 @@ def _children(children: list[dict]) -> list[str]:
     return [R["headings"]["children"], ""] + table_lines(spec["columns"], rows)
 
 
+# ------------------------------------------------------------------ sessions, drift (issue 12)
+
+def _fmt(template: str, value) -> str:
+    """``template`` of a number, or the contract's n/a for None (an undefined statistic)."""
+    return WORDS["na"] if value is None else template.format(value)
+
+
+def rule_text(plan: dict, summary: dict) -> str:
+    """The result section's sentence under the table: the verdict rule and how the interval was made."""
+    return R["result"]["rule_since_4"].format(**plan["config"]["verdict"], **summary["evidence_rule"])
+
+
+def mde_line(plan: dict) -> str:
+    """The plan's minimum detectable effect in words (``plan.detectable_effect``)."""
+    spec, de = R["sessions"], plan["detectable_effect"]
+    noise = de["noise"]
+    return spec["mde"].format(**de, sigma=_fmt(spec["sigma"], noise["sigma_log_ratio"]),
+                              source=spec["source"][noise["source"]].format(**noise),
+                              mde=_fmt(spec["mde_value"], de["mde_relative"]))
+
+
+def _sessions(plan: dict, summary: dict) -> list[str]:
+    """Per result: each session's median ratio, the spread between and within sessions, the pooled median."""
+    spec, rows = R["sessions"], []
+    for r in summary["results"]:
+        ev, st = r["evidence"], r["stats"]
+        rows.append(spec["row"].format(
+            **r, n_sessions=len(ev["sessions"]), speedup=st["speedup"], ci=ci_text(st["ci"]),
+            medians=spec["median_separator"].join(spec["median"].format(m) for m in ev["session_medians"]),
+            between=_fmt(spec["sd"], ev["between_sd"]), within=_fmt(spec["sd"], ev["within_sd"])))
+    return ["", R["headings"]["sessions"], "", spec["text"].format(**summary["evidence_rule"]), "",
+            mde_line(plan), ""] + table_lines(spec["columns"], rows)
+
+
+def _flags(ev: dict) -> str:
+    spec = R["drift"]
+    flags = [spec[f"flag_{name}"] for name in ("trend", "order") if ev[name]["flag"]]
+    return spec["flag_separator"].join(flags) or spec["no_flag"]
+
+
+def _drift(summary: dict) -> list[str]:
+    """Per result the trend and order tests; per device the allocator's peak creep."""
+    spec, rows = R["drift"], []
+    for r in summary["results"]:
+        t, o = r["evidence"]["trend"], r["evidence"]["order"]
+        rows.append(spec["row"].format(**r, **o, rho=_fmt(spec["stat"], t["statistic"]), trend_p=_fmt(spec["p"], t["p"]),
+                                       u=_fmt(spec["stat"], o["statistic"]), order_p=_fmt(spec["p"], o["p"]),
+                                       flags=_flags(r["evidence"])))
+    creep = [spec["creep_row"].format(
+        device=c["device"], n=c["n"], first=_fmt(spec["mib"], None if c["first"] is None else c["first"] / 2**20),
+        last=_fmt(spec["mib"], None if c["last"] is None else c["last"] / 2**20), rho=_fmt(spec["stat"], c["statistic"]),
+        p=_fmt(spec["p"], c["p"]), flag=spec["flag_creep"] if c["flag"] else spec["no_flag"]) for c in summary["memory_creep"]]
+    return (["", R["headings"]["drift"], "", spec["text"].format(**summary["evidence_rule"]), ""]
+            + table_lines(spec["columns"], rows) + [""] + table_lines(spec["creep_columns"], creep))
+
+
 def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict) -> str:
     """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms)."""
     sections = {
         "header": lambda: _header(plan, summary, environment),
         "result": lambda: ["", R["headings"]["result"], "", result_tables(summary),
-                           R["result"]["rule"].format(**plan["config"]["verdict"]), ""],
+                           rule_text(plan, summary), ""],
         "statistics": lambda: _statistics(summary["results"]),
+        "sessions": lambda: _sessions(plan, summary),
+        "drift": lambda: _drift(summary),
         "checks": lambda: ["", *_checks(summary["checks"])],
         "graph_memory": lambda: _graph_memory(arms) if len(arms) else [],
         "coverage": lambda: _coverage(arms) if len(arms) else [],

@@ -11,7 +11,7 @@
   which only say where bundles lie; the environment's library versions and devices too); any difference is refused, naming it, before anything is changed or
   measured. Completed pairs are kept; an arm whose partner was not recorded is discarded (a pair is
   two back-to-back arms of one session), and the rest of each device's planned order is measured by a
-  new session child ``<name>.r<k>``, which reuses the bundle's frozen references (never recaptured)
+  new session child ``<name>.r<k>`` per restart left (``<name>.s<j>.r<k>``, controller.run_restarts), which reuses the bundle's frozen references (never recaptured)
   and continues the same seeded order. Every record names the session that measured it and
   ``children.json`` lists every session of every run. A complete bundle is never resumed.
 
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from . import evidence, inputs, machine
-from .controller import RunResult, make_executor, prepare_checkpoint, publish, run_sessions, write_children
+from .controller import RunResult, make_executor, prepare_checkpoint, publish, run_restarts, write_children
 from .executors import StopSignals
 from .fileio import sha256_file, try_lock
 from .plan import make_plan, point_entries
@@ -253,7 +253,7 @@ def resume(spec: BenchSpec) -> RunResult:
         with StopSignals() as stop:
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)
-                children += run_sessions(ours.executor, executor, bundle, devices, children, stop, attempt,
+                children += run_restarts(ours.executor, executor, bundle, plan, devices, children, stop, attempt,
                                          {d["name"]: todo[d["name"]] for d in devices})
             return publish(bundle, plan, children, env)
     finally:

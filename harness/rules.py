@@ -64,6 +64,8 @@ def check(plain: dict) -> None:
     check_arms(plain["arms"])
     check_comparisons(plain)
     positive_int("pairs", plain["pairs"])
+    positive_int("sessions", plain["sessions"])
+    check_evidence(plain["evidence"])
     check_verdict(plain["verdict"])
     check_executor(plain["executor"])
     if plain["resume"] is not None and not Path(plain["resume"]).expanduser().is_dir():
@@ -157,6 +159,17 @@ def check_verdict(vd: dict) -> None:
         raise ValueError(f"verdict.min_effect must be >= 0, got {vd['min_effect']!r}")
     positive_int("verdict.n_resamples", vd["n_resamples"])
     positive_int("verdict.min_pairs", vd["min_pairs"])
+
+
+def check_evidence(ev: dict) -> None:
+    """Levels in (0, 1); a noise SD > 0; a noise bundle that exists (its A/A ratios are read by plan.py)."""
+    for key in ("alpha", "power"):
+        if not 0.0 < ev[key] < 1.0:
+            raise ValueError(f"evidence.{key} must be in (0, 1), got {ev[key]!r}")
+    if ev["noise_sigma"] is not None and not (math.isfinite(ev["noise_sigma"]) and ev["noise_sigma"] > 0):
+        raise ValueError(f"evidence.noise_sigma must be > 0 or null, got {ev['noise_sigma']!r}")
+    if ev["noise_bundle"] is not None and not (Path(ev["noise_bundle"]).expanduser() / "summary.json").is_file():
+        raise ValueError(f"evidence.noise_bundle = {ev['noise_bundle']!r} is not a bundle (no summary.json)")
 
 
 def check_executor(exe: dict) -> None:

@@ -74,6 +74,14 @@ class VerdictSpec:
 
 
 @dataclass(frozen=True)
+class EvidenceSpec:
+    alpha: float
+    power: float
+    noise_bundle: str | None
+    noise_sigma: float | None
+
+
+@dataclass(frozen=True)
 class SlurmSpec:
     cluster: str | None
     partition: str | None
@@ -126,6 +134,8 @@ class BenchSpec:
     reuse_references: bool
     fault: FaultSpec
     resume: str | None
+    sessions: int = 1
+    evidence: EvidenceSpec = EvidenceSpec(0.05, 0.8, None, None)
 
     @classmethod
     def from_plain(cls, p: Mapping[str, Any]) -> BenchSpec:
@@ -142,7 +152,8 @@ class BenchSpec:
                                      "slurm": SlurmSpec(**{**exe["slurm"], "additional_parameters":
                                                            dict(exe["slurm"]["additional_parameters"])})}),
             results_dir=p["results_dir"], cache_dir=p["cache_dir"], reuse_references=p["reuse_references"],
-            fault=FaultSpec(**p["fault"]), resume=p["resume"])
+            fault=FaultSpec(**p["fault"]), resume=p["resume"], sessions=p["sessions"],
+            evidence=EvidenceSpec(**p["evidence"]))
 
     def to_plain(self) -> dict:
         """JSON data: the plan's ``config`` (tuples as lists)."""

@@ -14,6 +14,15 @@ With n pairs a bootstrap can draw only C(2n-1, n) distinct resamples (multisets 
 items; Feller 1968, vol. 1, II.5), 1,716 for n = 7, so 10,000 resamples cannot make a 7-pair CI finer
 than that; :func:`distinct_resamples` reports the count beside every CI.
 
+Independent restarts (``sessions: k``, issue 12): each device runs k fresh session processes one after
+another, each with its own balanced pairs. Pairs of one session share its process state (allocator,
+caches, clocks at load time), so they are not independent draws; :func:`hierarchical_median_ci`
+resamples sessions, then pairs within each drawn session (the two-stage bootstrap of Davison & Hinkley
+1997, "Bootstrap Methods and their Application", 3.8; Ren et al. 2010, "Nonparametric bootstrapping for
+hierarchical data", J. Appl. Stat. 37(9)). With one session it is the pair bootstrap above, exactly.
+Drift and order effects are tested per comparison (:func:`trend_test`, :func:`order_test`,
+:func:`creep_test`) and the plan states the minimum detectable effect (:func:`detectable_effect`).
+
 Nothing here raises on equal ratios or a single pair: the CI of one pair is undefined (reported as
 None), and a verdict is then "inconclusive". An exception is never a verdict (STYLE rule 7).
 """
@@ -176,6 +185,7 @@ class ComparisonStats:
     wilcoxon_method: str
     verdict: str
     verdict_reason: str
+    ci_method: str = "percentile"
 
     @property
     def throughput_change(self) -> float:
@@ -186,7 +196,7 @@ class ComparisonStats:
         return {
             "n_pairs": self.n_pairs, "ratios": list(self.ratios), "speedup": self.speedup,
             "ci": list(self.ci) if self.ci else None, "bca_ci": list(self.bca_ci) if self.bca_ci else None,
-            "ci_method": "percentile", "confidence": self.confidence, "n_resamples": self.n_resamples,
+            "ci_method": self.ci_method, "confidence": self.confidence, "n_resamples": self.n_resamples,
             "bootstrap_seed": self.bootstrap_seed, "distinct_resamples": self.distinct_resamples,
             "wilcoxon_p": self.wilcoxon_p, "wilcoxon_method": self.wilcoxon_method,
             "throughput_change": self.throughput_change, "verdict": self.verdict,
@@ -194,21 +204,164 @@ class ComparisonStats:
         }
 
 
+CI_PERCENTILE = "percentile"
+CI_HIERARCHICAL = "hierarchical percentile (sessions, then pairs)"
+
+
 def compare(baseline_s: Sequence[float], candidate_s: Sequence[float], *, confidence: float = 0.95,
             n_resamples: int = 10_000, seed: int = 0, min_effect: float = 0.01,
-            min_pairs: int = 1) -> ComparisonStats:
-    """Paired statistics of one comparison at one point (pairs in measurement order)."""
+            min_pairs: int = 1, sessions: Sequence[int] | None = None) -> ComparisonStats:
+    """Paired statistics of one comparison at one point (pairs in measurement order).
+
+    ``sessions``: the session (restart) index of each pair; with more than one session the CI is
+    :func:`hierarchical_median_ci` and BCa is not defined (it has no two-stage form here). Without it,
+    or with one session, every number is the single-session pair bootstrap's.
+    """
     ratios = pair_ratios(baseline_s, candidate_s)
     speedup = float(np.median(ratios))
-    ci = bootstrap_median_ci(ratios, confidence, n_resamples, seed, "percentile")
-    bca = bootstrap_median_ci(ratios, confidence, n_resamples, seed, "BCa") if ratios.size >= 2 else None
+    labels = [0] * ratios.size if sessions is None else list(sessions)
+    if len(labels) != ratios.size:
+        raise ValueError(f"sessions must give one index per pair, got {len(labels)} for {ratios.size} pairs")
+    groups = [ratios[np.asarray(labels) == s] for s in dict.fromkeys(labels)]
+    if len(groups) == 1:
+        ci = bootstrap_median_ci(ratios, confidence, n_resamples, seed, "percentile")
+        bca = bootstrap_median_ci(ratios, confidence, n_resamples, seed, "BCa") if ratios.size >= 2 else None
+    else:
+        ci, bca = hierarchical_median_ci(groups, confidence, n_resamples, seed), None
     p, p_method = wilcoxon_p(ratios)
     word, why = verdict(speedup, ci, min_effect, int(ratios.size), min_pairs)
     return ComparisonStats(
         n_pairs=int(ratios.size), ratios=tuple(float(r) for r in ratios), speedup=speedup, ci=ci, bca_ci=bca,
         confidence=confidence, n_resamples=n_resamples, bootstrap_seed=seed,
         distinct_resamples=distinct_resamples(int(ratios.size)), wilcoxon_p=p, wilcoxon_method=p_method,
-        verdict=word, verdict_reason=why)
+        verdict=word, verdict_reason=why, ci_method=CI_PERCENTILE if len(groups) == 1 else CI_HIERARCHICAL)
+
+
+# ------------------------------------------------------------------------- sessions, drift, power
+
+def hierarchical_medians(groups: Sequence[Sequence[float]], n_resamples: int, seed: int) -> np.ndarray:
+    """[n_resamples] medians of two-stage bootstrap resamples of ``groups`` (one group = one session).
+
+    Each resample draws k of the k sessions with replacement, then within each drawn session as many
+    pairs as it has, with replacement, and takes the median of the pooled draws (Davison & Hinkley
+    1997, 3.8). Drawn from ``numpy.random.default_rng(seed)``: session indices [n_resamples, k] first,
+    then per session slot the pair indices [n_resamples, n_max] scaled to each drawn session's size.
+    """
+    xs = [np.asarray(g, dtype=float) for g in groups]
+    if not xs or any(x.ndim != 1 or x.size == 0 or not np.all(np.isfinite(x)) for x in xs):
+        raise ValueError(f"groups must be non-empty finite 1-D series, got {groups!r}")
+    rng = np.random.default_rng(seed)
+    k, sizes = len(xs), np.array([x.size for x in xs])
+    n_max = int(sizes.max())
+    padded = np.full((k, n_max), np.nan)
+    for i, x in enumerate(xs):
+        padded[i, :x.size] = x
+    chosen = rng.integers(0, k, size=(n_resamples, k))                       # [B, k] sessions
+    u = rng.random(size=(n_resamples, k, n_max))                             # [B, k, n_max]
+    picks = np.floor(u * sizes[chosen][..., None]).astype(int)              # pair index within session
+    draws = padded[chosen[..., None], picks]                                 # [B, k, n_max]
+    keep = np.arange(n_max)[None, None, :] < sizes[chosen][..., None]        # a session draws its own n
+    return np.nanmedian(np.where(keep, draws, np.nan).reshape(n_resamples, -1), axis=1)
+
+
+def hierarchical_median_ci(groups: Sequence[Sequence[float]], confidence: float = 0.95, n_resamples: int = 10_000,
+                           seed: int = 0) -> tuple[float, float] | None:
+    """Percentile interval of the median pair ratio over sessions, then pairs (:func:`hierarchical_medians`).
+
+    With one session, resampling sessions always draws that session, so the interval is the pair
+    bootstrap's: it is computed by :func:`bootstrap_median_ci` itself (``scipy.stats.bootstrap``,
+    same seed), the numbers of a bundle before sessions existed. Percentiles are numpy's default
+    (linear) ones, as scipy's percentile method takes them. None when fewer than 2 pairs in all.
+    """
+    if len(groups) == 1:
+        return bootstrap_median_ci(groups[0], confidence, n_resamples, seed, "percentile")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if sum(len(g) for g in groups) < 2:
+        return None
+    medians = hierarchical_medians(groups, n_resamples, seed)
+    alpha = 1 - confidence
+    low, high = np.percentile(medians, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    return float(low), float(high)
+
+
+def session_spread(groups: Sequence[Sequence[float]]) -> dict:
+    """Within- and between-session spread of pair ratios: each session's median and n, the SD of the
+    session medians (between; None below 2 sessions) and the pooled within-session SD, sqrt of the
+    pair-weighted mean of the sessions' variances (ddof 1; None when no session has 2 pairs)."""
+    xs = [np.asarray(g, dtype=float) for g in groups]
+    medians = [float(np.median(x)) for x in xs]
+    dof = sum(x.size - 1 for x in xs)
+    within = math.sqrt(sum(float(np.var(x, ddof=1)) * (x.size - 1) for x in xs if x.size > 1) / dof) if dof else None
+    return {"session_medians": medians, "session_pairs": [int(x.size) for x in xs],
+            "between_sd": float(np.std(medians, ddof=1)) if len(xs) > 1 else None, "within_sd": within}
+
+
+def trend_test(values: Sequence[float], alpha: float) -> dict:
+    """Monotone trend of ``values`` over their index: Spearman's rank correlation and its two-sided p
+    (``scipy.stats.spearmanr``; Spearman 1904), flagged when p < ``alpha``. rho and p are None (no
+    test) below 3 values or for constant values."""
+    x = np.asarray(values, dtype=float)
+    if x.size < 3 or np.all(x == x[0]):
+        return {"method": "spearman", "n": int(x.size), "statistic": None, "p": None, "flag": False}
+    res = scipy.stats.spearmanr(np.arange(x.size), x)
+    rho, p = float(res.statistic), float(res.pvalue)
+    return {"method": "spearman", "n": int(x.size), "statistic": rho, "p": p, "flag": bool(p < alpha)}
+
+
+def order_test(ratios: Sequence[float], firsts: Sequence[str], alpha: float) -> dict:
+    """Order effect: pair ratios of baseline-first pairs against candidate-first pairs, two-sided
+    Mann-Whitney U (``scipy.stats.mannwhitneyu``, method "auto": exact for small samples without ties;
+    Mann & Whitney 1947), flagged when p < ``alpha``. None when either group is empty."""
+    x = np.asarray(ratios, dtype=float)
+    f = np.asarray(firsts)
+    if x.shape != f.shape or not set(f.tolist()) <= {FIRST_BASELINE, FIRST_CANDIDATE}:
+        raise ValueError(f"firsts must name {FIRST_BASELINE!r} or {FIRST_CANDIDATE!r} per ratio, got {firsts!r}")
+    a, b = x[f == FIRST_BASELINE], x[f == FIRST_CANDIDATE]
+    out = {"method": "mann-whitney u", "n_baseline_first": int(a.size), "n_candidate_first": int(b.size)}
+    if a.size == 0 or b.size == 0:
+        return {**out, "statistic": None, "p": None, "flag": False}
+    res = scipy.stats.mannwhitneyu(a, b, alternative="two-sided")
+    p = float(res.pvalue)
+    return {**out, "statistic": float(res.statistic), "p": p, "flag": bool(p < alpha)}
+
+
+def creep_test(peaks: Sequence[float | None], alpha: float) -> dict:
+    """Allocator peak creep: a rising trend of the arms' peak allocated bytes over run order, Spearman
+    (:func:`trend_test`), flagged only when rho > 0 and p < ``alpha``. None entries (no device memory:
+    the CPU) are left out; with fewer than 3 there is no test."""
+    x = [float(v) for v in peaks if v is not None]
+    t = trend_test(x, alpha)
+    return {**t, "first": x[0] if x else None, "last": x[-1] if x else None,
+            "flag": bool(t["flag"] and t["statistic"] > 0)}
+
+
+def log_ratio_sd(ratios: Sequence[float]) -> float | None:
+    """Sample SD (ddof 1) of log pair ratios, the noise of one pair; None below 2 ratios."""
+    d = np.log(np.asarray(ratios, dtype=float))
+    return float(np.std(d, ddof=1)) if d.size > 1 else None
+
+
+def detectable_effect(sigma: float | None, n_pairs: int, alpha: float, power: float) -> dict:
+    """Minimum detectable effect of a paired design with ``n_pairs`` pairs, normal approximation:
+
+        MDE = (z_{1-alpha/2} + z_{power}) * sigma / sqrt(n)
+
+    on the log pair ratio, where sigma is the SD of one pair's log ratio (Cohen 1988, "Statistical Power
+    Analysis for the Behavioral Sciences", 2.3; Chow, Shao & Wang 2008, "Sample Size Calculations in
+    Clinical Research", 3.1, the one-sample / paired case). ``relative`` = exp(MDE) - 1, the speedup
+    the design would detect with probability ``power`` at two-sided level ``alpha``. A normal
+    approximation: with few pairs the t quantiles are larger, so it flatters small designs.
+    ``sigma`` None: the effect is unknown.
+    """
+    bad_n = isinstance(n_pairs, bool) or not isinstance(n_pairs, int) or n_pairs < 1
+    if bad_n or not 0 < alpha < 1 or not 0 < power < 1:
+        raise ValueError(f"need n_pairs >= 1, alpha and power in (0, 1); got {n_pairs!r}, {alpha!r}, {power!r}")
+    if sigma is None:
+        return {"n_pairs": n_pairs, "mde_log_ratio": None, "mde_relative": None}
+    z = float(scipy.stats.norm.ppf(1 - alpha / 2) + scipy.stats.norm.ppf(power))
+    mde = z * sigma / math.sqrt(n_pairs)
+    return {"n_pairs": n_pairs, "mde_log_ratio": mde, "mde_relative": math.expm1(mde)}
 
 
 def environment() -> dict:

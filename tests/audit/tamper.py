@@ -98,3 +98,31 @@ def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
                                     for name in ("plan", "summary", "children", "environment"))
     evidence.finalize(bundle, plan, summary["checks"], children, env)
     return rec
+
+
+def strip_version_3(bundle: Path) -> None:
+    """What format 3 added, taken out of summary.json and report.md (sessions and drift sections, the
+    rule sentence), as a format-2 writer would have left a one-session bundle; plan.json's
+    ``detectable_effect`` is the caller's to drop (it changes the plan's sha256)."""
+    def summary(s):
+        s.pop("evidence_rule")
+        s.pop("memory_creep")
+        for r in s["results"]:
+            r.pop("evidence")
+    edit_json(bundle / "summary.json", summary)
+    plan = json.loads((bundle / "plan.json").read_text())
+    spec, out, skipping = evidence.FORMAT["report"], [], False
+    headings = {spec["headings"]["sessions"], spec["headings"]["drift"]}
+    lines = (bundle / "report.md").read_text().split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("## "):
+            if skipping and line not in headings:
+                out.append("")   # the blank line this section opens with, skipped with the one before
+            skipping = line in headings
+            if skipping and out and out[-1] == "":
+                out.pop()   # the blank line each section opens with
+        if line.startswith("Tokens/s are medians"):
+            line = spec["result"]["rule"].format(**plan["config"]["verdict"])
+        if not skipping:
+            out.append(line)
+    (bundle / "report.md").write_text("\n".join(out))

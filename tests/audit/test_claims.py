@@ -62,7 +62,7 @@ def _row_outside_tables(lines):
 
 
 def _swap_result_rows(lines):
-    a, b = _result_rows(lines)
+    a, b = _result_rows(lines)[:2]   # the Result table's rows (the Sessions table's follow)
     lines[a], lines[b] = lines[b], lines[a]
     return lines
 

@@ -114,3 +114,103 @@ def test_bootstrap_resamples_pairs_not_the_two_series_apart():
     # the same ratios from a constant baseline give the same interval: only the pairs' ratios matter
     flat = stats.compare([2.0] * 7, [2.0 / r for r in ratios], n_resamples=10_000, seed=0)
     assert flat.ci == pytest.approx(stats.compare(baseline, candidate, n_resamples=10_000, seed=0).ci, rel=1e-12)
+
+
+# ------------------------------------------------------------------- sessions, drift, power (issue 12)
+
+def test_hierarchical_bootstrap_of_one_session_is_the_pair_bootstrap():
+    """k = 1: resampling sessions always draws the one session, so the numbers are today's exactly."""
+    ratios = [1.031, 0.987, 1.012, 1.044, 0.995, 1.020, 1.003, 0.97]
+    for seed in (0, 3):
+        assert stats.hierarchical_median_ci([ratios], 0.95, 10_000, seed) == stats.bootstrap_median_ci(ratios, 0.95, 10_000, seed)
+    b, c = [r * 2.0 for r in ratios], [2.0] * len(ratios)
+    assert stats.compare(b, c, sessions=[0] * len(ratios)).to_dict() == stats.compare(b, c).to_dict()
+    assert stats.compare(b, c).to_dict()["ci_method"] == "percentile"
+
+
+def test_hierarchical_bootstrap_matches_hand_computed_case():
+    """Two sessions of two equal pairs each, A = (1, 1) and B = (3, 3). A resample draws AA, AB, BA or BB
+    with probability 1/4 each; within a session every draw is its one value, so the pooled median is 1
+    (AA), 2 (AB, BA) or 3 (BB): P = 1/4, 1/2, 1/4. The 95% interval is [1, 3]; the central 40% one
+    (30th and 70th percentiles) is [2, 2]."""
+    groups = [[1.0, 1.0], [3.0, 3.0]]
+    medians = stats.hierarchical_medians(groups, 20_000, seed=1)
+    freq = {v: float(np.mean(medians == v)) for v in (1.0, 2.0, 3.0)}
+    assert sum(freq.values()) == 1.0
+    assert freq[1.0] == pytest.approx(0.25, abs=0.01) and freq[2.0] == pytest.approx(0.5, abs=0.01)
+    assert stats.hierarchical_median_ci(groups, 0.95, 20_000, seed=1) == (1.0, 3.0)
+    assert stats.hierarchical_median_ci(groups, 0.40, 20_000, seed=1) == (2.0, 2.0)
+    res = stats.compare([1.0, 1.0, 3.0, 3.0], [1.0] * 4, sessions=[0, 0, 1, 1], n_resamples=20_000, seed=1)
+    assert res.ci == (1.0, 3.0) and res.bca_ci is None and res.ci_method == stats.CI_HIERARCHICAL
+
+
+def test_hierarchical_bootstrap_draws_within_each_session():
+    """Sessions of unequal size: each drawn session contributes its own number of draws, from its own pairs.
+
+    A = (1.0, 1.2, 1.4), B = (2.0). AA pools 6 draws of A: medians 1.0 .. 1.4 in steps of 0.1; BB pools
+    (2.0, 2.0): 2.0; AB and BA pool 3 draws of A and 2.0: the mean of the 2nd and 3rd of 4, 1.1 .. 1.7.
+    """
+    groups = [[1.0, 1.2, 1.4], [2.0]]
+    medians = stats.hierarchical_medians(groups, 5_000, seed=0)
+    assert set(np.round(np.unique(medians), 9)) <= {1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 2.0}
+    assert float(np.mean(medians == 2.0)) == pytest.approx(0.25, abs=0.02)
+    assert stats.hierarchical_median_ci([[1.0, 1.0], [1.0]], 0.95, 1_000, 0) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="groups"):
+        stats.hierarchical_medians([[1.0], []], 10, 0)
+
+
+def test_session_spread_within_and_between():
+    spread = stats.session_spread([[1.0, 1.2], [2.0, 2.4]])
+    assert spread["session_medians"] == [1.1, 2.2] and spread["session_pairs"] == [2, 2]
+    assert spread["between_sd"] == pytest.approx(np.std([1.1, 2.2], ddof=1))
+    # pooled within: variances 0.02 and 0.08 with one degree of freedom each
+    assert spread["within_sd"] == pytest.approx(math.sqrt((0.02 + 0.08) / 2))
+    one = stats.session_spread([[1.0]])
+    assert one["between_sd"] is None and one["within_sd"] is None
+
+
+def test_trend_test_flags_a_drift_and_not_noise():
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.01, 20)
+    drift = stats.trend_test(1.0 + 0.005 * np.arange(20) + noise, alpha=0.05)
+    assert drift["flag"] and drift["statistic"] > 0.8 and drift["p"] < 1e-4
+    flat = stats.trend_test(1.0 + noise, alpha=0.05)
+    assert not flat["flag"] and flat["p"] > 0.05
+    res = scipy.stats.spearmanr(np.arange(20), 1.0 + noise)
+    assert (flat["statistic"], flat["p"]) == (float(res.statistic), float(res.pvalue))
+    assert stats.trend_test([1.0, 1.0, 1.0, 1.0], 0.05)["p"] is None
+    assert stats.trend_test([1.0, 2.0], 0.05)["statistic"] is None
+
+
+def test_order_test_flags_an_order_effect_and_not_noise():
+    rng = np.random.default_rng(1)
+    firsts = ["baseline", "candidate"] * 8
+    with_effect = [1.05 + rng.normal(0, 0.005) if f == "baseline" else 0.95 + rng.normal(0, 0.005) for f in firsts]
+    hit = stats.order_test(with_effect, firsts, alpha=0.05)
+    assert hit["flag"] and hit["p"] < 0.001 and (hit["n_baseline_first"], hit["n_candidate_first"]) == (8, 8)
+    assert hit["statistic"] == 64.0   # every baseline-first ratio above every candidate-first one: U = 8 * 8
+    miss = stats.order_test(1.0 + rng.normal(0, 0.01, 16), firsts, alpha=0.05)
+    assert not miss["flag"] and miss["p"] > 0.05
+    assert stats.order_test([1.0, 1.1], ["baseline", "baseline"], 0.05)["p"] is None
+    with pytest.raises(ValueError, match="firsts"):
+        stats.order_test([1.0], ["sideways"], 0.05)
+
+
+def test_creep_test_flags_only_a_rising_peak():
+    rising = stats.creep_test([100 + 10 * i for i in range(8)], 0.05)
+    assert rising["flag"] and rising["first"] == 100 and rising["last"] == 170
+    assert not stats.creep_test([170 - 10 * i for i in range(8)], 0.05)["flag"]   # falling: not creep
+    cpu = stats.creep_test([None] * 6, 0.05)
+    assert cpu["p"] is None and not cpu["flag"] and cpu["n"] == 0
+
+
+def test_detectable_effect_is_the_paired_normal_formula():
+    """(z_0.975 + z_0.8) * sigma / sqrt(n): 1.959964 + 0.841621 = 2.801585; sigma 0.02, n 14 -> 0.014975."""
+    de = stats.detectable_effect(0.02, 14, alpha=0.05, power=0.8)
+    assert de["mde_log_ratio"] == pytest.approx(2.801585 * 0.02 / math.sqrt(14), rel=1e-6)
+    assert de["mde_relative"] == pytest.approx(math.expm1(de["mde_log_ratio"]))
+    assert stats.detectable_effect(0.02, 56, 0.05, 0.8)["mde_log_ratio"] == pytest.approx(de["mde_log_ratio"] / 2)
+    assert stats.detectable_effect(None, 14, 0.05, 0.8)["mde_relative"] is None
+    with pytest.raises(ValueError, match="n_pairs"):
+        stats.detectable_effect(0.02, 0, 0.05, 0.8)
+    assert stats.log_ratio_sd([1.0, math.e]) == pytest.approx(math.sqrt(0.5))
