@@ -2,7 +2,7 @@
 and between independent sessions and the drift and order tests; per device the allocator's peak creep.
 
 Inputs are the bundle's tables (evidence.build_tables); the statistics are :mod:`stats`'s pure
-functions. A session here is a planned restart of a device (``plan.restart_of``: restart s holds pairs
+functions. A session here is a planned restart of a device (``stats.restart_of``: restart s holds pairs
 s * pairs .. (s + 1) * pairs - 1), so with ``sessions: 1`` there is one, whatever resumes happened.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from . import stats
-from .plan import restart_of
+from .stats import restart_of
 
 
 def pair_sessions(pairs: list[int], cfg: dict) -> list[int]:

@@ -5,7 +5,7 @@ harness/controller.py); within restart s, per point, the comparisons' pairs inte
 every comparison, then pair 1, ...), each pair's first arm from ``stats.balanced_first`` seeded with
 (order_seed, point index, comparison index), and with the restart index appended for s > 0 (so one
 session's order is the one a bundle before restarts planned). Pair indices run on over restarts:
-restart s holds pairs s * pairs .. (s + 1) * pairs - 1 (:func:`restart_of`). Every device runs the
+restart s holds pairs s * pairs .. (s + 1) * pairs - 1 (``stats.restart_of``). Every device runs the
 same order.
 
 ``detectable_effect``: the minimum effect the declared pairs and sessions can detect
@@ -22,6 +22,7 @@ from .fileio import canonical_json, sha256_bytes
 from .inputs import Inputs
 from .records import OrderItem
 from .spec import BenchSpec
+from .stats import restart_of
 
 PLAN_SCHEMA = 2   # 2: sessions (restarts) in the order, detectable_effect
 
@@ -31,11 +32,6 @@ def point_entries(spec: BenchSpec) -> list[dict]:
     captured); ``requests`` lists each request's id and prompt index (``evidence.point_requests``)."""
     return [{"key": pt.key, "max_num_seqs": pt.max_num_seqs, "num_requests": pt.num_requests,
              "requests": evidence.point_requests(pt.num_requests)} for pt in spec.points]
-
-
-def restart_of(pair: int, pairs_per_session: int) -> int:
-    """The restart (independent session of a device, 0-based) that measures pair index ``pair``."""
-    return pair // pairs_per_session
 
 
 def measurement_order(spec: BenchSpec) -> list[OrderItem]:

@@ -239,6 +239,12 @@ def compare(baseline_s: Sequence[float], candidate_s: Sequence[float], *, confid
 
 # ------------------------------------------------------------------------- sessions, drift, power
 
+def restart_of(pair: int, pairs_per_session: int) -> int:
+    """The session (restart of a device, 0-based) of pair index ``pair``: the plan numbers pairs on over
+    restarts, ``pairs_per_session`` to each (harness/plan.py)."""
+    return pair // pairs_per_session
+
+
 def hierarchical_medians(groups: Sequence[Sequence[float]], n_resamples: int, seed: int) -> np.ndarray:
     """[n_resamples] medians of two-stage bootstrap resamples of ``groups`` (one group = one session).
 
