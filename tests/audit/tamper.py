@@ -86,6 +86,24 @@ def set_leaf(data, path: str, value) -> None:
     data[keys[-1]] = value
 
 
+def every_leaf_named(bundle: Path, rel: str, message, select=lambda path: True) -> set[str]:
+    """Change each selected leaf of the JSON document ``rel`` in turn (a different value of its kind; a
+    forged string for null or []), rewrite the manifest and require the audit to fail with
+    ``message(leaf)`` among its discrepancies; returns the paths changed. The document is restored."""
+    path = bundle / rel
+    original = path.read_text()
+    every = [(p, v) for p, v in leaves(json.loads(original)) if select(p)]
+    for leaf, value in every:
+        data = json.loads(original)
+        set_leaf(data, leaf, ["forged"] if value == [] else tampered(value) if value is not None else "forged")
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        rewrite_manifest(bundle)
+        text = failed(bundle)
+        assert message(leaf) in text, (leaf, text)
+    path.write_text(original)
+    return {p for p, _ in every}
+
+
 def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
     """Change one measured elapsed_s in its raw record and let the harness re-derive everything from it
     (tokens/s, tables, summary, report, plot, manifest), as a forger with the harness would."""
