@@ -15,9 +15,9 @@ separate process (the auditor imports nothing from the harness) -> the seed-styl
 
 Exit status: 0 when every run is complete and its audit passes; 3 when a run is incomplete (no
 verdict) and its audit finds nothing else wrong; 1 when an audit fails or on any error; 2 for a
-configuration error caught by our own checks (an unknown arm, a bad value...), printed as one line
-before anything is measured (a key Hydra itself refuses, misspelt or of a wrong type, exits 1). A
-multirun validates every job's configuration before the first one runs. SIGTERM or Ctrl-C stops the run's children and publishes an incomplete bundle
+configuration error (a misspelt key, a wrong type, an unknown arm, a bad value...), printed as one
+line before anything is measured (cli.py checks the configuration before Hydra runs it; a multirun
+every job's). SIGTERM or Ctrl-C stops the run's children and publishes an incomplete bundle
 (exit 3), which ``resume=`` can complete.
 """
 from __future__ import annotations

@@ -94,7 +94,8 @@ def _preset(config_name: str | None) -> str:
 
 def _bad(exc: Exception, where: str = "") -> int:
     cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
-    print(f"loopbench: bad configuration{where}: {exc}{cause}", file=sys.stderr)
+    text = " ".join(f"{exc}{cause}".split())   # Hydra's messages span lines; ours is one
+    print(f"loopbench: bad configuration{where}: {text}", file=sys.stderr)
     return 2
 
 
@@ -109,6 +110,11 @@ def _bench(args, extra: list[str]) -> int:
         except planning.SweepError as exc:
             return _bad(exc.cause, f" in sweep job {exc.job}")
         progress.say("sweep", f"{jobs} jobs, every configuration valid")
+    elif not extra:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
+        try:
+            planning.check(name, args.overrides)
+        except planning.CONFIG_ERRORS as exc:
+            return _bad(exc)
     return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs)
 
 
