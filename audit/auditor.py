@@ -82,6 +82,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("coverage", check_runs.check_coverage, plan, records, refs)
     checks_ok = bool(ctx.section("reference", check_runs.check_against_references, plan, records, refs))
     ctx.section("sessions", check_sessions.check_child_states, children)
+    ctx.section("sessions", check_sessions.check_slurm_jobs, plan, children)
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
     return checks_ok

@@ -61,6 +61,30 @@ def check_child_states(ctx: Audit, children: list[dict]) -> None:
                                  f"{CHILDREN['interrupted_by_values']} ({contract.WHERE})")
 
 
+def check_slurm_jobs(ctx: Audit, plan: dict, children: list[dict]) -> None:
+    """A run on a SLURM cluster records each submitted child's job (``children.slurm_fields``), and an
+    ended job's SLURM state gives the child's state (``children.slurm_job_states``) unless the controller
+    stopped it. A child never submitted (stopped first: interrupted, no wall time) has no job."""
+    slurm_conf = plan.get("config", {}).get("executor", {})
+    on_slurm = slurm_conf.get("kind") == "slurm" and slurm_conf.get("slurm", {}).get("cluster") in (None, "slurm")
+    for c in children:
+        where, job = f"children.json: {derive.child_session(c)}", c.get("slurm")
+        if job is None:
+            if on_slurm and not (c.get("state") == "interrupted" and c.get("wall_s") is None):
+                ctx.fail("sessions", f"{where} ran on SLURM but records no slurm job ({contract.WHERE})")
+            continue
+        problem = contract.fields_problem(job, CHILDREN["slurm_fields"], "slurm.", closed=True)
+        if problem is not None:
+            ctx.fail("sessions", f"{where}: {problem}")
+            continue
+        if any(not (isinstance(v, str) and k.startswith("SLURM")) for k, v in (job["environment"] or {}).items()):
+            ctx.fail("sessions", f"{where}: slurm.environment holds a variable that is not a SLURM* string")
+        want = CHILDREN["slurm_job_states"].get(job["job_state"] or "")
+        if want is not None and c.get("interrupted_by") is None and c.get("state") != want:
+            ctx.fail("sessions", f"{where} is {c.get('state')!r}, but its SLURM job {job['job_id']} ended "
+                                 f"{job['job_state']}, which is {want!r} ({contract.WHERE})")
+
+
 def _sessions_by_id(ctx: Audit, children: list[dict]) -> dict[str, dict]:
     sessions: dict[str, dict] = {}
     for c in children:

@@ -177,13 +177,22 @@ class EvidenceConf:
 
 @dataclass
 class SlurmConf:
-    """submitit settings. ``cluster``: None = Slurm; ``local`` / ``debug`` are submitit's test executors."""
+    """Job parameters of ``executor.kind=slurm`` (README, "On a SLURM cluster"); one job per child, submitted
+    through submitit. ``cluster``: None = SLURM (``sbatch``); ``local`` / ``debug`` are submitit's test executors.
+
+    ``time_limit_min`` is the jobs' ``--time`` in minutes (None: each child's own timeout,
+    ``executor.reference_timeout_s`` / ``session_timeout_s``, rounded up). ``mem_gb`` None asks for no
+    ``--mem`` (the partition's default). ``additional_parameters`` are further sbatch flags, flag name
+    without dashes to value (``{qos: high, constraint: h200}``; ``"true"`` gives a bare ``--flag``).
+    """
 
     cluster: Optional[str] = None
     partition: Optional[str] = None
-    gpus_per_job: int = 1
+    account: Optional[str] = None
+    time_limit_min: Optional[int] = None
     cpus_per_task: int = 8
-    mem_gb: int = 64
+    gpus_per_task: int = 1      # used where the sessions run on CUDA (executor.device != cpu)
+    mem_gb: Optional[int] = 64
     jobs: int = 1               # sessions (one device each) to submit
     additional_parameters: Dict[str, str] = field(default_factory=dict)
 

@@ -3,14 +3,17 @@
 - :class:`LocalExecutor` starts ``python -m loopbench.harness.session JOB.json`` per job, pinned to one
   GPU with ``CUDA_VISIBLE_DEVICES`` (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so CUDA, NVML and the plan count
   GPUs alike), or with no GPU visible for a CPU job; output goes to the job's log file.
-- :class:`SubmititExecutor` submits the same job function through submitit (Slurm, or submitit's
-  ``local`` / ``debug`` executors, which is how CI tests this path without a cluster).
+- :class:`SubmititExecutor` submits the same job function through submitit: to SLURM (``sbatch``; CI
+  runs it against a single-node cluster on localhost, ``.ci/slurm``), or to submitit's ``local`` /
+  ``debug`` executors.
 
-Both wait with a per-job timeout (a job past it is killed or cancelled and marked ``timeout``), call
-``progress()`` while waiting, and never raise for a failed child: a failure is a result, recorded in
-``children.json`` and turning the run incomplete. Exit codes: the process's own (negative = killed by
-that signal) where it is known; for a submitit job that is not a local process, 0 on success and 1
-otherwise, with submitit's state beside it.
+Both call ``progress()`` while waiting and never raise for a failed child: a failure is a result,
+recorded in ``children.json`` and turning the run incomplete. A local process past its timeout is
+killed and marked ``timeout``; a SLURM job ends by SLURM's own time limit, and its SLURM state names its
+child's state (harness/slurm.py: ``timeout``, ``cancelled`` for an ``scancel`` by someone else,
+``node_failure``). Exit codes: the process's own (negative = killed by that signal) where it is known;
+for a SLURM job SLURM's ``ExitCode`` in the same convention; for a submitit local job that is not our
+process, 0 on success and 1 otherwise.
 
 Stopping (issue 8, item 4): a local child runs in its own session and process group, so a terminal's
 Ctrl-C reaches only the controller, which decides. While waiting, the executor asks ``stop()``; once
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from . import slurm
+from .fileio import try_lock
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -57,23 +62,26 @@ class ChildResult:
     name: str
     device: str
     exit_code: int | None      # None: never started, or its end is unknown (the controller died first)
-    state: str                 # completed | failed | killed | timeout | interrupted (| running, unpublished)
+    state: str                 # completed | failed | killed | timeout | interrupted | cancelled | node_failure
+                               # (| running, unpublished)
     wall_s: float | None       # None where unknown
     log: str
     session: str | None = None
     attempt: int = 0
     interrupted_by: str | None = None  # SIGTERM / SIGINT (the controller stopped it) or "lost" (controller died)
+    slurm: dict | None = None          # a SLURM job's record (harness/slurm.py record); None for any other child
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "device": self.device, "exit_code": self.exit_code, "state": self.state,
-                "wall_s": self.wall_s, "log": self.log, "session": self.session or self.name,
-                "attempt": self.attempt, "interrupted_by": self.interrupted_by}
+        out = {"name": self.name, "device": self.device, "exit_code": self.exit_code, "state": self.state,
+               "wall_s": self.wall_s, "log": self.log, "session": self.session or self.name,
+               "attempt": self.attempt, "interrupted_by": self.interrupted_by}
+        return out if self.slurm is None else {**out, "slurm": self.slurm}
 
 
 def _result(spec: ChildSpec, exit_code: int | None, state: str, wall_s: float | None,
-            interrupted_by: str | None = None) -> ChildResult:
+            interrupted_by: str | None = None, slurm: dict | None = None) -> ChildResult:
     return ChildResult(spec.name, spec.device_label, exit_code, state, wall_s, spec.log_file.name, spec.session_id,
-                       spec.attempt, interrupted_by)
+                       spec.attempt, interrupted_by, slurm)
 
 
 def running_result(spec: ChildSpec) -> ChildResult:
@@ -182,32 +190,48 @@ class LocalExecutor:
 
 
 class SubmititExecutor:
-    """One submitit job per spec: ``cluster`` None = Slurm, or submitit's ``local`` / ``debug``."""
+    """One submitit job per spec: ``cluster`` None = SLURM, or submitit's ``local`` / ``debug``.
 
-    def __init__(self, folder: Path, slurm: dict, use_gpus: bool):
-        self.folder, self.slurm, self.use_gpus = Path(folder), slurm, use_gpus
+    On SLURM, job states come from ``scontrol`` (harness/slurm.py, no accounting database needed): an
+    ended job's SLURM state names its child's state (``TIMEOUT`` -> ``timeout``, ``CANCELLED`` ->
+    ``cancelled``, ``NODE_FAIL`` -> ``node_failure``...) and its entry carries the job's ``slurm`` record
+    (id, state, reason, nodes, partition, the SLURM environment it saw). SLURM enforces the time limit;
+    the controller cancels a job only on a stop (``interrupted``) or when scontrol has lost it.
+    """
+
+    def __init__(self, folder: Path, slurm_conf: dict, use_gpus: bool):
+        self.folder, self.slurm, self.use_gpus = Path(folder), slurm_conf, use_gpus
+        self.cluster = slurm_conf.get("cluster") or "slurm"
 
     def _executor(self, timeout_s: float):
         import submitit
 
-        cluster = self.slurm.get("cluster") or "slurm"
-        ex = submitit.AutoExecutor(folder=str(self.folder / "%j"), cluster=cluster)
-        params = {"timeout_min": max(1, math.ceil(timeout_s / 60)), "cpus_per_task": self.slurm["cpus_per_task"],
-                  "gpus_per_node": self.slurm["gpus_per_job"] if self.use_gpus else 0, "nodes": 1,
-                  "tasks_per_node": 1}
-        if cluster == "slurm":
-            params["mem_gb"] = self.slurm["mem_gb"]
-            if self.slurm.get("partition"):
-                params["slurm_partition"] = self.slurm["partition"]
-            if self.slurm.get("additional_parameters"):
-                params["slurm_additional_parameters"] = dict(self.slurm["additional_parameters"])
-        ex.update_parameters(**params)
+        ex = submitit.AutoExecutor(folder=str(self.folder / "%j"), cluster=self.cluster)
+        if self.cluster == "slurm":
+            env = child_env(0 if self.use_gpus else None)
+            keys = ["PYTHONPATH", "CUDA_DEVICE_ORDER", "PYTHONUNBUFFERED"]
+            keys += [] if self.use_gpus else ["CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET"]  # SLURM sets a GPU job's
+            ex.update_parameters(**slurm.sbatch_parameters(self.slurm, timeout_s, self.use_gpus,
+                                                           {k: env[k] for k in keys}))
+        else:
+            ex.update_parameters(timeout_min=max(1, math.ceil(timeout_s / 60)), nodes=1, tasks_per_node=1,
+                                 cpus_per_task=self.slurm["cpus_per_task"],
+                                 gpus_per_node=self.slurm["gpus_per_task"] if self.use_gpus else 0)
         return ex
+
+    def _submit(self, spec: ChildSpec):
+        if self.cluster != "slurm":
+            from .session import run_job
+
+            return self._executor(spec.timeout_s).submit(run_job, str(spec.job_file))
+        return self._executor(spec.timeout_s).submit(slurm.run_in_job, str(spec.job_file),
+                                                     str(self._environment_file(spec)))
+
+    def _environment_file(self, spec: ChildSpec) -> Path:
+        return self.folder / f"{spec.session_id}.slurm-environment.json"
 
     def run(self, specs: list[ChildSpec], progress: Callable[[], None] | None = None, poll_s: float = 0.5,
             stop: Callable[[], str | None] | None = None, grace_s: float = 10.0) -> list[ChildResult]:
-        from .session import run_job
-
         stop = stop or (lambda: None)
         os.environ["PYTHONPATH"] = child_env(None)["PYTHONPATH"]   # submitit's local children inherit it
         jobs, results = [], {}
@@ -215,26 +239,79 @@ class SubmititExecutor:
             if stop():
                 results[spec.session_id] = _not_started(spec, stop())
                 continue
-            ex = self._executor(spec.timeout_s)
-            jobs.append((spec, ex.submit(run_job, str(spec.job_file)), time.monotonic()))
-        while len(results) < len(specs):
-            reason = stop()
-            for spec, job, t0 in jobs:
-                if spec.session_id in results:
-                    continue
-                elapsed = time.monotonic() - t0
-                if self.slurm.get("cluster") == "debug" or job.done():
-                    results[spec.session_id] = self._result(spec, job, elapsed)
-                elif reason or elapsed > spec.timeout_s:
-                    job.cancel(check=False)  # scancel (Slurm); a local job gets SIGINT
-                    results[spec.session_id] = _result(spec, _exit_code(job, 1), "interrupted" if reason else "timeout",
-                                                       elapsed, reason)
-                    self._copy_log(spec, job)
-            if progress:
-                progress()
-            if len(results) < len(specs):
-                time.sleep(poll_s)
+            jobs.append(_Job(spec, self._submit(spec), time.monotonic()))
+        try:
+            while len(results) < len(specs):
+                reason = stop()
+                for job in jobs:
+                    if job.spec.session_id not in results:
+                        got = self._poll_slurm(job, reason, grace_s) if self.cluster == "slurm" else \
+                            self._poll_local(job, reason)
+                        if got is not None:
+                            results[job.spec.session_id] = got
+                if progress:
+                    progress()
+                if len(results) < len(specs):
+                    time.sleep(poll_s)
+        except BaseException:
+            for job in jobs:  # an error in the controller must not leave a job measuring on the cluster
+                if job.spec.session_id not in results:
+                    job.job.cancel(check=False)
+            raise
+        if any(r.slurm is not None and r.state != "completed" for r in results.values()):
+            _wait_for_job_processes(jobs[0].spec.job_file.parent, grace_s)
         return [results[spec.session_id] for spec in specs]
+
+    def _poll_local(self, job: "_Job", reason: str | None) -> ChildResult | None:
+        """submitit's ``local`` / ``debug`` job: done, or past its timeout or stopped (then cancelled)."""
+        spec, elapsed = job.spec, time.monotonic() - job.t0
+        if self.cluster == "debug" or job.job.done():
+            return self._result(spec, job.job, elapsed)
+        if reason or elapsed > spec.timeout_s:
+            job.job.cancel(check=False)  # a local job gets SIGINT
+            self._copy_log(spec, job.job)
+            return _result(spec, _exit_code(job.job, 1), "interrupted" if reason else "timeout", elapsed, reason)
+        return None
+
+    def _poll_slurm(self, job: "_Job", reason: str | None, grace_s: float) -> ChildResult | None:
+        """A SLURM job: its result once scontrol says it ended; on a stop it is cancelled (``scancel``) and
+        waited for up to ``grace_s`` + 60 s; a job scontrol does not know for 60 s is cancelled as failed."""
+        info = slurm.job_info(job.job.job_id)
+        now = time.monotonic()
+        if info is not None:
+            job.info, job.unknown_since = info, None
+        elif job.unknown_since is None:
+            job.unknown_since = now
+        if info:
+            ended = slurm.child_state(info["JobState"])
+        else:  # scontrol forgot an ended job (MinJobAge), or cannot answer: its result file still tells
+            ended = "completed" if Path(job.job.paths.result_pickle).exists() else None
+        if reason and job.cancelled_at is None:
+            job.job.cancel(check=False)
+            job.cancelled_at = now
+        lost = job.unknown_since is not None and now - job.unknown_since > 60
+        gave_up = job.cancelled_at is not None and now - job.cancelled_at > grace_s + 60
+        if ended is None and not lost and not gave_up:
+            return None
+        if ended is None:
+            job.job.cancel(check=False)
+        return self._slurm_result(job, reason, ended, now - job.t0)
+
+    def _slurm_result(self, job: "_Job", reason: str | None, ended: str | None, elapsed: float) -> ChildResult:
+        spec, info = job.spec, job.info or {}
+        code = slurm.exit_code(info) if info else None
+        state = "interrupted" if reason else (ended or "failed")
+        if ended == "completed" and not reason:
+            code = 0 if self._result(spec, job.job, elapsed).state == "completed" else 1
+            state = "completed" if code == 0 else "failed"
+        else:
+            self._copy_log(spec, job.job)
+        record = slurm.record(job.job.job_id, job.info if ended else None,
+                              slurm.read_environment(self._environment_file(spec)))
+        with open(spec.log_file, "a") as fh:
+            fh.write(f"\n[slurm] job {record['job_id']} ended {record['job_state']} (reason {record['reason']}) "
+                     f"on {record['nodes']}: child {state}\n")
+        return _result(spec, code, state, elapsed, reason, slurm=record)
 
     def _result(self, spec: ChildSpec, job, elapsed: float) -> ChildResult:
         try:
@@ -243,7 +320,7 @@ class SubmititExecutor:
             code = _exit_code(job, 1)
             spec.log_file.parent.mkdir(parents=True, exist_ok=True)
             with open(spec.log_file, "a") as fh:
-                fh.write(f"\n[submitit] job {job.job_id} state {job.state}: {type(exc).__name__}: {exc}\n")
+                fh.write(f"\n[submitit] job {job.job_id}: {type(exc).__name__}: {exc}\n")
         self._copy_log(spec, job)
         return _result(spec, code, _state(code), elapsed)
 
@@ -254,6 +331,30 @@ class SubmititExecutor:
             if path is not None and Path(path).is_file():
                 with open(spec.log_file, "ab") as out, open(path, "rb") as src:
                     shutil.copyfileobj(src, out)
+
+
+def _wait_for_job_processes(jobs_dir: Path, grace_s: float) -> None:
+    """Wait (up to ``grace_s`` + 30 s) until no job process holds its shared lock on ``jobs/``: SLURM may
+    call a job ended (``NODE_FAIL`` as soon as its node is set down) while its processes still run and
+    could write a record after the bundle is published."""
+    fd = try_lock(jobs_dir, wait_s=grace_s + 30)
+    if fd is None:
+        print(f"loopbench: a SLURM job's process still holds {jobs_dir} after {grace_s + 30:.0f} s; publishing",
+              file=sys.stderr, flush=True)
+    else:
+        os.close(fd)
+
+
+@dataclass
+class _Job:
+    """A submitted job and what the executor has learnt about it so far."""
+
+    spec: ChildSpec
+    job: object                       # a submitit Job
+    t0: float                         # time.monotonic() at submission
+    info: dict | None = None          # scontrol's latest fields (SLURM)
+    unknown_since: float | None = None
+    cancelled_at: float | None = None
 
 
 def _exit_code(job, default: int) -> int:

@@ -178,5 +178,18 @@ def check_executor(exe: dict) -> None:
             raise ValueError(f"executor.{key} must be > 0, got {exe[key]!r}")
     if exe["gpus"] is not None and len(set(exe["gpus"])) != len(exe["gpus"]):
         raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
-    positive_int("executor.slurm.jobs", exe["slurm"]["jobs"])
+    check_slurm(exe["slurm"])
     positive_int("executor.cpu_threads", exe["cpu_threads"])
+
+
+def check_slurm(slurm: dict) -> None:
+    """``executor.slurm``: counts and limits positive; ``cluster`` one submitit knows."""
+    if slurm["cluster"] not in (None, "slurm", "local", "debug"):
+        raise ValueError(f"executor.slurm.cluster must be null (SLURM), slurm, local or debug, got {slurm['cluster']!r}")
+    for key in ("jobs", "cpus_per_task"):
+        positive_int(f"executor.slurm.{key}", slurm[key])
+    for key in ("time_limit_min", "mem_gb"):
+        if slurm[key] is not None:
+            positive_int(f"executor.slurm.{key}", slurm[key])
+    if slurm["gpus_per_task"] < 0:
+        raise ValueError(f"executor.slurm.gpus_per_task must be >= 0, got {slurm['gpus_per_task']!r}")

@@ -85,9 +85,11 @@ class EvidenceSpec:
 class SlurmSpec:
     cluster: str | None
     partition: str | None
-    gpus_per_job: int
+    account: str | None
+    time_limit_min: int | None
     cpus_per_task: int
-    mem_gb: int
+    gpus_per_task: int
+    mem_gb: int | None
     jobs: int
     additional_parameters: Mapping[str, str]
 
