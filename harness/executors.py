@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import slurm
-from .fileio import try_lock
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SLURM_POLL_S = 2.0   # the least time between two scontrol queries of one job (slurmctld serves everyone)
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ class SubmititExecutor:
                     job.job.cancel(check=False)
             raise
         if any(r.slurm is not None and r.state != "completed" for r in results.values()):
-            _wait_for_job_processes(jobs[0].spec.job_file.parent, grace_s)
+            slurm.wait_for_job_processes(jobs[0].spec.job_file.parent, grace_s + 30)
         return [results[spec.session_id] for spec in specs]
 
     def _poll_local(self, job: "_Job", reason: str | None) -> ChildResult | None:
@@ -274,21 +274,22 @@ class SubmititExecutor:
         return None
 
     def _poll_slurm(self, job: "_Job", reason: str | None, grace_s: float) -> ChildResult | None:
-        """A SLURM job: its result once scontrol says it ended; on a stop it is cancelled (``scancel``) and
-        waited for up to ``grace_s`` + 60 s; a job scontrol does not know for 60 s is cancelled as failed."""
-        info = slurm.job_info(job.job.job_id)
+        """A SLURM job: its result once scontrol says it ended (asked at most every
+        :data:`SLURM_POLL_S`); on a stop it is cancelled (``scancel``) and waited for up to ``grace_s`` +
+        60 s; a job that scontrol cannot tell of for 60 s is cancelled and recorded as failed."""
         now = time.monotonic()
-        if info is not None:
-            job.info, job.unknown_since = info, None
-        elif job.unknown_since is None:
-            job.unknown_since = now
-        if info:
-            ended = slurm.child_state(info["JobState"])
-        else:  # scontrol forgot an ended job (MinJobAge), or cannot answer: its result file still tells
-            ended = "completed" if Path(job.job.paths.result_pickle).exists() else None
         if reason and job.cancelled_at is None:
             job.job.cancel(check=False)
             job.cancelled_at = now
+        elif now - job.polled_at < SLURM_POLL_S:
+            return None
+        job.polled_at, info = now, slurm.job_info(job.job.job_id)
+        if info is not None:
+            job.info, job.unknown_since = info, None
+            ended = slurm.child_state(info["JobState"])
+        else:  # scontrol forgot an ended job (MinJobAge) or does not answer; a result file still tells
+            job.unknown_since = job.unknown_since or now
+            ended = "completed" if Path(job.job.paths.result_pickle).exists() else None
         lost = job.unknown_since is not None and now - job.unknown_since > 60
         gave_up = job.cancelled_at is not None and now - job.cancelled_at > grace_s + 60
         if ended is None and not lost and not gave_up:
@@ -298,13 +299,14 @@ class SubmititExecutor:
         return self._slurm_result(job, reason, ended, now - job.t0)
 
     def _slurm_result(self, job: "_Job", reason: str | None, ended: str | None, elapsed: float) -> ChildResult:
-        spec, info = job.spec, job.info or {}
-        code = slurm.exit_code(info) if info else None
+        spec = job.spec
+        code = slurm.exit_code(job.info) if job.info else None
         state = "interrupted" if reason else (ended or "failed")
-        if ended == "completed" and not reason:
-            code = 0 if self._result(spec, job.job, elapsed).state == "completed" else 1
-            state = "completed" if code == 0 else "failed"
+        if state == "completed" and Path(job.job.paths.result_pickle).exists():
+            done = self._result(spec, job.job, elapsed)   # the job function's own return code
+            code, state = done.exit_code, done.state
         else:
+            state = "failed" if state == "completed" else state   # COMPLETED without a result: not ours
             self._copy_log(spec, job.job)
         record = slurm.record(job.job.job_id, job.info if ended else None,
                               slurm.read_environment(self._environment_file(spec)))
@@ -333,18 +335,6 @@ class SubmititExecutor:
                     shutil.copyfileobj(src, out)
 
 
-def _wait_for_job_processes(jobs_dir: Path, grace_s: float) -> None:
-    """Wait (up to ``grace_s`` + 30 s) until no job process holds its shared lock on ``jobs/``: SLURM may
-    call a job ended (``NODE_FAIL`` as soon as its node is set down) while its processes still run and
-    could write a record after the bundle is published."""
-    fd = try_lock(jobs_dir, wait_s=grace_s + 30)
-    if fd is None:
-        print(f"loopbench: a SLURM job's process still holds {jobs_dir} after {grace_s + 30:.0f} s; publishing",
-              file=sys.stderr, flush=True)
-    else:
-        os.close(fd)
-
-
 @dataclass
 class _Job:
     """A submitted job and what the executor has learnt about it so far."""
@@ -353,6 +343,7 @@ class _Job:
     job: object                       # a submitit Job
     t0: float                         # time.monotonic() at submission
     info: dict | None = None          # scontrol's latest fields (SLURM)
+    polled_at: float = -math.inf       # time.monotonic() of the latest scontrol query
     unknown_since: float | None = None
     cancelled_at: float | None = None
 

@@ -19,6 +19,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -75,6 +76,20 @@ def read_environment(path: Path) -> dict | None:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def wait_for_job_processes(jobs_dir: Path, wait_s: float) -> None:
+    """Wait (up to ``wait_s``) until no job process holds its shared lock on ``jobs/``: SLURM may call a
+    job ended (``NODE_FAIL`` as soon as its node is set down) while its processes still run and could
+    write a record after the bundle is published."""
+    from .fileio import try_lock
+
+    fd = try_lock(jobs_dir, wait_s=wait_s)
+    if fd is None:
+        print(f"loopbench: a SLURM job's process still holds {jobs_dir} after {wait_s:.0f} s; publishing",
+              file=sys.stderr, flush=True)
+    else:
+        os.close(fd)
 
 
 def run_in_job(job_file: str, environment_file: str) -> int:

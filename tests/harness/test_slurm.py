@@ -5,6 +5,7 @@ its time limit, one whose node goes down) that each leave an incomplete bundle n
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -218,3 +219,17 @@ def _wait_idle(node: str) -> None:
         if out.strip().startswith(("idle", "mix", "alloc")):
             return
         time.sleep(1)
+
+
+@on_slurm
+def test_a_stopped_controller_cancels_its_jobs(tmp_path):
+    proc = _start(tmp_path)
+    bundle, job = _session_job(tmp_path, proc)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=WAIT_S)[0]
+    assert proc.returncode == 3, out[-3000:]
+    session = json.loads((bundle / "children.json").read_text())[-1]
+    assert (session["state"], session["interrupted_by"], session["slurm"]["job_state"]) == \
+        ("interrupted", "SIGTERM", "CANCELLED")
+    assert slurm.job_info(job)["JobState"] == "CANCELLED"
+    assert audit(bundle)["status"] == "incomplete"
