@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import slurm
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SLURM_POLL_S = 2.0   # the least time between two scontrol queries of one job (slurmctld serves everyone)
 
