@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from . import compare, conf, inputs, progress
-from .plan import measurement_order
+from .plan import detectable_effect, measurement_order
 
 CONFIG_ERRORS = (ValueError, TypeError, HydraException, OmegaConfBaseException)
 
@@ -134,14 +134,27 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
              f"  model: {model}; {m['dtype']}",
              f"  workload: prompt tokens {prompts}; {wl['output_len']} output tokens; exit {ex['policy']} "
              f"{ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']}",
-             f"  devices: {', '.join(d['label'] for d in got.devices)} (one session each, the same order)",
+             f"  devices: {', '.join(d['label'] for d in got.devices)} ({_n(spec.sessions, 'session')} each, "
+             f"the same order)",
              f"  points: {', '.join(f'B{p.max_num_seqs}/C{p.num_requests}' for p in spec.points)}",
              f"  comparisons: {', '.join(c.name + (' (A/A)' if c.baseline == c.candidate else '') for c in spec.comparisons)}",
              f"  arms: {len(order)} measured runs per device = {_n(len(spec.points), 'point')} x "
-             f"{_n(n_comp, 'comparison')} x {_n(spec.pairs, 'pair')} x 2 arms, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
+             f"{_n(n_comp, 'comparison')} x {_n(spec.pairs, 'pair')} x {_n(spec.sessions, 'session')} x 2 arms, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
              f"reference arm {spec.reference} (natural run per point, reused from the cache when its inputs match)",
              "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
-    return "\n".join(lines + [_estimate_line(spec, got, order, plain)])
+    return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)])
+
+
+def _effect_line(spec) -> str:
+    """The plan's minimum detectable effect (``plan.detectable_effect``, the figure plan.json records)."""
+    eff = detectable_effect(spec)
+    n, alpha, power = eff["n_pairs"], eff["alpha"], eff["power"]
+    if eff["mde_relative"] is None:
+        return (f"  detectable effect: unknown ({_n(n, 'pair')} per comparison; no noise estimate: set "
+                f"evidence.noise_bundle or evidence.noise_sigma)")
+    return (f"  detectable effect: {eff['mde_relative']:+.2%} speedup ({_n(n, 'pair')} per comparison, alpha "
+            f"{alpha:.2g}, power {power:.0%}, noise sigma {eff['noise']['sigma_log_ratio']:.3g} "
+            f"({eff['noise']['source']}))")
 
 
 def _estimate_line(spec, got, order, plain) -> str:

@@ -42,10 +42,24 @@ def test_plan_prints_the_order_and_creates_nothing(tmp_path, monkeypatch, capsys
     rc = cli.main(["plan", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "arms: 4 measured runs per device = 1 point x 1 comparison x 2 pairs x 2 arms" in out
+    assert "arms: 4 measured runs per device = 1 point x 1 comparison x 2 pairs x 1 session x 2 arms" in out
     assert "B2C2 pair 0:  native_vs_alias_prefix [" in out and "B2C2 pair 1:" in out
     assert "to be synthesized once" in out and "estimated duration: unknown" in out
+    assert "detectable effect: unknown (2 pairs per comparison; no noise estimate" in out
     assert list(tmp_path.iterdir()) == []      # no bundle, no cache, no outputs/ of Hydra's
+
+
+def test_plan_prints_sessions_and_the_detectable_effect_of_the_plan(tmp_path, monkeypatch, capsys):
+    from loopbench.harness import stats
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["plan", *TINY, "sessions=2", "evidence.noise_sigma=0.04", f"results_dir={tmp_path / 'r'}",
+                   f"cache_dir={tmp_path / 'c'}"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "(2 sessions each" in out and "2 pairs x 2 sessions x 2 arms" in out
+    mde = stats.detectable_effect(0.04, 4, 0.05, 0.8)["mde_relative"]     # n = pairs x sessions
+    assert f"detectable effect: {mde:+.2%} speedup (4 pairs per comparison, alpha 0.05, power 80%, noise sigma 0.04 (declared))" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_plan_names_a_bad_key_and_quiet_silences_progress(tmp_path, monkeypatch, capsys):
