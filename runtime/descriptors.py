@@ -61,12 +61,22 @@ class DescriptorBanks:
         return dst
 
 
+def pinned(array: np.ndarray) -> torch.Tensor:
+    """A copy of a host array in pinned (page-locked) memory, the source an async host-to-device copy needs."""
+    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
+
+
 def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array as a tensor on ``device`` without a host sync: on CUDA through a pinned buffer and an
     async copy (torch's caching host allocator keeps the buffer until the copy has run, so the caller may
     reuse or free ``array`` at once); elsewhere a copy. A pageable host-to-device copy would block the host
     until the GPU drained its queue, the idle time this runtime removes."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
     if device.type != "cuda":
-        return host.clone()
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(array)).clone()
+    return pinned(array).to(device, non_blocking=True)
+
+
+def unpack_prefill_descriptor(meta: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """Views of a prefill descriptor tensor (``runner.prefill_descriptor``): slot, depth, position [rows]
+    int32 and tiles [3, num_tiles] int32."""
+    return meta[:rows], meta[rows:2 * rows], meta[2 * rows:3 * rows], meta[3 * rows:].view(3, -1)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .api import GraphCounters
-from .descriptors import DESC_ROWS, PADDING_ROW, DescriptorBanks
+from .descriptors import DESC_ROWS, PADDING_ROW, DescriptorBanks, pinned, unpack_prefill_descriptor
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 
@@ -201,10 +201,9 @@ class CudaGraphs:
 
         def publish():
             torch.cat(xs, out=x[:total])
-            desc.copy_(torch.from_numpy(meta).pin_memory(), non_blocking=True)
+            desc.copy_(pinned(meta), non_blocking=True)
 
-        slot, depth, pos, tiles = desc[:rows], desc[rows:2 * rows], desc[2 * rows:3 * rows], desc[3 * rows:].view(3, -1)
-        return self.prefill.run(rows, (x, slot, depth, pos, tiles), publish, warm_inputs=publish)[0]
+        return self.prefill.run(rows, (x, *unpack_prefill_descriptor(desc, rows)), publish, warm_inputs=publish)[0]
 
 
 def prefill_bucket_for(total: int) -> int:

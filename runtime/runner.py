@@ -19,7 +19,7 @@ from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefil
 
 from .api import EngineConfig, EngineStats, KVLayout
 from .attention import get_backend
-from .descriptors import DescriptorBanks, to_device_async
+from .descriptors import DescriptorBanks, to_device_async, unpack_prefill_descriptor
 from .exit_policy import NaturalPolicy, ReplayPolicy
 from .graphs import CudaGraphs
 from .kv_cache import DepthKVCache
@@ -44,12 +44,6 @@ def prefill_descriptor(loops: Sequence[PrefillLoop], lens: Sequence[int], rows: 
     tiles = meta[3 * rows:].reshape(3, -1)
     tiles[:] = prefill_tiles(lens, block_m=PREFILL_BLOCK_M, num_tiles=tiles.shape[1])
     return meta
-
-
-def unpack_prefill_descriptor(meta: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    """Views of a prefill descriptor tensor (:func:`prefill_descriptor`): slot, depth, position [rows]
-    int32 and tiles [3, num_tiles] int32."""
-    return meta[:rows], meta[rows:2 * rows], meta[2 * rows:3 * rows], meta[3 * rows:].view(3, -1)
 
 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
