@@ -51,10 +51,10 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import check_files, check_plan, check_runs, check_sessions, check_summary, check_tables, contract, evidence, load
+from . import check_files, check_plan, check_telemetry, check_runs, check_sessions, check_summary, check_tables, contract, evidence, load
 from .context import Audit
 
-AUDITOR_VERSION = 5   # 5: implements bundle format 4 (sessions, drift, detectable effect), audits formats 1 to 3
+AUDITOR_VERSION = 6   # 6: implements bundle format 5 (telemetry, per-point workloads, graph coverage), audits 1 to 4
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -79,6 +79,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("timing", check_tables.check_timing, records)
     ctx.section("timing", check_tables.check_wall_clock, records)
     ctx.section("tables", check_tables.check_tables, records, tables)
+    ctx.section("telemetry", check_telemetry.check_sample_rate, records)
     ctx.section("coverage", check_runs.check_coverage, plan, records, refs)
     checks_ok = bool(ctx.section("reference", check_runs.check_against_references, plan, records, refs))
     ctx.section("sessions", check_sessions.check_child_states, children)

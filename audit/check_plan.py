@@ -55,7 +55,7 @@ def check_plan(ctx: Audit, plan: dict) -> None:
 def check_point_requests(ctx: Audit, plan: dict) -> None:
     """Each point has the contract's fields and lists C distinct requests, each on a prompt of the pool."""
     n_prompts = plan["prompts"].get("count")
-    fields = {k: v for k, v in PLAN["point_fields"].items()
+    fields = {k: v for k, v in contract.fields_at(PLAN["point_fields"], PLAN["point_fields_since"], ctx.version).items()
               if k != "requests" or ctx.version >= PLAN["point_requests_since"]}
     closed = ctx.version >= contract.CLOSED_SINCE
     for pt in plan["points"]:
@@ -88,6 +88,34 @@ def check_point_requests(ctx: Audit, plan: dict) -> None:
             if not 0 <= q["prompt_index"] < (n_prompts if n_prompts is not None else math.inf):
                 ctx.fail("plan", f"point {pt['key']} request {q['request_id']}: prompt_index {q['prompt_index']} "
                                  f"is not in the pool of {n_prompts} prompts")
+        _check_point_workload(ctx, plan, pt, reqs)
+
+
+def point_output_len(plan: dict, pt: dict) -> int:
+    """D of a point: its own (format 5 points carry it), else the workload's."""
+    return pt.get("output_len", plan["config"]["workload"]["output_len"])
+
+
+def _check_point_workload(ctx: Audit, plan: dict, pt: dict, reqs: list[dict]) -> None:
+    """Format 5: a point's prompt_len and output_len are those of its config entry (same place in
+    ``config.points``; a null output_len there is the workload's), and each of its requests' prompts has
+    prompt_len tokens."""
+    if ctx.version < max(PLAN["point_fields_since"].values()):
+        return
+    i = plan["points"].index(pt)
+    conf = plan["config"]["points"][i] if i < len(plan["config"]["points"]) else {}
+    want = (conf.get("prompt_len"), conf.get("output_len") or plan["config"]["workload"]["output_len"])
+    if (pt["prompt_len"], pt["output_len"]) != want:
+        ctx.fail("plan", f"point {pt['key']}: prompt_len {pt['prompt_len']!r} / output_len {pt['output_len']!r}, its "
+                         f"config entry config.points[{i}] gives {want[0]!r} / {want[1]!r}")
+    if pt["prompt_len"] is None:
+        return
+    prompts = json.loads((ctx.bundle / plan["prompts"]["file"]).read_text())
+    for q in reqs:
+        j = q["prompt_index"]
+        if 0 <= j < len(prompts) and len(prompts[j]) != pt["prompt_len"]:
+            ctx.fail("plan", f"point {pt['key']} request {q['request_id']}: prompts.json[{j}] has {len(prompts[j])} "
+                             f"tokens, the point's prompt_len is {pt['prompt_len']}")
 
 
 def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
@@ -95,8 +123,9 @@ def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
     D tokens with exit depths in 1..max_loops."""
     cfg = plan["config"]
     prompts = json.loads((ctx.bundle / plan["prompts"]["file"]).read_text())
-    D, ex = cfg["workload"]["output_len"], cfg["exit"]
+    ex = cfg["exit"]
     for pt in plan["points"]:
+        D = point_output_len(plan, pt)
         sched = refs.get(pt["key"], {}).get("schedule")
         if sched is None:
             continue
@@ -177,7 +206,7 @@ def _check_record_place(ctx: Audit, plan: dict, r: dict, item: dict | None) -> N
     if r["arm_config"] != cfg["arms"].get(r["arm"]):
         ctx.fail("order", f"{where}: arm {r['arm']!r} ran a config other than planned")
     pt = next((p for p in plan["points"] if p["key"] == r["point"]), {})
-    planned = (pt.get("max_num_seqs"), pt.get("num_requests"), cfg["workload"]["output_len"])
+    planned = (pt.get("max_num_seqs"), pt.get("num_requests"), point_output_len(plan, pt))
     if (r["max_num_seqs"], r["num_requests"], r["output_len"]) != planned:
         ctx.fail("order", f"{where}: B{r['max_num_seqs']}/C{r['num_requests']}/D{r['output_len']}, the plan "
                           f"says B{planned[0]}/C{planned[1]}/D{planned[2]}")

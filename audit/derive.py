@@ -26,7 +26,7 @@ import pandas as pd
 import scipy
 import scipy.stats
 
-from . import contract
+from . import check_graphs, check_telemetry, contract
 from . import evidence as _evidence
 
 PHASES = tuple(contract.DOCS["record"]["phases"])
@@ -68,6 +68,8 @@ def arm_row(r: dict) -> dict:
     row["kv_blocks_used"] = m["kv_blocks_used"]
     row["trace_sha256"] = m.get("trace_sha256")
     row.update({f"coverage_{k}": v for k, v in (r.get("coverage") or {}).items()})
+    row["eager_fraction"] = check_graphs.eager_fraction(r)   # format 5
+    row.update(check_telemetry.arm_columns(r))               # format 5
     return row
 
 
@@ -97,10 +99,7 @@ def token_tuples(r: dict) -> list[tuple]:
     return out
 
 
-def telemetry_rows(r: dict) -> list[dict]:
-    """telemetry.parquet rows of one record: the device sample before and after the measured run."""
-    return [{"job": r["job"], "seq": r["seq"], "arm": r["arm"], "when": when, **sample}
-            for when in ("start", "end") if (sample := (r.get("telemetry") or {}).get(when))]
+telemetry_rows = check_telemetry.telemetry_rows
 
 
 def pair_rows(records: list[dict]) -> list[dict]:
@@ -327,6 +326,8 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
     n_requests = sum(len(request_rows(r)) for r in records)
     n_tokens = sum(len(token_tuples(r)) for r in records)
     reasons = [] if complete else incomplete_reasons(plan, records, children, interrupted)
+    derived = results(plan, pairs, publish, version)
+    check_graphs.apply(plan, derived, pairs, records, version)
     return {
         "schema_version": contract.DOCS["summary"]["schema_version"] if version >= 2 else 1, "name": plan["name"],
         "status": "complete" if complete else "incomplete",
@@ -342,7 +343,7 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
         "checks": {"ok": checks_ok, **check_counts(records, reference_points), "findings": findings,
                    **coverage_warnings(records)},
         "children": children,
-        "results": results(plan, pairs, publish, version),
+        "results": derived,
         **({"evidence_rule": _evidence.evidence_rule(plan), "memory_creep": _evidence.memory_creep(plan, records)}
            if version >= contract.DOCS["plan"]["sessions_since"] else {}),
     }

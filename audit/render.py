@@ -9,7 +9,7 @@ visible, is a discrepancy.
 """
 from __future__ import annotations
 
-from . import contract
+from . import contract, render_sections
 
 R = contract.FORMAT["report"]
 WORDS = R["words"]
@@ -36,16 +36,22 @@ def _ci(ci: list | None, missing: str) -> str:
     return R["ci"].format(*ci) if ci else missing
 
 
-def result_row(res: dict) -> str:
-    """One seed-style row: GPU, B / C, tokens/s of each arm, speedup [CI], change, verdict."""
+def result_row(res: dict, workload: str | None = None) -> str:
+    """One seed-style row: GPU, B / C, [P / D (format 5),] tokens/s of each arm, speedup [CI], change, verdict."""
     st = res["stats"]
-    return R["result"]["row"].format(**{
+    return R["result"]["row" if workload is None else "row_since_5"].format(workload=workload, **{
         **res, "speedup": st["speedup"], "ci": _ci(st["ci"], f"[{WORDS['na']}]"),
         "change_pct": 100 * (st["speedup"] - 1),
         "verdict": res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]})
 
 
-def _result_tables(results: list[dict]) -> list[str]:
+def _result_tables(results: list[dict], plan: dict | None = None) -> list[str]:
+    """One table per comparison; with the ``plan`` (format 5) each point's P / D too."""
+    columns = R["result"]["columns"] if plan is None else R["result"]["columns_since_5"]
+
+    def label(res: dict) -> str | None:
+        return None if plan is None else render_sections.workload(plan, res["point"])
+
     by_comparison: dict[str, list[dict]] = {}
     for res in results:
         by_comparison.setdefault(res["comparison"], []).append(res)
@@ -53,8 +59,7 @@ def _result_tables(results: list[dict]) -> list[str]:
     for comp, rows in by_comparison.items():
         b, c = rows[0]["baseline"], rows[0]["candidate"]
         lines += [R["result"]["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
-        lines += _table([h.format(baseline=b, candidate=c) for h in R["result"]["columns"]],
-                        [result_row(r) for r in rows])
+        lines += _table([h.format(baseline=b, candidate=c) for h in columns], [result_row(r, label(r)) for r in rows])
         lines.append("")
     return lines or [""]   # no results: one empty line, as harness/report.py writes it
 
@@ -236,7 +241,8 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
     ``summary``: that version's sections in the contract's order (the arm sections only with arms)."""
     sections = {
         "header": lambda: _header(plan, plan_sha256, prompts_sha256, summary, environment),
-        "result": lambda: ["", R["headings"]["result"], "", *_result_tables(summary["results"]),
+        "result": lambda: ["", R["headings"]["result"], "",
+                           *_result_tables(summary["results"], plan if version >= 5 else None),
                            _rule(plan, summary, version), ""],
         "statistics": lambda: _statistics(summary["results"]),
         "sessions": lambda: _sessions(plan, summary),
@@ -244,6 +250,8 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "checks": lambda: ["", *_checks(summary["checks"])],
         "graph_memory": lambda: ["", *_graph_memory(arm_rows)] if arm_rows else [],
         "coverage": lambda: _coverage(arm_rows) if arm_rows else [],
+        "graph_coverage": lambda: render_sections.graph_coverage(plan, summary["results"]),
+        "telemetry": lambda: render_sections.telemetry(plan, arm_rows),
         "children": lambda: ["", *_children(summary["children"])],
         "plot": lambda: ["", R["plot"], ""],
     }

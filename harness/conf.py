@@ -111,6 +111,8 @@ class WorkloadConf:
 class PointConf:
     max_num_seqs: int = MISSING  # B: batch capacity
     num_requests: int = MISSING  # C: requests submitted at once
+    prompt_len: Optional[int] = None  # this point's own P: seeded prompts of P tokens (harness/workloads.py)
+    output_len: Optional[int] = None  # this point's own D; None: workload.output_len
 
 
 @dataclass
@@ -161,6 +163,8 @@ class VerdictConf:
     min_pairs: int = 6         # fewer pairs: inconclusive (stats.verdict says why 6)
     n_resamples: int = 10_000
     bootstrap_seed: int = 0
+    # no verdict when a pair's arms' eager fractions differ by more (harness/graph_coverage.py)
+    eager_fraction_tolerance: float = 0.001
 
 
 @dataclass
@@ -173,6 +177,13 @@ class EvidenceConf:
     power: float = 0.8                 # of the minimum detectable effect, at level 1 - verdict.confidence
     noise_bundle: Optional[str] = None
     noise_sigma: Optional[float] = None
+
+
+@dataclass
+class TelemetryConf:
+    """NVML sampling during each measured run (harness/sampler.py); nothing is sampled without NVML."""
+
+    sample_hz: float = 20.0   # >= 10: a clock change or throttle shorter than 1 / sample_hz may be missed
 
 
 @dataclass
@@ -233,6 +244,7 @@ class BenchConf:
     warmup: bool = True
     verdict: VerdictConf = field(default_factory=VerdictConf)
     evidence: EvidenceConf = field(default_factory=EvidenceConf)
+    telemetry: TelemetryConf = field(default_factory=TelemetryConf)
     executor: ExecutorConf = field(default_factory=ExecutorConf)
     results_dir: str = "results"
     cache_dir: Optional[str] = None      # None = $LOOPBENCH_CACHE or ~/.cache/loopbench

@@ -31,7 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import diagnostics
+from . import diagnostics, graph_coverage, telemetry
 from . import stats as _stats
 from .fileio import (atomic_write_bytes, atomic_write_json, atomic_write_text, canonical_json,  # noqa: F401
                      sha256_bytes, sha256_file, try_lock)
@@ -163,6 +163,8 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
         row["kv_blocks_used"] = m["kv_blocks_used"]
         row["trace_sha256"] = m.get("trace_sha256")
         row.update(_coverage_columns(r))
+        row["eager_fraction"] = graph_coverage.record_eager_fraction(r)   # format 5
+        row.update(telemetry.arm_summary(r))                               # format 5
         arms.append(row)
         for phase in ("warmup", "measured"):
             data = r.get(phase)
@@ -176,15 +178,22 @@ def build_tables(records: list[dict]) -> dict[str, pd.DataFrame]:
                              "mean_exit_depth": float(np.mean(depths)) if depths else None})
                 for pos, (tok, dep) in enumerate(zip(out["token_ids"], depths)):
                     toks.append((r["job"], r["seq"], r["point"], r["comparison"], r["arm"], phase, rid, pos, tok, dep))
-        for when in ("start", "end"):
-            sample = (r.get("telemetry") or {}).get(when)
-            if sample:
-                tele.append({"job": r["job"], "seq": r["seq"], "arm": r["arm"], "when": when, **sample})
+        tele += _telemetry_rows(r)
     tokens = pd.DataFrame(toks, columns=columns("tokens"))
     arms_df = pd.DataFrame(arms)
     return {"arms": arms_df, "pairs": build_pairs(arms_df), "requests": pd.DataFrame(reqs),
             "tokens": tokens.astype({"position": "int32", "token_id": "int64", "exit_depth": "int16"}),
-            "telemetry": pd.DataFrame(tele, columns=None if tele else ["job", "seq", "arm", "when"])}
+            "telemetry": pd.DataFrame(tele, columns=None if tele else ["job", "seq", "arm", "when", "sample"])}
+
+
+def _telemetry_rows(r: dict) -> list[dict]:
+    """telemetry.parquet rows of one record: the start reading, the sampler's readings during the measured
+    run (``when`` = during, ``sample`` 0..n-1; format 5) and the end reading."""
+    tele = r.get("telemetry") or {}
+    ident = {"job": r["job"], "seq": r["seq"], "arm": r["arm"]}
+    rows = [{**ident, "when": "start", "sample": 0, **tele["start"]}] if tele.get("start") else []
+    rows += [{**ident, "when": "during", "sample": i, **s} for i, s in enumerate(tele.get("samples") or [])]
+    return rows + ([{**ident, "when": "end", "sample": 0, **tele["end"]}] if tele.get("end") else [])
 
 
 def build_pairs(arms: pd.DataFrame) -> pd.DataFrame:
@@ -219,10 +228,11 @@ def write_tables(bundle: Path, tables: dict[str, pd.DataFrame]) -> None:
         write_table(Path(bundle) / "tables" / f"{name}.parquet", df)
 
 
-def point_requests(num_requests: int) -> list[dict]:
-    """A plan point's requests as plan.json lists them: ids r0000.. on the first C prompts of the pool, as
-    ``session.build_requests`` makes them; the auditor reads each request's prompt from this list."""
-    return [{"request_id": f"r{i:04d}", "prompt_index": i} for i in range(num_requests)]
+def point_requests(num_requests: int, first_prompt: int = 0) -> list[dict]:
+    """A plan point's requests as plan.json lists them: ids r0000.. on C prompts of the pool from
+    ``first_prompt`` on (0: the workload's; a point's own prompt length has its own block, harness/workloads.py);
+    the auditor reads each request's prompt from this list."""
+    return [{"request_id": f"r{i:04d}", "prompt_index": first_prompt + i} for i in range(num_requests)]
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -285,7 +295,19 @@ def comparison_results(plan: dict, arms: pd.DataFrame, pairs: pd.DataFrame, publ
             "stats": st.to_dict(), "verdict": st.verdict if publish else None,
             "evidence": diagnostics.comparison_evidence(grp, cfg),
         })
+        _bar_on_graph_coverage(results[-1], grp, arms, vd)
     return results
+
+
+def _bar_on_graph_coverage(res: dict, grp: pd.DataFrame, arms: pd.DataFrame, vd: dict) -> None:
+    """Format 5: the result's ``graph_coverage`` (harness/graph_coverage.py); a published verdict of a
+    comparison whose paired arms' eager fractions differ becomes ``graph_coverage.BARRED``."""
+    frac = {(j, int(s)): (None if pd.isna(f) else float(f))
+            for j, s, f in zip(arms["job"], arms["seq"], arms["eager_fraction"])}
+    pairs = [(frac[(j, int(b))], frac[(j, int(c))]) for j, b, c in zip(grp["job"], grp["baseline_seq"], grp["candidate_seq"])]
+    res["graph_coverage"] = graph_coverage.result_coverage(pairs, vd["eager_fraction_tolerance"])
+    if res["verdict"] is not None and res["graph_coverage"]["differs"]:
+        res["verdict"] = graph_coverage.BARRED
 
 
 def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], checks: dict,

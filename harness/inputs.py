@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import conf, machine
+from . import conf, machine, workloads
 from .fileio import sha256_bytes
 from .identity import code_identity
-from .spec import BenchSpec, check_fits_model, max_model_len
+from .spec import BenchSpec, check_fits_model
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,10 @@ def gather(spec: BenchSpec) -> Inputs:
     the config."""
     model_cfg = model_config(spec)
     prompts = make_prompts(spec, model_cfg["vocab_size"])
-    longest = max(len(p) for p in prompts)
+    longest = max((len(p) for p in prompts), default=0)
     check_fits_model(spec, model_cfg, longest)
+    workloads.check_points_fit(spec, model_cfg["max_position_embeddings"], longest)
+    prompts += workloads.point_prompts(spec, model_cfg["vocab_size"])   # points' own prompt lengths, after the pool
     devices = machine.planned_devices(spec.executor)
     if all(d["kind"] == "cpu" for d in devices):
         for name, arm in spec.arms.items():
@@ -50,7 +52,7 @@ def gather(spec: BenchSpec) -> Inputs:
                                  f"on the CPU (executor.device = {spec.executor.device}); use a CUDA host, "
                                  f"--config-name cpu-smoke, or arms.{name}.cuda_graphs=false")
     return Inputs(prompts=prompts, prompts_text=json.dumps(prompts, separators=(",", ":")) + "\n",
-                  max_model_len=max_model_len(longest, spec.workload.output_len), devices=devices,
+                  max_model_len=workloads.longest_request(spec, longest), devices=devices,
                   code=code_identity(), cache=conf.cache_dir(spec))
 
 
@@ -168,7 +170,7 @@ def make_prompts(spec: BenchSpec, vocab_size: int) -> list[list[int]]:
     from the same generator; with one ``prompt_len`` the pool is one [C, P] draw, as it always was.
     """
     wl = spec.workload
-    need = spec.max_num_requests
+    need = workloads.workload_requests(spec)   # the points without a prompt_len of their own
     if wl.prompts_file:
         prompts = read_prompts_file(Path(wl.prompts_file).expanduser())
         if len(prompts) < need:

@@ -17,7 +17,7 @@ import datetime as _dt
 import json
 from pathlib import Path
 
-from . import evidence, stats
+from . import evidence, stats, workloads
 from .fileio import canonical_json, sha256_bytes
 from .inputs import Inputs
 from .records import OrderItem
@@ -28,10 +28,14 @@ PLAN_SCHEMA = 2   # 2: sessions (restarts) in the order, detectable_effect
 
 
 def point_entries(spec: BenchSpec) -> list[dict]:
-    """The plan's ``points``: {key, max_num_seqs, num_requests, requests} (``reference`` is added once
-    captured); ``requests`` lists each request's id and prompt index (``evidence.point_requests``)."""
+    """The plan's ``points``: {key, max_num_seqs, num_requests, prompt_len, output_len, requests}
+    (``reference`` is added once captured); ``prompt_len`` is the point's own P (None: the workload's
+    prompts), ``output_len`` its D; ``requests`` lists each request's id and prompt index
+    (``evidence.point_requests``, at the point's block of the pool: harness/workloads.py)."""
+    offsets = workloads.prompt_offsets(spec)
     return [{"key": pt.key, "max_num_seqs": pt.max_num_seqs, "num_requests": pt.num_requests,
-             "requests": evidence.point_requests(pt.num_requests)} for pt in spec.points]
+             "prompt_len": pt.prompt_len, "output_len": workloads.output_len(spec, pt),
+             "requests": evidence.point_requests(pt.num_requests, offsets[pt.prompt_len])} for pt in spec.points]
 
 
 def measurement_order(spec: BenchSpec) -> list[OrderItem]:

@@ -150,6 +150,8 @@ class ArmRecord:
     telemetry_end: dict | None
     measured_start_unix_s: float
     measured_end_unix_s: float
+    telemetry_samples: list[dict] | None = None   # harness/sampler.py during the measured run; None without NVML
+    sampler: dict | None = None                   # Sampler.record(): its rate, sample count and CPU seconds
 
     def to_dict(self) -> dict:
         it = self.item
@@ -159,6 +161,7 @@ class ArmRecord:
                 "position": it.position, "slot": it.slot, "arm": it.arm, "arm_config": self.arm_config.to_plain(),
                 "tokens_per_s": self.tokens_per_s, "warmup": None if self.warmup is None else self.warmup.to_dict(),
                 "measured": self.measured.to_dict(), "coverage": self.coverage,
-                "telemetry": {"start": self.telemetry_start, "end": self.telemetry_end},
+                "telemetry": {"start": self.telemetry_start, "end": self.telemetry_end,
+                              "samples": self.telemetry_samples, "sampler": self.sampler},
                 "wall_clock": {"measured_start_unix_s": self.measured_start_unix_s,
                                "measured_end_unix_s": self.measured_end_unix_s}}

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from . import report_sections
 from .evidence import FORMAT, atomic_write_bytes
 
 R = FORMAT["report"]
@@ -40,24 +41,28 @@ def ci_text(ci: list | None) -> str:
     return R["ci"].format(*ci) if ci else f"[{WORDS['na']}]"
 
 
-def table_row(res: dict) -> str:
-    """One seed-style row (device, B / C, tokens/s of each arm, speedup [CI], change, verdict)."""
+def table_row(res: dict, workload: str | None = None) -> str:
+    """One seed-style row (device, B / C, [P / D,] tokens/s of each arm, speedup [CI], change, verdict)."""
     st = res["stats"]
     verdict = res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]
-    return R["result"]["row"].format(**{**res, "speedup": st["speedup"], "ci": ci_text(st["ci"]),
+    row = R["result"]["row"] if workload is None else R["result"]["row_since_5"]
+    return row.format(workload=workload, **{**res, "speedup": st["speedup"], "ci": ci_text(st["ci"]),
                                         "change_pct": 100 * (st["speedup"] - 1), "verdict": verdict})
 
 
-def result_tables(summary: dict) -> str:
-    """The seed's table, one per comparison (GPU, B / C, tokens/s of each arm, speedup [CI], change)."""
+def result_tables(summary: dict, plan: dict | None = None) -> str:
+    """The seed's table, one per comparison (GPU, B / C, tokens/s of each arm, speedup [CI], change); with
+    the ``plan``, each point's P / D too (format 5, report_sections.workload_label)."""
     spec, out = R["result"], []
+    label = (lambda res: None) if plan is None else (lambda res: report_sections.workload_label(plan, res["point"]))
+    columns = spec["columns"] if plan is None else spec["columns_since_5"]
     comps: dict[str, list[dict]] = {}
     for res in summary["results"]:
         comps.setdefault(res["comparison"], []).append(res)
     for comp, rows in comps.items():
         b, c = rows[0]["baseline"], rows[0]["candidate"]
         out += [spec["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
-        out += table_lines([h.format(baseline=b, candidate=c) for h in spec["columns"]], [table_row(r) for r in rows])
+        out += table_lines([h.format(baseline=b, candidate=c) for h in columns], [table_row(r, label(r)) for r in rows])
         out.append("")
     return "\n".join(out)
 
@@ -218,7 +223,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
     """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms)."""
     sections = {
         "header": lambda: _header(plan, summary, environment),
-        "result": lambda: ["", R["headings"]["result"], "", result_tables(summary),
+        "result": lambda: ["", R["headings"]["result"], "", result_tables(summary, plan),
                            rule_text(plan, summary), ""],
         "statistics": lambda: _statistics(summary["results"]),
         "sessions": lambda: _sessions(plan, summary),
@@ -226,6 +231,8 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "checks": lambda: ["", *_checks(summary["checks"])],
         "graph_memory": lambda: _graph_memory(arms) if len(arms) else [],
         "coverage": lambda: _coverage(arms) if len(arms) else [],
+        "graph_coverage": lambda: report_sections.graph_coverage(plan, summary),
+        "telemetry": lambda: report_sections.telemetry(plan, arms),
         "children": lambda: ["", *_children(summary["children"])],
         "plot": lambda: ["", R["plot"], ""],
     }

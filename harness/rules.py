@@ -60,6 +60,7 @@ def check(plain: dict) -> None:
     positive_int("workload.output_len", plain["workload"]["output_len"])
     check_prompt_lengths(plain["workload"])
     check_points(plain["points"])
+    check_point_workloads(plain["points"], plain["workload"])
     check_exit(plain["exit"])
     check_arms(plain["arms"])
     check_comparisons(plain)
@@ -67,6 +68,8 @@ def check(plain: dict) -> None:
     positive_int("sessions", plain["sessions"])
     check_evidence(plain["evidence"])
     check_verdict(plain["verdict"])
+    if not (math.isfinite(plain["telemetry"]["sample_hz"]) and plain["telemetry"]["sample_hz"] >= 10):
+        raise ValueError(f"telemetry.sample_hz must be >= 10 (issue 12: at least 10 Hz), got {plain['telemetry']['sample_hz']!r}")
     check_executor(plain["executor"])
     if plain["resume"] is not None and not Path(plain["resume"]).expanduser().is_dir():
         raise ValueError(f"resume = {plain['resume']!r} is not a bundle directory")
@@ -108,10 +111,23 @@ def check_points(points: list) -> None:
     for i, pt in enumerate(points):
         positive_int(f"points[{i}].max_num_seqs", pt["max_num_seqs"])
         positive_int(f"points[{i}].num_requests", pt["num_requests"])
-        key = (pt["max_num_seqs"], pt["num_requests"])
+        key = (pt["max_num_seqs"], pt["num_requests"], pt.get("prompt_len"), pt.get("output_len"))
         if key in seen:
-            raise ValueError(f"points[{i}] = B{key[0]}/C{key[1]} is listed twice")
+            own = "".join(f"/{n}{v}" for n, v in zip("PD", key[2:]) if v is not None)
+            raise ValueError(f"points[{i}] = B{key[0]}/C{key[1]}{own} is listed twice")
         seen.add(key)
+
+
+def check_point_workloads(points: list, wl: dict) -> None:
+    """A point's own prompt_len / output_len (harness/workloads.py): positive; prompt_len draws seeded
+    prompts, so it cannot go with a prompts_file."""
+    for i, pt in enumerate(points):
+        for key in ("prompt_len", "output_len"):
+            if pt.get(key) is not None:
+                positive_int(f"points[{i}].{key}", pt[key])
+        if pt.get("prompt_len") is not None and wl["prompts_file"] is not None:
+            raise ValueError(f"points[{i}].prompt_len={pt['prompt_len']} needs seeded prompts, but workload.prompts_file="
+                             f"{wl['prompts_file']!r} is set; drop one of the two")
 
 
 def check_exit(ex: dict) -> None:
@@ -159,6 +175,9 @@ def check_verdict(vd: dict) -> None:
         raise ValueError(f"verdict.min_effect must be >= 0, got {vd['min_effect']!r}")
     positive_int("verdict.n_resamples", vd["n_resamples"])
     positive_int("verdict.min_pairs", vd["min_pairs"])
+    tol = vd["eager_fraction_tolerance"]
+    if not (math.isfinite(tol) and 0.0 <= tol < 1.0):
+        raise ValueError(f"verdict.eager_fraction_tolerance must be in [0, 1), got {tol!r}")
 
 
 def check_evidence(ev: dict) -> None:

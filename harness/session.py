@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from . import coverage, engines, machine, telemetry
+from .sampler import Sampler
 from .fileio import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
 from .records import ArmRecord, ArmSpec, OrderItem, PhaseResult
 from .stats import tokens_per_s
@@ -148,7 +149,8 @@ def _cached_reference(cached: Path) -> tuple[str, dict] | None:
 def _capture_reference(spec: dict, model, prompts: list, point: dict, device: dict, key: str) -> tuple[str, dict]:
     """A natural run of the reference arm at ``point``: (frozen schedule text, meta)."""
     arm = ArmSpec.from_plain(spec["arm_config"])
-    reqs = build_requests(prompts, point["num_requests"], spec["output_len"], spec["exit"], point.get("requests"))
+    reqs = build_requests(prompts, point["num_requests"], point.get("output_len", spec["output_len"]), spec["exit"],
+                          point.get("requests"))   # a point's own D (format 5), else the workload's
     eng = build_engine(arm, model, point["max_num_seqs"], spec["max_model_len"], spec["exit"]["policy"])
     phase = run_phase(eng, reqs, device)
     text = eng.capture_schedule().to_json()
@@ -217,7 +219,7 @@ def load_session(job: dict) -> SessionInputs:
     return SessionInputs(
         job=job, device=device, config=cfg, points=points, max_model_len=plan["max_model_len"], model=model,
         frozen=frozen, schedules={key: Schedule.from_json(text) for key, text in frozen.items()},
-        requests={key: build_requests(prompts, pt["num_requests"], cfg["workload"]["output_len"], cfg["exit"],
+        requests={key: build_requests(prompts, pt["num_requests"], pt.get("output_len", cfg["workload"]["output_len"]), cfg["exit"],
                                       pt.get("requests")) for key, pt in points.items()},
         order=tuple(map(OrderItem.from_dict, plan["order"][job["name"]])))
 
@@ -230,20 +232,23 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
     if warm is not None:
         eng.reset_run()   # the same request ids again; graphs, buffers and cumulative stats stay
     tele_start = telemetry.sample(s.device["gpu_index"])
+    sampler = Sampler(s.device["gpu_index"], s.config.get("telemetry", {}).get("sample_hz", 20.0)).start()
     start_unix_s = time.time()
     meas = run_phase(eng, s.requests[item.point], s.device)
     end_unix_s = time.time()
+    samples = sampler.stop()
     tele_end = telemetry.sample(s.device["gpu_index"])
     del eng
     gc.collect()
     if s.device["kind"] == "cuda":  # the next arm starts from the same allocator state
         torch.cuda.empty_cache()
-    output_len = s.config["workload"]["output_len"]
+    output_len = pt.get("output_len", s.config["workload"]["output_len"])   # the point's own D (format 5)
     return ArmRecord(
         job=s.job["name"], session=s.job.get("session", s.job["name"]), device=s.device, item=item,
         max_num_seqs=pt["max_num_seqs"], num_requests=pt["num_requests"], output_len=output_len, arm_config=arm,
         tokens_per_s=tokens_per_s(pt["num_requests"], output_len, meas.elapsed_s), warmup=warm, measured=meas,
         coverage=covered(item.point, item.arm), telemetry_start=tele_start, telemetry_end=tele_end,
+        telemetry_samples=samples if sampler.active else None, sampler=sampler.record(),
         measured_start_unix_s=start_unix_s, measured_end_unix_s=end_unix_s)
 
 

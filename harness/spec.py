@@ -43,10 +43,15 @@ class WorkloadSpec:
 class PointSpec:
     max_num_seqs: int   # B
     num_requests: int   # C
+    prompt_len: int | None = None   # the point's own P (harness/workloads.py); None: the workload's prompts
+    output_len: int | None = None   # the point's own D; None: workload.output_len
 
     @property
     def key(self) -> str:
-        return f"B{self.max_num_seqs}C{self.num_requests}"
+        """B<B>C<C>, with P<P> / D<D> for a prompt_len / output_len the point sets itself."""
+        own = (f"P{self.prompt_len}" if self.prompt_len is not None else "") + \
+            (f"D{self.output_len}" if self.output_len is not None else "")
+        return f"B{self.max_num_seqs}C{self.num_requests}{own}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class VerdictSpec:
     min_pairs: int
     n_resamples: int
     bootstrap_seed: int
+    eager_fraction_tolerance: float = 0.001
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,11 @@ class EvidenceSpec:
     power: float
     noise_bundle: str | None
     noise_sigma: float | None
+
+
+@dataclass(frozen=True)
+class TelemetrySpec:
+    sample_hz: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,7 @@ class BenchSpec:
     resume: str | None
     sessions: int = 1
     evidence: EvidenceSpec = EvidenceSpec(0.05, 0.8, None, None)
+    telemetry: TelemetrySpec = TelemetrySpec()
 
     @classmethod
     def from_plain(cls, p: Mapping[str, Any]) -> BenchSpec:
@@ -155,7 +167,7 @@ class BenchSpec:
                                                            dict(exe["slurm"]["additional_parameters"])})}),
             results_dir=p["results_dir"], cache_dir=p["cache_dir"], reuse_references=p["reuse_references"],
             fault=FaultSpec(**p["fault"]), resume=p["resume"], sessions=p["sessions"],
-            evidence=EvidenceSpec(**p["evidence"]))
+            evidence=EvidenceSpec(**p["evidence"]), telemetry=TelemetrySpec(**p["telemetry"]))
 
     def to_plain(self) -> dict:
         """JSON data: the plan's ``config`` (tuples as lists)."""

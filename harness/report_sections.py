@@ -1,0 +1,94 @@
+"""The report sections of bundle format 5: each point's workload (P / D), graph coverage, telemetry and energy.
+
+Rendered from the plan, the summary and the arms table by the contract's ``report`` templates
+(``loopbench/bundle_format.json``), like the rest of ``report.md`` (harness/report.py); the auditor renders
+the same sections from the raw records with its own code (audit/render_sections.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .evidence import FORMAT
+
+R = FORMAT["report"]
+WORDS = R["words"]
+
+
+def workload_label(plan: dict, point_key: str) -> str:
+    """"P / D" of a point: its own prompt_len, else the workload's prompt label ("31,32,63,33 cycled")."""
+    from .report import _prompt_label
+
+    pt = next(p for p in plan["points"] if p["key"] == point_key)
+    wl = plan["config"]["workload"]
+    prompt = str(pt["prompt_len"]) if pt.get("prompt_len") is not None else _prompt_label(wl)
+    return R["result"]["workload"].format(prompt=prompt, output_len=pt.get("output_len", wl["output_len"]))
+
+
+def _fraction(value) -> str:
+    return WORDS["na"] if value is None else R["graph_coverage"]["fraction"].format(value)
+
+
+def graph_coverage(plan: dict, summary: dict) -> list[str]:
+    """Per result: each arm's median eager fraction, the largest pair gap and whether the verdict is barred."""
+    spec, rows = R["graph_coverage"], []
+    for r in summary["results"]:
+        gc = r["graph_coverage"]
+        rows.append(spec["row"].format(**r, workload=workload_label(plan, r["point"]),
+                                       baseline_fraction=_fraction(gc["baseline_eager_fraction"]),
+                                       candidate_fraction=_fraction(gc["candidate_eager_fraction"]), gap=_fraction(gc["max_pair_gap"]),
+                                       bar=spec["barred"] if gc["differs"] else spec["no_bar"]))
+    from .report import table_lines
+
+    text = spec["text"].format(tolerance=plan["config"]["verdict"]["eager_fraction_tolerance"])
+    return ["", R["headings"]["graph_coverage"], "", text, ""] + table_lines(spec["columns"], rows)
+
+
+def _present(series: pd.Series) -> list:
+    return [v for v in series if v is not None and not pd.isna(v)]
+
+
+def _median(spec_key: str, series: pd.Series) -> str:
+    vals = _present(series)
+    return R["telemetry"][spec_key].format(float(np.median(vals))) if vals else WORDS["na"]
+
+
+def _range(lo: pd.Series, hi: pd.Series) -> str:
+    los, his = _present(lo), _present(hi)
+    return R["telemetry"]["range"].format(int(min(los)), int(max(his))) if los and his else WORDS["na"]
+
+
+def _flags(g: pd.DataFrame) -> str:
+    spec = R["telemetry"]
+    flags = [spec["flag"].format(name=spec[f"flag_{name}"], n=n, runs=len(g))
+             for name, col in (("throttle", "throttled"), ("clocks", "clock_changed"))
+             if (n := sum(bool(v) for v in _present(g[col])))]
+    return spec["flag_separator"].join(flags) or spec["no_flag"]
+
+
+def _telemetry_row(key: tuple, g: pd.DataFrame) -> str:
+    spec = R["telemetry"]
+    dev, point, arm = key
+    rates = _present(g["sample_rate_hz"])
+    cpu = [c / e for c, e in zip(g["sampler_cpu_s"], g["elapsed_s"]) if c is not None and not pd.isna(c)]
+    samples = _present(g["telemetry_samples"])
+    return spec["row"].format(
+        device=dev, point=point, arm=arm, runs=len(g),
+        samples=str(int(np.median(samples))) if samples else WORDS["na"],
+        rate=spec["rate"].format(min(rates)) if rates else WORDS["na"], power=_median("power", g["mean_power_w"]),
+        energy=_median("energy", g["energy_j"]), per_token=_median("per_token", g["joules_per_token"]),
+        sm=_range(g["min_sm_clock_mhz"], g["max_sm_clock_mhz"]), mem=_range(g["min_mem_clock_mhz"], g["max_mem_clock_mhz"]),
+        cpu=spec["cpu"].format(max(cpu)) if cpu else WORDS["na"], flags=_flags(g))
+
+
+def telemetry(plan: dict, arms: pd.DataFrame) -> list[str]:
+    """Per (GPU, point, arm) the telemetry of its measured runs, or the contract's "no telemetry" line."""
+    from .report import table_lines
+
+    spec = R["telemetry"]
+    head = ["", R["headings"]["telemetry"], ""]
+    if not len(arms) or not _present(arms["telemetry_samples"]):
+        return head + [spec["none"]]
+    rows = [_telemetry_row(key, g) for key, g in arms.groupby(["device", "point", "arm"], sort=True)]
+    return head + [spec["text"].format(sample_hz=plan["config"]["telemetry"]["sample_hz"]), ""] + \
+        table_lines(spec["columns"], rows)
