@@ -136,13 +136,19 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
              f"{ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']}",
              f"  devices: {', '.join(d['label'] for d in got.devices)} ({_n(spec.sessions, 'session')} each, "
              f"the same order)",
-             f"  points: {', '.join(f'B{p.max_num_seqs}/C{p.num_requests}' for p in spec.points)}",
+             f"  points: {', '.join(_point_text(p) for p in spec.points)}",
              f"  comparisons: {', '.join(c.name + (' (A/A)' if c.baseline == c.candidate else '') for c in spec.comparisons)}",
              f"  arms: {len(order)} measured runs per device = {_n(len(spec.points), 'point')} x "
              f"{_n(n_comp, 'comparison')} x {_n(spec.pairs, 'pair')} x {_n(spec.sessions, 'session')} x 2 arms, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
              f"reference arm {spec.reference} (natural run per point, reused from the cache when its inputs match)",
              "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
     return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)])
+
+
+def _point_text(pt) -> str:
+    """"B16/C16", with the point's own workload: "B16/C16 P2048/D64" (harness/workloads.py)."""
+    own = " ".join(f"{n}{v}" for n, v in (("P", pt.prompt_len), ("D", pt.output_len)) if v is not None)
+    return f"B{pt.max_num_seqs}/C{pt.num_requests}" + (f" {own.replace(' ', '/')}" if own else "")
 
 
 def _effect_line(spec) -> str:

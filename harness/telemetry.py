@@ -55,8 +55,8 @@ def device_info(index: int) -> dict | None:
         "max_sm_clock_mhz": _try(lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
         "max_mem_clock_mhz": _try(lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM)),
         "power_limit_w": _milli(_try(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))),
-        "driver": _try(nv.nvmlSystemGetDriverVersion),
-        "cuda_driver_version": _try(nv.nvmlSystemGetCudaDriverVersion),
+        "driver": _try(lambda: nv.nvmlSystemGetDriverVersion()),
+        "cuda_driver_version": _try(lambda: nv.nvmlSystemGetCudaDriverVersion()),
         "persistence_mode": _try(lambda: nv.nvmlDeviceGetPersistenceMode(h)),
     }
 

@@ -144,3 +144,27 @@ def strip_version_3(bundle: Path) -> None:
         if not skipping:
             out.append(line)
     (bundle / "report.md").write_text("\n".join(out))
+
+
+def strip_version_5(bundle: Path) -> None:
+    """What format 5 added, taken out of summary.json and report.md (graph coverage and telemetry sections,
+    the result table's P / D column), as a format-4 writer would have left it; plan.json's points'
+    ``prompt_len`` / ``output_len`` are the caller's to drop (they change the plan's sha256)."""
+    edit_json(bundle / "summary.json", lambda s: [r.pop("graph_coverage") for r in s["results"]])
+    spec = evidence.FORMAT["report"]
+    headings = {spec["headings"]["graph_coverage"], spec["headings"]["telemetry"]}
+    out, skipping, in_table = [], False, False
+    for line in (bundle / "report.md").read_text().split("\n"):
+        if line.startswith("## "):
+            if skipping and line not in headings:
+                out.append("")   # the blank line this section opens with, skipped with the one before
+            skipping = line in headings
+            if skipping and out and out[-1] == "":
+                out.pop()   # the blank line each section opens with
+        in_table = line.startswith("| GPU | B / C | P / D |") or (in_table and line.startswith("|"))
+        if in_table:   # a result table of format 5: its third cell (P / D) goes
+            cells = line.split("|")
+            line = "|".join(cells[:3] + cells[4:])
+        if not skipping:
+            out.append(line)
+    (bundle / "report.md").write_text("\n".join(out))

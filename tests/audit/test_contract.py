@@ -10,7 +10,8 @@ import pytest
 from loopbench.audit import contract
 from loopbench.audit.auditor import audit
 from loopbench.harness import controller, evidence, report
-from tests.audit.tamper import REPO, edit_json, edit_table, failed, raw, rewrite_manifest, strip_version_3
+from tests.audit.tamper import (REPO, edit_json, edit_table, failed, raw, rewrite_manifest, strip_version_3,
+                                strip_version_5)
 
 GPU_BUNDLE = REPO / "results" / "2026-12-01-ouro-1.4b-e4b8faf"   # a bundle whose tables have every column
 
@@ -145,10 +146,10 @@ def test_plan_point_listing_too_few_requests_is_named(bundle):
 
 
 def test_older_format_versions_are_audited_by_their_rules_and_others_refused(bundle):
-    assert contract.SUPPORTED == (1, 2, 3, 4) and contract.VERSION == 4
+    assert contract.SUPPORTED == (1, 2, 3, 4, 5) and contract.VERSION == 5
     assert set(contract.FORMAT["versions"]) == {str(v) for v in contract.SUPPORTED}
     edit_json(bundle / "manifest.json", lambda m: (m.pop("format_version"), m.update(layout_version=0)))
-    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2, 3, 4]" \
+    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2, 3, 4, 5]" \
         in failed(bundle)
 
 
@@ -161,7 +162,9 @@ def _as_version_1(bundle):
     controller.publish(bundle, plan, children, env)
     old_sha = evidence.sha256_file(bundle / "plan.json")
     strip_version_3(bundle)
-    edit_json(bundle / "plan.json", lambda p: ([pt.pop("requests") for pt in p["points"]], p.pop("detectable_effect")))
+    strip_version_5(bundle)
+    edit_json(bundle / "plan.json", lambda p: ([(pt.pop("requests"), pt.pop("prompt_len"), pt.pop("output_len"))
+                                                for pt in p["points"]], p.pop("detectable_effect")))
     new_sha = evidence.sha256_file(bundle / "plan.json")
     edit_json(bundle / "summary.json", lambda s: s.update(
         schema_version=1, plan_sha256=new_sha,
