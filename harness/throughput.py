@@ -12,6 +12,11 @@ machine without CUDA it runs the torch backend on the CPU (slowly).
 
     python -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs 16 --num-requests 32
     python -m loopbench.harness.throughput --preset ouro-1.4b --policy both --profile /tmp/profile-b16.md
+
+``--telemetry on`` runs the NVML sampler of the measured arms (harness/sampler.py) around every timed run;
+``--telemetry ab`` measures what it costs: each repeat times the replay twice, sampler off and on in
+alternating order, and prints the median tokens/s ratio on / off and the sampler thread's CPU time per
+sample (run it with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so that the CUDA and the NVML index agree).
 """
 from __future__ import annotations
 
@@ -34,9 +39,10 @@ from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import write_calibrated_checkpoint
 from .identity import code_identity
-from .machine import cpu_name
+from .machine import cpu_name, visible_gpus
 from .profile import annotate_runner, figure_lines, profile_call, summarize, write_report
 from .records import ArmSpec
+from .sampler import Sampler
 from .spec import max_model_len
 
 EXIT_POLICY = {"natural": "ouro_delayed", "replay": "replay"}
@@ -82,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="after the timed runs, one more run per policy under torch.profiler; "
                          "the report goes to PATH.md and PATH.json")
     ap.add_argument("--profile-top", type=_at_least_one, default=15, metavar="N", help="kernels in the report's table")
+    ap.add_argument("--telemetry", default="off", choices=["off", "on", "ab"],
+                    help="NVML sampler around each timed run: off, on, or ab (alternating off/on: its cost)")
+    ap.add_argument("--sample-hz", type=float, default=20.0, help="the sampler's rate (as telemetry.sample_hz)")
     ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
                     help="keep the profiler's Chrome trace here (with --policy both: PATH's stem + .natural/.replay)")
     args = ap.parse_args(argv)
@@ -127,6 +136,7 @@ class TimedRun:
     tokens: int
     three_loop_share: float
     delta: EngineStats
+    sampler: dict | None = None     # Sampler.record() when the sampler ran around this run
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,7 +146,9 @@ class TimedRun:
         d = self.delta
         return (f"{self.policy} {self.label}: {self.elapsed_s:.3f}s {self.tokens_per_s:.1f} tok/s  "
                 f"{self.elapsed_s / max(1, d.steps) * 1e3:.2f} ms/step  three-loop share {self.three_loop_share:.3f}  "
-                f"this run: {d.work()} decode graphs {d.decode_graphs}")
+                f"this run: {d.work()} decode graphs {d.decode_graphs}"
+                + (f"  sampler {self.sampler['samples']} samples, {self.sampler['cpu_s'] * 1e3:.2f} ms CPU"
+                   if self.sampler else ""))
 
 
 class PolicyEngine:
@@ -145,9 +157,11 @@ class PolicyEngine:
     def __init__(self, policy: str, engine: LoopEngine, schedule: Schedule):
         self.policy, self.engine, self.schedule, self.runs = policy, engine, schedule, 0
 
-    def run(self, reqs: list[Request], label: str) -> TimedRun:
+    def run(self, reqs: list[Request], label: str, sample_hz: float | None = None) -> TimedRun:
         """One timed run; ScheduleMismatchError (naming policy and run) when its tokens or exit depths differ
-        from the captured schedule. Nothing but submission, stepping and the final sync is timed."""
+        from the captured schedule. Nothing but submission, stepping and the final sync is timed; with
+        ``sample_hz`` the NVML sampler runs from before the first submission to after the drain, as in a
+        measured arm."""
         eng, cuda = self.engine, self.engine.model.device.type == "cuda"
         if self.runs:
             eng.reset_run()
@@ -155,6 +169,7 @@ class PolicyEngine:
         before = eng.stats.copy()
         if cuda:
             torch.cuda.synchronize()
+        sampler = Sampler(gpu_index(), sample_hz).start() if sample_hz else None
         t0 = time.perf_counter()
         for r in reqs:
             eng.add_request(r)
@@ -162,6 +177,8 @@ class PolicyEngine:
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        if sampler is not None:
+            sampler.stop()
         try:
             self.schedule.verify(outs)
         except ScheduleMismatchError as e:
@@ -169,7 +186,15 @@ class PolicyEngine:
                 f"the {self.policy} {label} does not reproduce the captured schedule: {e}") from e
         exits = [e for o in outs.values() for e in o.exit_depths[1:]]
         return TimedRun(self.policy, label, elapsed, sum(len(o.token_ids) for o in outs.values()),
-                        exits.count(3) / max(1, len(exits)), eng.stats.minus(before))
+                        exits.count(3) / max(1, len(exits)), eng.stats.minus(before),
+                        None if sampler is None else sampler.record())
+
+
+def gpu_index() -> int | None:
+    """The NVML index of the probe's GPU: the first of CUDA_VISIBLE_DEVICES, else CUDA's current device."""
+    if not torch.cuda.is_available():
+        return None
+    return (visible_gpus() or [torch.cuda.current_device()])[0]
 
 
 def capture(model: OuroModel, arm: ArmSpec, max_num_seqs: int, max_len: int, reqs: list[Request]) -> Schedule:
@@ -181,12 +206,31 @@ def capture(model: OuroModel, arm: ArmSpec, max_num_seqs: int, max_len: int, req
     return natural.capture_schedule()
 
 
-def time_policies(engines: dict[str, PolicyEngine], reqs: list[Request], repeats: int) -> dict[str, list[TimedRun]]:
+def time_telemetry_ab(pe: PolicyEngine, reqs: list[Request], repeats: int, hz: float) -> dict[str, list[TimedRun]]:
+    """The sampler's cost: after a warmup, each repeat times the engine with the sampler off and on, their
+    order alternating over repeats; prints the median tokens/s ratio on / off and CPU seconds per sample."""
+    print(pe.run(reqs, "warmup").line(), flush=True)
+    timed: dict[str, list[TimedRun]] = {"off": [], "on": []}
+    for i in range(1, repeats + 1):
+        for mode in (("off", "on") if i % 2 else ("on", "off")):
+            run = pe.run(reqs, f"run {i} telemetry {mode}", hz if mode == "on" else None)
+            print(run.line(), flush=True)
+            timed[mode].append(run)
+    med = {m: statistics.median(r.tokens_per_s for r in runs) for m, runs in timed.items()}
+    per_sample = [r.sampler["cpu_s"] / r.sampler["samples"] for r in timed["on"] if r.sampler and r.sampler["samples"]]
+    cost = f"{statistics.median(per_sample) * 1e6:.1f} us CPU per sample" if per_sample else "no NVML: nothing sampled"
+    print(f"telemetry on/off throughput ratio {med['on'] / med['off']:.4f}x (median tok/s {med['on']:.1f} / "
+          f"{med['off']:.1f} over {repeats} alternating repeats at {hz:g} Hz); sampler {cost}")
+    return timed
+
+
+def time_policies(engines: dict[str, PolicyEngine], reqs: list[Request], repeats: int,
+                  sample_hz: float | None = None) -> dict[str, list[TimedRun]]:
     """A warmup per engine, then ``repeats`` timed runs per engine, the policies alternating within a repeat."""
     timed: dict[str, list[TimedRun]] = {p: [] for p in engines}
     for i in range(repeats + 1):
         for p, pe in engines.items():
-            run = pe.run(reqs, f"run {i}" if i else "warmup")
+            run = pe.run(reqs, f"run {i}" if i else "warmup", sample_hz)
             print(run.line(), flush=True)
             if i:
                 timed[p].append(run)
@@ -274,7 +318,10 @@ def main(argv=None) -> int:
         args.max_num_seqs, max_len, EXIT_POLICY[p], schedule if p == "replay" else None)), schedule)
         for p in POLICIES[args.policy]}
     try:
-        timed = time_policies(engines, reqs, args.repeats)
+        if args.telemetry == "ab":
+            time_telemetry_ab(engines[POLICIES[args.policy][-1]], reqs, args.repeats, args.sample_hz)
+            return 0
+        timed = time_policies(engines, reqs, args.repeats, args.sample_hz if args.telemetry == "on" else None)
         if args.profile:
             profile_policies(engines, reqs, args, arm, identity, timed)
     except ScheduleMismatchError as e:

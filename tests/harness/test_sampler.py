@@ -98,3 +98,19 @@ def test_narrowed_cuda_visible_devices_samples_the_physical_gpu(nvml, monkeypatc
     assert fake.handles and set(fake.handles) == {3}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")   # a local session: the plan names the physical index
     assert machine.child_device("cuda5", {"kind": "cuda", "gpu_index": 5})["gpu_index"] == 5
+
+
+def test_throughput_probe_measures_the_samplers_cost(nvml, monkeypatch, tmp_path, capsys):
+    """`--telemetry ab`: each repeat times the replay with the sampler off and on, order alternating; the
+    probe prints the on / off ratio and CPU per sample (the command the lead runs on the H200)."""
+    from loopbench.harness import throughput
+
+    nvml()
+    monkeypatch.setattr(throughput, "gpu_index", lambda: 0)
+    rc = throughput.main(["--preset", "tiny", "--max-num-seqs", "2", "--num-requests", "2", "--prompt-len", "4",
+                          "--output-len", "3", "--repeats", "2", "--cache", str(tmp_path / "c"), "--telemetry", "ab"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.index("run 1 telemetry off") < out.index("run 1 telemetry on") < out.index("run 2 telemetry on") \
+        < out.index("run 2 telemetry off")
+    assert "telemetry on/off throughput ratio" in out and "us CPU per sample" in out and " samples, " in out
