@@ -22,6 +22,8 @@ every job's). SIGTERM or Ctrl-C stops the run's children and publishes an incomp
 """
 from __future__ import annotations
 
+import json
+
 import sys
 import time
 from pathlib import Path
@@ -69,7 +71,9 @@ def show(result) -> int:
     code = audit(result.bundle)
     summary = result.summary
     print()
-    print(report.result_tables(summary))
+    plan_file = result.bundle / "plan.json"
+    plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+    print(report.result_tables(summary, plan))   # with each point's P / D
     print(f"status: {summary['status']}"
           + (f" ({report.reasons_text(summary)})" if summary["incomplete_reasons"] else "")
           + f"; checks {'FAILED' if not summary['checks']['ok'] else 'passed' if summary['status'] == 'complete' else 'passed on what was recorded'}"

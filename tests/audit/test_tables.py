@@ -109,9 +109,10 @@ def test_version_1_rules_match_column_types_by_family():
 
 def test_columns_of_a_later_version_are_not_asked_of_an_earlier_bundle():
     """Format 3 added arms' wall-clock span and tokens' point / comparison / arm; version 2 has neither."""
-    assert contract.columns_since("arms", 2) == ["measured_start_unix_s", "measured_end_unix_s"]
+    assert contract.columns_since("arms", 2)[:2] == ["measured_start_unix_s", "measured_end_unix_s"]
+    assert contract.columns_since("arms", 4) == ["eager_fraction", *contract.FORMAT["telemetry"]["arm_columns"]]
     assert contract.columns_since("tokens", 2) == ["point", "comparison", "arm"]
-    assert contract.columns_since("tokens", 3) == []
+    assert contract.columns_since("tokens", 3) == [] and contract.columns_since("telemetry", 4) == ["sample", "energy_mj"]
 
 
 def test_version_3_columns_are_required_from_3_and_named_in_an_earlier_bundle(bundle):
