@@ -76,20 +76,11 @@ def sample(index: int | None) -> dict | None:
     if found is None:
         return None
     nv, h = found
-    reasons = _reasons_fn(nv)
     mem = _try(lambda: nv.nvmlDeviceGetMemoryInfo(h))
     util = _try(lambda: nv.nvmlDeviceGetUtilizationRates(h))
-    return {
-        "time_unix_s": time.time(),
-        "sm_clock_mhz": _try(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-        "mem_clock_mhz": _try(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
-        "temperature_c": _try(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
-        "power_w": _milli(_try(lambda: nv.nvmlDeviceGetPowerUsage(h))),
-        "throttle_reasons": _try(lambda: reasons(h)) if reasons else None,
-        "memory_used_bytes": getattr(mem, "used", None),
-        "gpu_utilization_pct": getattr(util, "gpu", None),
-        "energy_mj": _try(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h)),
-    }
+    return {**fast_sample(nv, h), "memory_used_bytes": getattr(mem, "used", None),
+            "gpu_utilization_pct": getattr(util, "gpu", None),
+            "energy_mj": _try(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h))}
 
 
 def _reasons_fn(nv) -> Callable | None:

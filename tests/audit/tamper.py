@@ -129,20 +129,27 @@ def strip_version_3(bundle: Path) -> None:
             r.pop("evidence")
     edit_json(bundle / "summary.json", summary)
     plan = json.loads((bundle / "plan.json").read_text())
-    spec, out, skipping = evidence.FORMAT["report"], [], False
-    headings = {spec["headings"]["sessions"], spec["headings"]["drift"]}
-    lines = (bundle / "report.md").read_text().split("\n")
-    for i, line in enumerate(lines):
+    spec = evidence.FORMAT["report"]
+
+    def rule(line: str) -> str:
+        return spec["result"]["rule"].format(**plan["config"]["verdict"]) if line.startswith("Tokens/s are medians") \
+            else line
+    drop_report_sections(bundle, {spec["headings"]["sessions"], spec["headings"]["drift"]}, rule)
+
+
+def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: line) -> None:
+    """report.md without the sections of ``headings`` (and the blank line each opens with); every other
+    line through ``rewrite``."""
+    out, skipping = [], False
+    for line in (bundle / "report.md").read_text().split("\n"):
         if line.startswith("## "):
             if skipping and line not in headings:
                 out.append("")   # the blank line this section opens with, skipped with the one before
             skipping = line in headings
             if skipping and out and out[-1] == "":
                 out.pop()   # the blank line each section opens with
-        if line.startswith("Tokens/s are medians"):
-            line = spec["result"]["rule"].format(**plan["config"]["verdict"])
         if not skipping:
-            out.append(line)
+            out.append(rewrite(line))
     (bundle / "report.md").write_text("\n".join(out))
 
 
@@ -152,19 +159,10 @@ def strip_version_5(bundle: Path) -> None:
     ``prompt_len`` / ``output_len`` are the caller's to drop (they change the plan's sha256)."""
     edit_json(bundle / "summary.json", lambda s: [r.pop("graph_coverage") for r in s["results"]])
     spec = evidence.FORMAT["report"]
-    headings = {spec["headings"]["graph_coverage"], spec["headings"]["telemetry"]}
-    out, skipping, in_table = [], False, False
-    for line in (bundle / "report.md").read_text().split("\n"):
-        if line.startswith("## "):
-            if skipping and line not in headings:
-                out.append("")   # the blank line this section opens with, skipped with the one before
-            skipping = line in headings
-            if skipping and out and out[-1] == "":
-                out.pop()   # the blank line each section opens with
+    in_table = False
+
+    def without_workload(line: str) -> str:
+        nonlocal in_table   # a result table of format 5: its third cell (P / D) goes
         in_table = line.startswith("| GPU | B / C | P / D |") or (in_table and line.startswith("|"))
-        if in_table:   # a result table of format 5: its third cell (P / D) goes
-            cells = line.split("|")
-            line = "|".join(cells[:3] + cells[4:])
-        if not skipping:
-            out.append(line)
-    (bundle / "report.md").write_text("\n".join(out))
+        return "|".join(line.split("|")[:3] + line.split("|")[4:]) if in_table else line
+    drop_report_sections(bundle, {spec["headings"]["graph_coverage"], spec["headings"]["telemetry"]}, without_workload)
