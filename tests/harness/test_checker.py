@@ -48,7 +48,7 @@ def plan_for(recs: list[dict]) -> dict:
             "config": {"comparisons": [{"name": "native_vs_alias_prefix", "baseline": "native",
                                         "candidate": "alias_prefix"}],
                        "verdict": {"confidence": 0.95, "n_resamples": 2000, "bootstrap_seed": 0, "min_effect": 0.01,
-                                   "min_pairs": 6},
+                                   "min_pairs": 6, "eager_fraction_tolerance": 0.001},
                        "pairs": 6, "sessions": 1, "evidence": {"alpha": 0.05, "power": 0.8, "noise_bundle": None,
                                                                "noise_sigma": None}},
             "detectable_effect": {"method": "normal", "alpha": 0.05, "power": 0.8, "pairs_per_session": 6, "sessions": 1,

@@ -36,7 +36,7 @@ def test_measurement_order_is_balanced_interleaved_and_seeded(pairs):
     checked = conf.validate(conf.compose("cpu-smoke", [f"pairs={pairs}"]))
     plain = checked.to_plain()
     points = plan_mod.point_entries(checked)
-    assert points == [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p,
+    assert points == [{"key": f"B{p['max_num_seqs']}C{p['num_requests']}", **p, "output_len": plain["workload"]["output_len"],
                        "requests": [{"request_id": f"r{i:04d}", "prompt_index": i} for i in range(p["num_requests"])]}
                       for p in plain["points"]]
     order = [o.to_dict() for o in plan_mod.measurement_order(checked)]
