@@ -28,8 +28,9 @@ bundle's ``jobs/`` folder, by which ``finish`` and a resume tell that no child o
 Timing: ``time.perf_counter`` around add_request ... run() (whose end synchronises the device and
 copies the tokens to the host, i.e. the drain); on CUDA a ``torch.cuda.synchronize`` precedes both clock
 reads. The garbage collector is collected before and disabled inside the timed region, as ``timeit``
-does, so a collection of earlier garbage cannot land in one arm. Checking, telemetry and file writing
-are outside the timer. Peak memory is reset before and read after each phase (CUDA; None on CPU).
+does, so a collection of earlier garbage cannot land in one arm. Checking, the start / end telemetry
+readings and file writing are outside the timer; the NVML sampler thread (harness/sampler.py) runs
+through the measured run (not the warmup) and records its own CPU time, its cost. Peak memory is reset before and read after each phase (CUDA; None on CPU).
 """
 from __future__ import annotations
 
