@@ -133,16 +133,30 @@ def _groups(arm_rows: list[dict], keys: list[str]) -> list[tuple[tuple, list[dic
     return sorted(groups.items())
 
 
-def _graph_memory(arm_rows: list[dict]) -> list[str]:
-    """Per (GPU, B, C, arm): runs, Graph captures / replays / fallbacks, peak memory, KV blocks."""
+def _cell_groups(arm_rows: list[dict], spec: dict, plan: dict | None) -> list[tuple[dict, list[dict]]]:
+    """(row fields, runs) per (GPU, B, C, arm); with the plan (format 5) per (GPU, point in plan order, arm),
+    the fields then with the point's P / D as ``workload``."""
+    if plan is None:
+        return [({"device": d, "max_num_seqs": b, "num_requests": c, "arm": a}, g)
+                for (d, b, c, a), g in _groups(arm_rows, spec["group_by"])]
+    index = {p["key"]: i for i, p in enumerate(plan["points"])}
+    keyed = [{**a, "point_index": index[a["point"]]} for a in arm_rows]
+    return [({"device": d, "max_num_seqs": g[0]["max_num_seqs"], "num_requests": g[0]["num_requests"], "arm": a,
+              "workload": render_sections.workload(plan, g[0]["point"])}, g)
+            for (d, _, a), g in _groups(keyed, ["device", "point_index", "arm"])]
+
+
+def _graph_memory(arm_rows: list[dict], plan: dict | None = None) -> list[str]:
+    """Per (GPU, B, C, arm) (format 5: per point): runs, Graph captures / replays / fallbacks, peak memory, KV blocks."""
     spec, rows = R["graph_memory"], []
+    since_5 = "" if plan is None else "_since_5"
 
     def total(g: list[dict], *keys: str) -> int:
         return int(sum(r[k] or 0 for r in g for k in keys))
 
-    for (dev, b, c, arm), g in _groups(arm_rows, spec["group_by"]):
-        rows.append(spec["row"].format(
-            device=dev, max_num_seqs=b, num_requests=c, arm=arm, runs=len(g),
+    for cell, g in _cell_groups(arm_rows, spec, plan):
+        rows.append(spec["row" + since_5].format(
+            **cell, runs=len(g),
             warmup_captures=total(g, "warmup_captures", "warmup_prefill_captures"),
             captures=total(g, "captures", "prefill_captures"), replays=total(g, "replays"),
             fallbacks=total(g, "fallbacks"), prefill_replays=total(g, "prefill_replays"),
@@ -150,27 +164,26 @@ def _graph_memory(arm_rows: list[dict]) -> list[str]:
             peak_allocated_mib=_mib([r["peak_allocated_bytes"] for r in g]),
             peak_reserved_mib=_mib([r["peak_reserved_bytes"] for r in g]),
             kv_blocks=max(r["kv_blocks_used"] for r in g)))
-    return [R["headings"]["graph_memory"], ""] + _table(spec["columns"], rows)
+    return [R["headings"]["graph_memory"], ""] + _table(spec["columns" + since_5], rows)
 
 
 def _count_text(value) -> str:
     return R["coverage"]["list_separator"].join(str(v) for v in value) if isinstance(value, list) else str(value)
 
 
-def _coverage(arm_rows: list[dict]) -> list[str]:
-    """Per (GPU, B, C, arm), the coverage counts its runs share ("varies" where they do not)."""
+def _coverage(arm_rows: list[dict], plan: dict | None = None) -> list[str]:
+    """Per (GPU, B, C, arm) (format 5: per point), the coverage counts its runs share ("varies" where not)."""
     spec = R["coverage"]
     if "coverage_routed_reads" not in arm_rows[0]:
         return []
-    rows = []
-    for (dev, b, c, arm), g in _groups(arm_rows, spec["group_by"]):
+    rows, since_5 = [], "" if plan is None else "_since_5"
+    for cell, g in _cell_groups(arm_rows, spec, plan):
         cells = []
         for key in spec["counts"]:
             texts = {_count_text(r[f"coverage_{key}"]) for r in g}
             cells.append(texts.pop() if len(texts) == 1 else WORDS["varies"])
-        rows.append(spec["row"].format(device=dev, max_num_seqs=b, num_requests=c, arm=arm, runs=len(g),
-                                       cells=" | ".join(cells)))
-    return ["", R["headings"]["coverage"], "", spec["text"], ""] + _table(spec["columns"], rows)
+        rows.append(spec["row" + since_5].format(**cell, runs=len(g), cells=" | ".join(cells)))
+    return ["", R["headings"]["coverage"], "", spec["text"], ""] + _table(spec["columns" + since_5], rows)
 
 
 def _children(children: list[dict]) -> list[str]:
@@ -248,8 +261,8 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "sessions": lambda: _sessions(plan, summary),
         "drift": lambda: _drift(summary),
         "checks": lambda: ["", *_checks(summary["checks"])],
-        "graph_memory": lambda: ["", *_graph_memory(arm_rows)] if arm_rows else [],
-        "coverage": lambda: _coverage(arm_rows) if arm_rows else [],
+        "graph_memory": lambda: ["", *_graph_memory(arm_rows, plan if version >= 5 else None)] if arm_rows else [],
+        "coverage": lambda: _coverage(arm_rows, plan if version >= 5 else None) if arm_rows else [],
         "graph_coverage": lambda: render_sections.graph_coverage(plan, summary["results"]),
         "telemetry": lambda: render_sections.telemetry(plan, arm_rows),
         "children": lambda: ["", *_children(summary["children"])],

@@ -123,17 +123,17 @@ def _mib(series) -> str:
     return R["graph_memory"]["mib"].format(max(vals) / 2**20) if vals else WORDS["na"]
 
 
-def _graph_memory(arms: pd.DataFrame) -> list[str]:
+def _graph_memory(arms: pd.DataFrame, plan: dict) -> list[str]:
     spec, rows = R["graph_memory"], []
-    for (dev, b, c, arm), g in arms.groupby(spec["group_by"], sort=True):
-        rows.append(spec["row"].format(
-            device=dev, max_num_seqs=b, num_requests=c, arm=arm, runs=len(g),
+    for cell, g in report_sections.arm_groups(arms, plan):
+        rows.append(spec["row_since_5"].format(
+            **cell, runs=len(g),
             warmup_captures=int(g["warmup_captures"].fillna(0).sum() + g["warmup_prefill_captures"].fillna(0).sum()),
             captures=int(g["captures"].sum() + g["prefill_captures"].sum()), replays=int(g["replays"].sum()),
             fallbacks=int(g["fallbacks"].sum()), prefill_replays=int(g["prefill_replays"].sum()),
             prefill_fallbacks=int(g["prefill_fallbacks"].sum()), peak_allocated_mib=_mib(g["peak_allocated_bytes"]),
             peak_reserved_mib=_mib(g["peak_reserved_bytes"]), kv_blocks=int(g["kv_blocks_used"].max())))
-    return ["", R["headings"]["graph_memory"], ""] + table_lines(spec["columns"], rows)
+    return ["", R["headings"]["graph_memory"], ""] + table_lines(spec["columns_since_5"], rows)
 
 
 def _per_run(values) -> str:
@@ -144,15 +144,15 @@ def _per_run(values) -> str:
     return texts.pop() if len(texts) == 1 else WORDS["varies"]
 
 
-def _coverage(arms: pd.DataFrame) -> list[str]:
-    """Per (GPU, B, C, arm): how often each path where the layouts differ ran in one measured run."""
+def _coverage(arms: pd.DataFrame, plan: dict) -> list[str]:
+    """Per (GPU, point, arm): how often each path where the layouts differ ran in one measured run."""
     spec = R["coverage"]
     if "coverage_routed_reads" not in arms.columns:
         return []
-    rows = [spec["row"].format(device=dev, max_num_seqs=b, num_requests=c, arm=arm, runs=len(g),
-                               cells=" | ".join(_per_run(g[f"coverage_{k}"]) for k in spec["counts"]))
-            for (dev, b, c, arm), g in arms.groupby(spec["group_by"], sort=True)]
-    return ["", R["headings"]["coverage"], "", spec["text"], ""] + table_lines(spec["columns"], rows)
+    rows = [spec["row_since_5"].format(**cell, runs=len(g),
+                                       cells=" | ".join(_per_run(g[f"coverage_{k}"]) for k in spec["counts"]))
+            for cell, g in report_sections.arm_groups(arms, plan)]
+    return ["", R["headings"]["coverage"], "", spec["text"], ""] + table_lines(spec["columns_since_5"], rows)
 
 
 def _children(children: list[dict]) -> list[str]:
@@ -229,8 +229,8 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "sessions": lambda: _sessions(plan, summary),
         "drift": lambda: _drift(summary),
         "checks": lambda: ["", *_checks(summary["checks"])],
-        "graph_memory": lambda: _graph_memory(arms) if len(arms) else [],
-        "coverage": lambda: _coverage(arms) if len(arms) else [],
+        "graph_memory": lambda: _graph_memory(arms, plan) if len(arms) else [],
+        "coverage": lambda: _coverage(arms, plan) if len(arms) else [],
         "graph_coverage": lambda: report_sections.graph_coverage(plan, summary),
         "telemetry": lambda: report_sections.telemetry(plan, arms),
         "children": lambda: ["", *_children(summary["children"])],

@@ -25,6 +25,15 @@ def workload_label(plan: dict, point_key: str) -> str:
     return R["result"]["workload"].format(prompt=prompt, output_len=pt.get("output_len", wl["output_len"]))
 
 
+def arm_groups(arms: pd.DataFrame, plan: dict):
+    """(row fields, runs) per (GPU, point, arm), points in plan order (format 5: points of one B / C with
+    their own workloads are separate rows); the fields are device, max_num_seqs, num_requests, workload, arm."""
+    order = {p["key"]: i for i, p in enumerate(plan["points"])}
+    for (dev, _, arm), g in arms.assign(point_index=arms["point"].map(order)).groupby(["device", "point_index", "arm"]):
+        yield {"device": dev, "max_num_seqs": int(g["max_num_seqs"].iloc[0]), "num_requests": int(g["num_requests"].iloc[0]),
+               "workload": workload_label(plan, g["point"].iloc[0]), "arm": arm}, g
+
+
 def _fraction(value) -> str:
     return WORDS["na"] if value is None else R["graph_coverage"]["fraction"].format(value)
 
