@@ -114,3 +114,15 @@ def test_throughput_probe_measures_the_samplers_cost(nvml, monkeypatch, tmp_path
     assert out.index("run 1 telemetry off") < out.index("run 1 telemetry on") < out.index("run 2 telemetry on") \
         < out.index("run 2 telemetry off")
     assert "telemetry on/off throughput ratio" in out and "us CPU per sample" in out and " samples, " in out
+
+
+@pytest.mark.gpu
+def test_real_nvml_sampler_on_the_first_gpu():
+    """On a GPU host with nvidia-ml-py: the sampler reaches 10 Hz and the energy counter advances."""
+    pytest.importorskip("pynvml")
+    start = telemetry.sample(0)
+    sampler, samples = _sample_for(1.0, index=0, hz=20.0)
+    end = telemetry.sample(0)
+    s = telemetry.arm_summary(_record(samples, start, end))
+    assert sampler.active and s["sample_rate_hz"] >= 10 and s["min_sm_clock_mhz"] > 0
+    assert s["energy_j"] is not None and s["energy_j"] >= 0 and sampler.cpu_s / len(samples) < 0.005
