@@ -67,7 +67,7 @@ def result_tables(summary: dict, plan: dict | None = None) -> str:
     return "\n".join(out)
 
 
-def _prompt_label(wl: dict) -> str:
+def prompt_label(wl: dict) -> str:
     """The header's prompt lengths: one P, a cycled mix ("31,32,63,33 cycled") or "file"."""
     if wl["prompts_file"]:
         return WORDS["prompts_file"]
@@ -86,7 +86,7 @@ def _header(plan: dict, summary: dict, environment: dict) -> list[str]:
         lines += [R["banner"]["checks_failed"], ""]
     fields = {"git_sha": code["git_sha"] or WORDS["unknown_sha"], "dirty": WORDS["dirty"] if code["git_dirty"] else "",
               "plan_sha256": summary["plan_sha256"], "description": ckpt["description"], "dtype": cfg["model"]["dtype"],
-              "checkpoint_sha256": ckpt["sha256"], "prompt": _prompt_label(wl), "output_len": wl["output_len"],
+              "checkpoint_sha256": ckpt["sha256"], "prompt": prompt_label(wl), "output_len": wl["output_len"],
               "prompts_sha256": plan["prompts"]["sha256"], "reference_arm": plan["reference_arm"], **ex,
               "pairs": cfg["pairs"], "order_seed": cfg["order_seed"],
               "warmup": WORDS["warmup"] if cfg["warmup"] else WORDS["no_warmup"],

@@ -17,11 +17,11 @@ WORDS = R["words"]
 
 def workload_label(plan: dict, point_key: str) -> str:
     """"P / D" of a point: its own prompt_len, else the workload's prompt label ("31,32,63,33 cycled")."""
-    from .report import _prompt_label
+    from .report import prompt_label
 
     pt = next(p for p in plan["points"] if p["key"] == point_key)
     wl = plan["config"]["workload"]
-    prompt = str(pt["prompt_len"]) if pt.get("prompt_len") is not None else _prompt_label(wl)
+    prompt = str(pt["prompt_len"]) if pt.get("prompt_len") is not None else prompt_label(wl)
     return R["result"]["workload"].format(prompt=prompt, output_len=pt.get("output_len", wl["output_len"]))
 
 
