@@ -100,7 +100,7 @@ def check_coverage(ctx: Audit, plan: dict, records: list[dict], refs: dict) -> N
             continue  # named by the reference check
         key = (r["point"], r["arm"])
         if key not in derived:
-            derived[key] = coverage.coverage(ref["schedule"], r["arm_config"], planes)
+            derived[key] = coverage.coverage(ref["schedule"], r["arm_config"], planes, r.get("schema", 1))
             if derived[key]["trace_sha256"] != ref["schedule"].get("trace_sha256"):
                 ctx.fail("coverage", f"{r['point']}: the replay scheduling rules do not reproduce the frozen "
                                      "row trace, so no coverage count can be vouched for")

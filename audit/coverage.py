@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import hashlib
 
-# Graph buckets of the runtime (DESIGN.md, "Replay scheduling"): a decode step of n rows runs on the
-# smallest bucket >= n that is below max_num_seqs, else on max_num_seqs rows.
+from . import contract
+
+RECORD = contract.DOCS["record"]
+# Graph buckets of the runtime before records of schema 3 (DESIGN.md, "Replay scheduling"): a decode step of
+# n rows ran on the smallest bucket >= n that is below max_num_seqs, else on max_num_seqs rows.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 KEYS = ("exits_per_depth", "lower_plane_reads", "routed_reads", "direct_tiles", "boundary_tiles",
         "boundary_last_key", "fill_token_planes", "padding_rows", "trace_sha256")
@@ -94,15 +97,18 @@ def _leave_if_done(resident: dict, q: dict) -> None:
         del resident[q["slot"]]
 
 
-def coverage(schedule: dict, arm: dict, num_planes: int) -> dict:
-    """The record's ``coverage`` as the frozen schedule and the arm's config make it."""
+def coverage(schedule: dict, arm: dict, num_planes: int, schema: int = 2) -> dict:
+    """The record's ``coverage`` as the frozen schedule and the arm's config make it; ``schema`` (the
+    record's) picks the padding rule (bundle_format.json ``padding_rows_about``)."""
     steps, trace = decode_steps(schedule)
     tile = arm["tile_size"]
     alias, prefix = arm["kv_layout"] == "alias", bool(arm["prefix_tiles"])
     exits, below = [0] * num_planes, [0] * (num_planes - 1)
     routed = direct = boundary = last_key = fill = padding = 0
     for rows in steps:
-        if arm["cuda_graphs"]:
+        if schema >= RECORD["full_batch_padding_since_schema"]:
+            padding += schedule["max_num_seqs"] - len(rows)
+        elif arm["cuda_graphs"]:
             padding += padded(len(rows), schedule["max_num_seqs"]) - len(rows)
         for w in rows:
             for e, n in w["below"].items():

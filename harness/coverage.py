@@ -36,8 +36,8 @@ layer; lists are indexed by depth or plane 1..num_planes):
   both 0 without prefix tiles;
 - ``fill_token_planes``: native only: token-planes the fill copied; a token exiting at e < max_loops
   fills planes e+1..max_loops, each a copy of its K and V in every layer;
-- ``padding_rows``: rows added to decode steps to fill a CUDA-Graph bucket (``graphs.bucket_for``;
-  a fallback runs the same padded shape); 0 without CUDA Graphs;
+- ``padding_rows``: rows added to decode steps to fill them to ``max_num_seqs`` rows (the batch-invariant
+  runtime runs every decode step on that shape, with CUDA Graphs or without; records of schema 3);
 - ``trace_sha256``: the simulated row trace.
 """
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from loopbench.runtime.graphs import bucket_for
 
 COUNT_KEYS = ("exits_per_depth", "lower_plane_reads", "routed_reads", "direct_tiles", "boundary_tiles",
               "boundary_last_key", "fill_token_planes", "padding_rows")
@@ -166,8 +165,7 @@ def derive(schedule: dict, arm: dict, num_planes: int) -> dict:
            "direct_tiles": 0, "boundary_tiles": 0, "boundary_last_key": 0, "fill_token_planes": 0,
            "padding_rows": 0}
     for step in steps:
-        if arm["cuda_graphs"]:
-            out["padding_rows"] += bucket_for(len(step), S) - len(step)
+        out["padding_rows"] += S - len(step)
         for row in step:
             ctx = row.pos + 1
             for e in range(1, row.depth):

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from loopbench.runtime.schedule import Schedule
 
 DEFAULT_ENGINE = "loopbench.runtime.engine:LoopEngine"
-RECORD_SCHEMA = 2   # 2: records carry ``coverage`` (harness/coverage.py)
+# 2: records carry ``coverage`` (harness/coverage.py); 3: its ``padding_rows`` pads every decode step to
+# max_num_seqs rows (the batch-invariant runtime, runtime/api.py EngineConfig.batch_invariant).
+RECORD_SCHEMA = 3
 
 
 @dataclass(frozen=True)

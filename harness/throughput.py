@@ -21,6 +21,7 @@ sample (run it with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so that the CUDA and the N
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from loopbench.runtime.api import EngineStats, Request
+from loopbench.runtime.api import EngineConfig, EngineStats, Request
 from loopbench.runtime.checkpoint import load_checkpoint
 from loopbench.runtime.engine import LoopEngine
 from loopbench.runtime.model import OuroModel
@@ -81,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--backend", default="triton" if device == "cuda" else "torch", choices=["torch", "triton"],
                     help="attention backend (default: triton on CUDA, torch on the CPU)")
     ap.add_argument("--no-graphs", action="store_true", help="run eagerly (graphs need CUDA and triton)")
+    ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
+                    help="EngineConfig.batch_invariant: decode on max_num_seqs rows, prefill projections in "
+                         "fixed-size calls (on), or on padded buckets (off)")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
@@ -197,9 +201,16 @@ def gpu_index() -> int | None:
     return (visible_gpus() or [torch.cuda.current_device()])[0]
 
 
-def capture(model: OuroModel, arm: ArmSpec, max_num_seqs: int, max_len: int, reqs: list[Request]) -> Schedule:
+def engine_config(arm: ArmSpec, args: argparse.Namespace, max_len: int, policy: str,
+                  schedule: Schedule | None = None) -> EngineConfig:
+    """The arm's EngineConfig at the probe's B, with ``--batch-invariant`` applied."""
+    return dataclasses.replace(arm.engine_config(args.max_num_seqs, max_len, policy, schedule),
+                               batch_invariant=args.batch_invariant == "on")
+
+
+def capture(model: OuroModel, arm: ArmSpec, args: argparse.Namespace, max_len: int, reqs: list[Request]) -> Schedule:
     """One natural ouro_delayed run of the requests, frozen as the schedule every timed run must reproduce."""
-    natural = LoopEngine(model, arm.engine_config(max_num_seqs, max_len, "ouro_delayed"))
+    natural = LoopEngine(model, engine_config(arm, args, max_len, "ouro_delayed"))
     for r in reqs:
         natural.add_request(r)
     natural.run()
@@ -264,7 +275,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
     wall says how much the profiler itself slowed the profiled run."""
     return {"preset": args.checkpoint or args.preset, "B": args.max_num_seqs, "C": args.num_requests,
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
-            "policy": run.policy, "graphs": arm.cuda_graphs, **_versions(),
+            "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant, **_versions(),
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
@@ -313,9 +324,9 @@ def main(argv=None) -> int:
     model = load(args, device, max_len)
     reqs = make_requests(model.cfg.vocab_size, args)
     arm = arm_spec(args, device)
-    schedule = capture(model, arm, args.max_num_seqs, max_len, reqs)
-    engines = {p: PolicyEngine(p, LoopEngine(model, arm.engine_config(
-        args.max_num_seqs, max_len, EXIT_POLICY[p], schedule if p == "replay" else None)), schedule)
+    schedule = capture(model, arm, args, max_len, reqs)
+    engines = {p: PolicyEngine(p, LoopEngine(model, engine_config(
+        arm, args, max_len, EXIT_POLICY[p], schedule if p == "replay" else None)), schedule)
         for p in POLICIES[args.policy]}
     try:
         if args.telemetry == "ab":

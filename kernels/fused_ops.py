@@ -51,20 +51,31 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hid
 
 
 @triton.jit
+def rotate_head_(base, cos_row, sin_row, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Rotate-half RoPE of one head in place: ``base`` points at its HALF * 2 elements, ``cos_row`` and
+    ``sin_row`` at its position's table rows. Returns the rotated halves (in the head's dtype), so a
+    caller can also store them elsewhere (kernels/kv_write.py writes them into the KV cache)."""
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < HALF
+    c = tl.load(cos_row + offs, mask=mask, other=0.0)
+    s = tl.load(sin_row + offs, mask=mask, other=0.0)
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(c.dtype)
+    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(c.dtype)
+    r1 = (x1 * c - x2 * s).to(base.dtype.element_ty)
+    r2 = (x2 * c + x1 * s).to(base.dtype.element_ty)
+    tl.store(base + offs, r1, mask=mask)
+    tl.store(base + HALF + offs, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
 def _rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_cos, HALF: tl.constexpr,
                  HALF_PAD: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
-    offs = tl.arange(0, HALF_PAD)
-    mask = offs < HALF
     pos = tl.load(pos_ptr + row)
-    c = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_cos + offs, mask=mask, other=0.0)
-    base = qkv_ptr + row * stride_row + head * (2 * HALF)
-    x1 = tl.load(base + offs, mask=mask, other=0.0).to(c.dtype)
-    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(c.dtype)
-    tl.store(base + offs, (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF + offs, (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty), mask=mask)
+    rotate_head_(qkv_ptr + row * stride_row + head * (2 * HALF), cos_ptr + pos * stride_cos,
+                 sin_ptr + pos * stride_cos, HALF, HALF_PAD)
 
 
 @triton.jit

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import rotate_head_
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -59,6 +61,50 @@ def _write_kv_kernel(
              + offs_d[None, :] * stride_kd, k, mask=mask)
     tl.store(v_cache_ptr + block * stride_vb + in_page * stride_vt + offs_h[:, None] * stride_vh
              + offs_d[None, :] * stride_vd, v, mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    # pointers
+    qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_slot_ptr, row_depth_ptr,
+    row_pos_ptr,
+    # sizes
+    num_slots, num_planes, max_blocks,
+    # strides
+    stride_row, stride_cos,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts, stride_btp, stride_btj,
+    # meta
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)          # 0..H-1 rotate a q head; H..H+Hkv-1 rotate a k head and write k and v
+    pos = tl.load(row_pos_ptr + row)
+    # fused_ops.rope_'s own code, so qkv (and the k written below) round exactly as it does
+    r1, r2 = rotate_head_(qkv_ptr + row * stride_row + head * (2 * HALF), cos_ptr + pos * stride_cos,
+                          sin_ptr + pos * stride_cos, HALF, HALF_PAD)
+    if head >= NUM_HEADS:
+        offs = tl.arange(0, HALF_PAD)
+        kv_head = head - NUM_HEADS
+        slot = tl.load(row_slot_ptr + row)
+        depth = tl.load(row_depth_ptr + row)
+        ok = (slot >= 0) & (slot < num_slots) & (depth >= 1) & (depth <= num_planes)
+        ok = ok & (pos >= 0) & (pos < max_blocks * PAGE_SIZE)
+        # Skipped rows read the table at (slot 0, plane 1, pos 0), in bounds, and write nothing.
+        block = tl.load(block_tables_ptr + tl.where(ok, slot, 0) * stride_bts + (tl.where(ok, depth, 1) - 1) * stride_btp
+                        + (tl.where(ok, pos, 0) // PAGE_SIZE) * stride_btj).to(tl.int64)
+        in_page = tl.where(ok, pos, 0) % PAGE_SIZE
+        # Validity folds into the lane bound: the interpreter rejects a scalar-and-tensor mask.
+        wmask = offs < tl.where(ok, HALF, 0)
+        k_dst = k_cache_ptr + block * stride_kb + in_page * stride_kt + kv_head * stride_kh
+        tl.store(k_dst + offs * stride_kd, r1, mask=wmask)
+        tl.store(k_dst + (HALF + offs) * stride_kd, r2, mask=wmask)
+        v_src = qkv_ptr + row * stride_row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * (2 * HALF)
+        v_dst = v_cache_ptr + block * stride_vb + in_page * stride_vt + kv_head * stride_vh
+        tl.store(v_dst + offs * stride_vd, tl.load(v_src + offs, mask=wmask), mask=wmask)
+        tl.store(v_dst + (HALF + offs) * stride_vd, tl.load(v_src + HALF + offs, mask=wmask), mask=wmask)
 
 
 @triton.jit
@@ -182,6 +228,46 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
         *k_cache.stride(), *v_cache.stride(), *k_new.stride(), *v_new.stride(), *block_tables.stride(),
         PAGE_SIZE=page_size, HEADS_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), num_warps=4)
+
+
+def rope_write_kv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, row_slot: torch.Tensor,
+                   row_depth: torch.Tensor, row_pos: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rotary embedding of q and k in place and the new K/V into the cache, in one launch.
+
+    Computes exactly ``fused_ops.rope_(qkv, ...)`` followed by :func:`write_kv` of the rotated k and of v
+    (same formula, same rounding, so bitwise the same cache and qkv), saving a launch per layer.
+
+    Args:
+        qkv: ``[N, (H + 2 Hkv) * D]`` fused projection rows (q heads, k heads, v heads), unit last stride,
+            the cache's dtype; q and k are rotated in place.
+        cos, sin: ``[max_len, D // 2]`` fp32/fp64 contiguous rotary tables, indexed by ``row_pos``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (one layer).
+        block_tables: ``[S, P, max_blocks] int32``; row_slot, row_depth, row_pos: ``[N] int32``
+            (rows with ``row_slot < 0`` or out-of-range depth/position write nothing).
+        num_heads: H, the query heads.
+    Returns qkv. Raises ValueError on shapes, dtypes or devices that do not fit. Never synchronises.
+    """
+    _check("k_cache", k_cache, dim=4)
+    _check("qkv", qkv, dtype=k_cache.dtype, dim=2)
+    n, width = qkv.shape
+    _, page_size, hkv, d = k_cache.shape
+    if qkv.stride(1) != 1 or width != (num_heads + 2 * hkv) * d:
+        raise ValueError(f"qkv must be [N, (H + 2 Hkv) * D] = [N, {(num_heads + 2 * hkv) * d}] with unit last "
+                         f"stride, got {tuple(qkv.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2 or not cos.is_contiguous():
+        raise ValueError(f"cos/sin must be contiguous [max_len, {d // 2}], got {tuple(cos.shape)}")
+    kv_view = qkv[:, num_heads * d:].view(n, 2, hkv, d)
+    _validate_write(k_cache, v_cache, kv_view[:, 0], kv_view[:, 1], block_tables, row_slot, row_depth, row_pos)
+    if n:
+        half = d // 2
+        _rope_write_kv_kernel[(n, num_heads + hkv)](
+            qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
+            *block_tables.shape, qkv.stride(0), cos.stride(0),
+            *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+            PAGE_SIZE=page_size, num_warps=1)
+    return qkv
 
 
 def write_kv_ref(k_cache, v_cache, k_new, v_new, block_tables, row_slot, row_depth, row_pos) -> None:

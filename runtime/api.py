@@ -62,17 +62,26 @@ class EngineConfig:
     schedule: Schedule | None = None   # required by replay
     cuda_graphs: bool = False
     graph_cache_size: int = 16
+    # Batch invariance (DESIGN.md "Batch invariance"): every decode step runs on max_num_seqs rows (padding
+    # rows do nothing) and prefill projections in calls of exactly prefill_gemm_rows rows, so every matmul
+    # has one shape per engine and a request's tokens do not depend on what it is batched with.
+    # False: decode on padded buckets (graphs.BUCKETS) and prefill in one call of its padded row count.
+    batch_invariant: bool = True
+    # 256 rows of the Ouro-1.4B shape are compute-bound on an H200, so splitting a long pack into calls of
+    # 256 costs little against one call; a small model (the tiny preset, tests) needs far fewer.
+    prefill_gemm_rows: int = 256
     descriptor_mode: str = "h2d"       # a DescriptorMode value: h2d | mapped
     eos_token_id: int | None = None
     keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
     poison_kv: bool = False            # tests/debugging: KV cells without a live value hold NaN
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
+        for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size",
+                     "prefill_gemm_rows"):
             _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
         if self.num_blocks is not None:
             _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
-        for name in ("prefix_tiles", "cuda_graphs", "keep_logits", "poison_kv"):
+        for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "keep_logits", "poison_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.eos_token_id is not None:

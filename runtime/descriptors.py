@@ -14,6 +14,7 @@ from .api import DescriptorMode
 
 DESC_ROWS = 5                      # slot, depth, position, first-alias, forced exit
 PADDING_ROW = (-1, 1, 0, 1, 0)     # a padding row: scratch slot, depth 1, position 0, no exit
+PADDING_COLUMNS = np.array(PADDING_ROW, dtype=np.int32)[:, None]   # [DESC_ROWS, 1]: pads a bank's tail
 
 
 class DescriptorBanks:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .api import GraphCounters
-from .descriptors import DESC_ROWS, PADDING_ROW, DescriptorBanks, pinned, unpack_prefill_descriptor
+from .descriptors import DESC_ROWS, PADDING_COLUMNS, DescriptorBanks, pinned, unpack_prefill_descriptor
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 
@@ -138,9 +138,6 @@ class GraphCache:
         return graph, outputs
 
 
-_PADDING_COLUMNS = np.array(PADDING_ROW, dtype=np.int32)[:, None]
-
-
 class CudaGraphs:
     """The engine's CUDA graphs: the decode core by padded bucket, the packed prefill loop by padded rows.
 
@@ -172,18 +169,15 @@ class CudaGraphs:
         Returns (exit [n] bool, token [n] int64, logits [n, vocab], triggered [n] bool): views of the graph's static outputs,
         valid until the next decode step."""
         bucket = host.shape[1]
-        host[:, n:] = _PADDING_COLUMNS
+        host[:, n:] = PADDING_COLUMNS
         static = self._desc.get(bucket)
         if static is None:
             static = self._desc[bucket] = torch.empty((DESC_ROWS, bucket), dtype=torch.int32, device=self.device)
         outs = self.decode.run(
             bucket, tuple(static), publish=lambda: self.banks.publish(bank, into=static),
-            warm_inputs=lambda: static.copy_(torch.from_numpy(_PADDING_COLUMNS)))
+            warm_inputs=lambda: static.copy_(torch.from_numpy(PADDING_COLUMNS)))
         return outs if n == bucket else tuple(o[:n] for o in outs)
 
-    def prefill_bucket(self, total: int) -> int:
-        """The padded row count a packed prefill loop of ``total`` prompt rows runs on."""
-        return prefill_bucket_for(total)
 
     def run_prefill(self, xs: list[torch.Tensor], meta: np.ndarray, rows: int) -> torch.Tensor:
         """One packed full-prompt loop through the graph of ``rows`` rows: the prompts' activations ``xs``
@@ -206,11 +200,19 @@ class CudaGraphs:
         return self.prefill.run(rows, (x, *unpack_prefill_descriptor(desc, rows)), publish, warm_inputs=publish)[0]
 
 
-def prefill_bucket_for(total: int) -> int:
+def prefill_bucket_for(total: int, gemm_rows: int | None = None) -> int:
     """Smallest entry >= total of the ladder 16, 24, 32, 48, 64, 96, ... (2^k and 1.5 * 2^k): a bounded set
-    of packed-prefill graph shapes (two per doubling) that pads a batch of prompts by less than 50%."""
+    of packed-prefill graph shapes (two per doubling) that pads a batch of prompts by less than 50%.
+
+    With ``gemm_rows`` (batch-invariant prefill, whose projections run in calls of exactly that many rows)
+    the ladder is ``gemm_rows`` x (1, 2, 3, 4, 6, 8, 12, ...), so every bucket is a whole number of calls."""
     if total < 1:
         raise ValueError(f"a packed prefill needs at least one row, got {total}")
+    if gemm_rows is not None:
+        if gemm_rows < 1:
+            raise ValueError(f"gemm_rows must be >= 1, got {gemm_rows}")
+        calls = -(-total // gemm_rows)
+        return gemm_rows * (prefill_bucket_for(16 * calls) // 16) if calls > 1 else gemm_rows   # 16x: 2, 3, 4, 6, 8, ...
     b = 16
     while True:
         if total <= b:

@@ -134,8 +134,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None = None) -> torch.Tensor:
+    """x @ w.T: x [N, K], w [M, K] -> [N, M] in x's dtype. With ``gemm_rows`` the product runs as N /
+    gemm_rows calls of exactly ``gemm_rows`` rows each (raises ValueError unless N is a multiple), so a
+    row's result is the same for every N: a matmul's per-row bits depend on its shape (the library picks
+    its algorithm, and with it the reduction order, by shape), never on the other rows' values."""
+    if gemm_rows is None or x.shape[0] == gemm_rows:
+        return F.linear(x, w)
+    if x.shape[0] % gemm_rows:
+        raise ValueError(f"{x.shape[0]} rows are not a multiple of gemm_rows={gemm_rows}")
+    out = x.new_empty((x.shape[0], w.shape[0]))
+    for start in range(0, x.shape[0], gemm_rows):
+        torch.matmul(x[start:start + gemm_rows], w.t(), out=out[start:start + gemm_rows])
+    return out
+
+
 # attend(layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D]; the caller owns the KV cache.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rope_write(layer, qkv [N, (H + 2 Hkv) * D]): rotate q and k in place and write k, v into the caller's KV
+# cache (kernels/kv_write.rope_write_kv_); with it, attend only attends (it must not write the cache again).
+RopeWriteFn = Callable[[int, torch.Tensor], None]
 
 
 @dataclass
@@ -215,50 +233,61 @@ class OuroModel:
                 seen[id(t)] = t
         return sum(t.numel() for t in seen.values())
 
-    def run_loop(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    def run_loop(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn, *,
+                 gemm_rows: int | None = None, rope_write: RopeWriteFn | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One loop of the recurrent core: every layer, the final norm and the exit gate.
 
-        x: [N, hidden] model dtype (loop input); positions: [N] int (rotary positions).
+        x: [N, hidden] model dtype (loop input); positions: [N] int (rotary positions); gemm_rows: run
+        every projection in calls of exactly this many rows (:func:`linear`; N must be a multiple);
+        rope_write: fused RoPE + KV write (:data:`RopeWriteFn`; fused models only, else ValueError).
         Returns (normed loop output [N, hidden] model dtype, hazard [N] fp32 or fp64 =
         sigmoid(early_exit_gate(output)), BRIEF section 1).
         """
         if self.fused:
-            return self._run_loop_fused(x, positions, attend)
+            return self._run_loop_fused(x, positions, attend, gemm_rows, rope_write)
+        if rope_write is not None:
+            raise ValueError("rope_write needs the fused loop (OuroModel(fused=True))")
         cfg = self.cfg
         n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         pos = positions.long()
         cos, sin = self.cos[pos], self.sin[pos]
         for i, w in enumerate(self.layers):
-            qkv = F.linear(rms_norm(x, w.ln_in, eps), w.qkv)
+            qkv = linear(rms_norm(x, w.ln_in, eps), w.qkv, gemm_rows)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = apply_rope(q.reshape(n, H, D), cos, sin)
             k = apply_rope(k.reshape(n, Hkv, D), cos, sin)
             a = attend(i, q, k, v.reshape(n, Hkv, D).contiguous())
-            x = x + rms_norm(F.linear(a.reshape(n, H * D), w.o), w.ln_in2, eps)
-            gate, up = F.linear(rms_norm(x, w.ln_post, eps), w.gate_up).chunk(2, dim=-1)
-            x = x + rms_norm(F.linear(F.silu(gate) * up, w.down), w.ln_post2, eps)
+            x = x + rms_norm(linear(a.reshape(n, H * D), w.o, gemm_rows), w.ln_in2, eps)
+            gate, up = linear(rms_norm(x, w.ln_post, eps), w.gate_up, gemm_rows).chunk(2, dim=-1)
+            x = x + rms_norm(linear(F.silu(gate) * up, w.down, gemm_rows), w.ln_post2, eps)
         x = rms_norm(x, self.norm, eps)
         return x, self.hazard(x)
 
-    def _run_loop_fused(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_loop_fused(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                        gemm_rows: int | None, rope_write: RopeWriteFn | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`run_loop` with one launch per elementwise stage: each sandwich norm is fused with its
         residual add and with the next pre-norm (the next layer's input norm, or the final norm), RoPE
-        rotates q and k in place inside the fused qkv output, and silu(gate) * up is one kernel."""
+        rotates q and k in place inside the fused qkv output (together with the KV write when the caller
+        gives ``rope_write``), and silu(gate) * up is one kernel."""
         from loopbench.kernels import fused_ops as fo
         cfg = self.cfg
         n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         h = fo.rms_norm(x, self.layers[0].ln_in, eps)
         for i, w in enumerate(self.layers):
-            qkv = fo.rope_(F.linear(h, w.qkv), self.cos, self.sin, positions, H + Hkv, D)
+            qkv = linear(h, w.qkv, gemm_rows)
+            if rope_write is None:
+                fo.rope_(qkv, self.cos, self.sin, positions, H + Hkv, D)
+            else:
+                rope_write(i, qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
-            x, h = fo.add_rms_norm(x, F.linear(a.reshape(n, H * D), w.o), w.ln_in2, w.ln_post, eps)
+            x, h = fo.add_rms_norm(x, linear(a.reshape(n, H * D), w.o, gemm_rows), w.ln_in2, w.ln_post, eps)
             nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
-            x, h = fo.add_rms_norm(x, F.linear(fo.silu_mul(F.linear(h, w.gate_up)), w.down), w.ln_post2, nxt, eps)
+            mlp = linear(fo.silu_mul(linear(h, w.gate_up, gemm_rows)), w.down, gemm_rows)
+            x, h = fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps)
         return h, self.hazard(h)
 
     def hazard(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,9 @@ from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefil
 
 from .api import EngineConfig, EngineStats, KVLayout
 from .attention import get_backend
-from .descriptors import DescriptorBanks, to_device_async, unpack_prefill_descriptor
+from .descriptors import PADDING_COLUMNS, DescriptorBanks, to_device_async, unpack_prefill_descriptor
 from .exit_policy import NaturalPolicy, ReplayPolicy
-from .graphs import CudaGraphs
+from .graphs import CudaGraphs, prefill_bucket_for
 from .kv_cache import DepthKVCache
 from .model import OuroModel
 from .scheduler import PrefillLoop, Running, StepPlan
@@ -59,6 +59,8 @@ class Runner:
         self.model, self.config, self.kv, self.policy = model, config, kv, policy
         cfg, dev, S, acc = model.cfg, model.device, config.max_num_seqs, model.rope_dtype
         self.backend = get_backend(config.attention_backend)
+        # RoPE and the KV write in one launch per layer where both are Triton kernels (the fused loop).
+        self.fused_kv_write = model.fused and config.attention_backend == "triton"
         self.hidden = torch.zeros((S + 1, cfg.hidden_size), device=dev, dtype=model.dtype)
         self.last_token = torch.zeros(S + 1, dtype=torch.long, device=dev)
         self.out_tokens = torch.zeros((S + 1, config.max_model_len), dtype=torch.long, device=dev)
@@ -116,11 +118,12 @@ class Runner:
         xs = [self._prefill_x[loop.slot] for loop in loops]
         lens = [x.shape[0] for x in xs]
         total = sum(lens)
-        rows = self.graphs.prefill_bucket(total) if self.graphs is not None else total
+        rows = self.prefill_rows(total)
         meta = prefill_descriptor(loops, lens, rows, self.config.max_num_seqs)
         if self.graphs is None:
             up = to_device_async(meta, self.model.device)
-            out = self.prefill_core(torch.cat(xs), *unpack_prefill_descriptor(up, rows))[0]
+            x = torch.cat(xs + [xs[0].new_zeros((rows - total, xs[0].shape[1]))]) if rows > total else torch.cat(xs)
+            out = self.prefill_core(x, *unpack_prefill_descriptor(up, rows))[0][:total]
         else:
             out = self.graphs.run_prefill(xs, meta, rows)[:total].clone()
         finals, last_rows = [], []
@@ -133,40 +136,72 @@ class Runner:
                 self._prefill_x[loop.slot] = x
         if not finals:
             return None
-        idx = to_device_async(np.array([last_rows, [loops[i].slot for i in finals]], dtype=np.int64),
-                              self.model.device)
-        logits = self.model.logits(out[idx[0]])
+        f = len(finals)
+        # lm_head on max_num_seqs rows whatever F is (the last final row repeated): one matmul shape.
+        pad = self.config.max_num_seqs - f if self.config.batch_invariant else 0
+        picks = np.array([last_rows + last_rows[-1:] * pad, [loops[i].slot for i in finals] + [-1] * pad],
+                         dtype=np.int64)
+        idx = to_device_async(picks, self.model.device)
+        logits = self.model.logits(out[idx[0]])[:f]
         token = sample_greedy(logits)                                         # [F]
-        slots = idx[1]
+        slots = idx[1, :f]
         self.last_token[slots] = token
         self.out_tokens[slots, 0] = token
         self.n_out.index_fill_(0, slots, 1)           # a Python scalar via setitem would be a synchronising copy
         return finals, logits, token
 
+    def prefill_rows(self, total: int) -> int:
+        """Rows a packed prefill loop of ``total`` prompt rows runs on (graph or eager: the same shape)."""
+        if self.config.batch_invariant:
+            return prefill_bucket_for(total, self.config.prefill_gemm_rows)
+        return prefill_bucket_for(total) if self.graphs is not None else total
+
+    def decode_rows(self, n: int) -> int:
+        """Rows a decode step of n live rows runs on (graph or eager): max_num_seqs when batch-invariant,
+        else its padded bucket (graphs) or n itself (eager)."""
+        if self.config.batch_invariant:
+            return self.config.max_num_seqs
+        return self.graphs.bucket(n) if self.graphs is not None else n
+
     def prefill_core(self, x, row_slot, row_depth, positions, tiles):
         """One full-depth loop over packed prompts: x [T, hidden]; [T] int32 slot/depth/position per row
         (padding rows: slot -1); tiles [3, num_tiles] int32 query tiles (kernels/prefill_attention.py).
         Writes each row's K/V into its request's plane; returns (x_out [T, hidden],)."""
-        kv, be = self.kv, self.backend
+        kv, be, fused = self.kv, self.backend, self.fused_kv_write
 
         def attend(layer, q, k, v):
-            be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
+            if not fused:
+                be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
             return packed_prefill_attention(q, k, v, tiles, block_m=PREFILL_BLOCK_M)
 
-        return (self.model.run_loop(x, positions, attend)[0],)
+        gemm_rows = self.config.prefill_gemm_rows if self.config.batch_invariant else None
+        rope_write = self._rope_write(row_slot, row_depth, positions) if fused else None
+        return (self.model.run_loop(x, positions, attend, gemm_rows=gemm_rows, rope_write=rope_write)[0],)
+
+    def _rope_write(self, row_slot, row_depth, row_pos):
+        """The fused RoPE + KV write of one launch's rows (model.RopeWriteFn), Triton backend only."""
+        from loopbench.kernels.kv_write import rope_write_kv_
+        kv, model, heads = self.kv, self.model, self.model.cfg.num_attention_heads
+
+        def rope_write(layer, qkv):
+            rope_write_kv_(qkv, model.cos, model.sin, kv.k[layer], kv.v[layer], kv.block_tables, row_slot,
+                           row_depth, row_pos, heads)
+
+        return rope_write
 
     # ------------------------------------------------------------------------------------- decode
     def decode(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One resident loop for the plan's decode rows (graph or eager; no host sync).
         Returns (exit [n] bool, token [n] int64, logits [n, vocab], triggered [n] bool) on the device."""
         n = len(plan.decode)
-        bucket = n if self.graphs is None else self.graphs.bucket(n)
-        bank = self.banks.acquire(bucket)
+        bank = self.banks.acquire(self.decode_rows(n))
         host = bank.numpy()
         host[:, :n] = plan.rows.T           # one vectorised write into the (pinned) bank, not 5n setitems
-        if self.graphs is None:
-            return self.decode_core(*self.banks.publish(bank))
-        return self.graphs.run_decode(bank, host, n)
+        if self.graphs is not None:
+            return self.graphs.run_decode(bank, host, n)
+        host[:, n:] = PADDING_COLUMNS
+        outs = self.decode_core(*self.banks.publish(bank))
+        return outs if n == host.shape[1] else tuple(o[:n] for o in outs)
 
     def decode_core(self, row_slot, row_depth, row_pos, row_fa, row_forced):
         """One resident decode step for N rows, entirely on the device (no host sync; graph-capturable).
@@ -185,13 +220,17 @@ class Runner:
         first = row_depth == 1
         x = torch.where(first[:, None], self.model.embed[self.last_token[sl]], self.hidden[sl])
 
+        fused = self.fused_kv_write
+
         def attend(layer, q, k, v):
-            be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, row_pos)
+            if not fused:
+                be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, row_pos)
             return be.decode_attention(q, kv.k[layer], kv.v[layer], kv.block_tables, row_slot, row_depth,
                                        row_pos, kv.exit_map, row_fa, layout=cfg.kv_layout,
                                        prefix_tiles=cfg.prefix_tiles, tile_size=cfg.tile_size)
 
-        x_out, hazard = self.model.run_loop(x, row_pos, attend)
+        rope_write = self._rope_write(row_slot, row_depth, row_pos) if fused else None
+        x_out, hazard = self.model.run_loop(x, row_pos, attend, rope_write=rope_write)
         s_prev = torch.where(first, torch.ones_like(hazard), self.survival[sl])
         t_prev = self.triggered[sl] & ~first
         exit_now, s, trig = self.policy.device_step(hazard, row_depth, s_prev, t_prev, row_forced, self, sl)

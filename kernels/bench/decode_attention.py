@@ -178,10 +178,11 @@ def dense_sdpa_ms(batch: int, context: int) -> float:
         return float("nan")
 
 
-SWEEP_SHAPES = ((16, 256), (32, 1024), (128, 1024), (64, 4096))
+SWEEP_SHAPES = ((16, 128), (16, 256), (32, 256), (32, 1024), (128, 1024), (64, 4096))
 # (block_n, num_warps, num_stages, min_split_tokens); the first is the module default.
-SWEEP_CONFIGS = ((32, 4, 1, 256), (32, 4, 2, 256), (32, 2, 1, 256), (32, 8, 1, 256), (16, 1, 1, 256),
-                 (16, 2, 1, 256), (64, 4, 1, 256), (64, 8, 1, 256), (32, 4, 1, 128), (32, 4, 1, 512))
+SWEEP_CONFIGS = ((32, 4, 1, MIN_SPLIT_TOKENS), (32, 4, 1, 256), (32, 4, 1, 128), (32, 4, 1, 64), (32, 4, 1, 32),
+                 (16, 1, 1, 64), (16, 2, 1, 64), (16, 1, 1, 32), (16, 2, 1, 32), (32, 2, 1, 64), (64, 4, 1, 64),
+                 (32, 4, 2, 64))
 
 
 def sweep(ceiling: float, emit) -> None:

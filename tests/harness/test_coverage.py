@@ -75,11 +75,13 @@ def _replay(model, reqs, data, arm: dict):
                                          exit_policy="replay", schedule=sched))
     T = arm["tile_size"]
     steps, seen = [], {"lower_plane_reads": [0, 0, 0], "routed_reads": 0, "direct_tiles": 0, "boundary_tiles": 0,
-                       "boundary_last_key": 0, "fill_token_planes": 0}
+                       "boundary_last_key": 0, "fill_token_planes": 0, "padding_rows": 0}
     core, fill = eng.runner.decode_core, eng.runner.backend.native_fill
 
     def spy_core(row_slot, row_depth, row_pos, row_fa, row_forced):
-        rows = list(zip(*(t.tolist() for t in (row_slot, row_depth, row_pos, row_fa, row_forced))))
+        every = list(zip(*(t.tolist() for t in (row_slot, row_depth, row_pos, row_fa, row_forced))))
+        rows = [r for r in every if r[0] >= 0]       # slot -1: padding to the step's shape
+        seen["padding_rows"] += len(every) - len(rows)
         steps.append(rows)
         for s, d, p, fa, _ in rows:   # keys 0..p as the reader sees them: the exit map before this loop
             for e in eng.kv.exit_map[s, :p + 1].tolist():
@@ -121,7 +123,7 @@ def test_counts_are_what_the_engine_ran(model, schedule, arm):
         assert cov["lower_plane_reads"] == seen["lower_plane_reads"]
     assert {k: cov[k] for k in seen if k != "lower_plane_reads"} == {k: v for k, v in seen.items()
                                                                      if k != "lower_plane_reads"}
-    assert cov["padding_rows"] == 0
+    assert cov["padding_rows"] == sum(data["max_num_seqs"] - len(step) for step in steps)
     # the workload reaches what the counts are for; the layout-independent counts agree across arms
     assert all(cov["exits_per_depth"]) and all(cov["lower_plane_reads"])
     assert cov["lower_plane_reads"] == coverage.derive(data, ARMS["alias"], 4)["lower_plane_reads"]
@@ -129,16 +131,21 @@ def test_counts_are_what_the_engine_ran(model, schedule, arm):
         assert cov["direct_tiles"] > 0 and cov["boundary_last_key"] > 0
 
 
-def test_padding_rows_are_the_graph_bucket_padding():
-    """Three one-loop requests decode together: a step of 3 rows runs on the 4-row bucket at B8."""
+def test_padding_rows_fill_every_decode_step_to_max_num_seqs():
+    """Three one-loop requests decode together: their step of 3 rows runs on 8 rows at B8, graphs or not
+    (records of schema 3); the auditor still derives a schema-2 record's bucket padding (4 rows, graphs only)."""
     reqs = [{"request_id": f"r{i}", "prompt_sha256": "-", "prompt_len": 2, "max_tokens": 2, "min_loops": 1,
              "max_loops": 1, "exit_threshold": 1.0, "token_ids": [0, 0], "exit_depths": [1, 1]} for i in range(3)]
     data = {"version": 1, "max_num_seqs": 8, "admission_order": ["r0", "r1", "r2"], "requests": reqs,
             "num_steps": 2, "trace_sha256": "-"}
     graphs = {**ARMS["native"], "cuda_graphs": True}
-    assert coverage.derive(data, graphs, 4)["padding_rows"] == 1
-    assert coverage.derive({**data, "max_num_seqs": 3}, graphs, 4)["padding_rows"] == 0   # bucket = B
-    assert coverage.derive(data, ARMS["native"], 4)["padding_rows"] == 0                   # no graphs
+    assert coverage.derive(data, graphs, 4)["padding_rows"] == 5
+    assert coverage.derive(data, ARMS["native"], 4)["padding_rows"] == 5                   # no graphs
+    assert coverage.derive({**data, "max_num_seqs": 3}, graphs, 4)["padding_rows"] == 0   # a full batch
+    for arm in (graphs, ARMS["native"]):
+        assert audit_coverage.coverage(data, arm, 4, schema=3) == coverage.derive(data, arm, 4)
+    assert audit_coverage.coverage(data, graphs, 4, schema=2)["padding_rows"] == 1          # bucket 4
+    assert audit_coverage.coverage(data, ARMS["native"], 4, schema=2)["padding_rows"] == 0
 
 
 def test_unreplayable_schedule_is_refused():
@@ -167,7 +174,7 @@ def test_the_auditor_derives_the_same_counts():
                 "requests": reqs, "num_steps": 0, "trace_sha256": "-"}
         for arm in ARMS.values():
             arm = {**arm, "tile_size": rng.choice([4, 16, 32]), "cuda_graphs": rng.random() < 0.5}
-            assert coverage.derive(data, arm, 4) == audit_coverage.coverage(data, arm, 4)
+            assert coverage.derive(data, arm, 4) == audit_coverage.coverage(data, arm, 4, schema=3)
 
 
 # ------------------------------------------------------------------------------------------ checker

@@ -1,4 +1,5 @@
-"""KV writes: write_kv, native_fill and publish_exits (Triton) == their torch references, exactly.
+"""KV writes: write_kv, native_fill, publish_exits and the fused rope_write_kv_ (Triton) == their torch
+references (rope_write_kv_: == rope_ then write_kv, and == the torch references), exactly.
 
 Each case starts two identical random caches (or exit maps), applies the kernel to one and the reference
 to the other, and requires ``torch.equal``: these are copies, so there is no rounding to allow for.
@@ -9,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loopbench.kernels.fused_ops import rope_, rope_ref
 from loopbench.kernels.kv_write import (native_fill, native_fill_ref, publish_exits, publish_exits_ref,
-                                        write_kv, write_kv_ref)
+                                        rope_write_kv_, write_kv, write_kv_ref)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -148,3 +150,48 @@ def test_rejects_strided_entry_vectors():
     strided = torch.zeros(4, dtype=torch.int32)[::2]
     with pytest.raises(ValueError, match="contiguous"):
         publish_exits(exit_map, strided, strided, strided)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 3, 24), (16, 16, 128)])
+def test_rope_write_kv_is_rope_then_write(device, heads, kv_heads, head_dim):
+    from loopbench.runtime.model import OuroConfig, rope_tables
+    gen = torch.Generator().manual_seed(20 + head_dim)
+    block_tables, num_blocks = shuffled_tables(gen)
+    dtype = kv_dtype(device)
+    k_cache = torch.randn((num_blocks, PAGE, kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    v_cache = torch.randn((num_blocks, PAGE, kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    cos, sin = rope_tables(OuroConfig(head_dim=head_dim, rope_theta=10_000.0), 128, device)
+    # Positions at page edges; the last four rows are padding or out of range and must write nothing.
+    slot = [0, 1, 2, 3, 4, 0, 2, -1, 7, 1, 3]
+    depth = [1, 2, 3, 4, 1, 4, 2, 2, 1, 0, 5]
+    pos = [0, 15, 16, 31, 79, 47, 33, 3, 3, 3, 3]
+    n = len(slot)
+    qkv = torch.randn((n, (heads + 2 * kv_heads) * head_dim), generator=gen).to(dtype).to(device)
+    meta = (block_tables.to(device), int32(slot, device), int32(depth, device), int32(pos, device))
+    positions = meta[3]
+
+    fused_qkv, fused_k, fused_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rope_write_kv_(fused_qkv, cos, sin, fused_k, fused_v, *meta, heads)
+    two_qkv, two_k, two_v = rope_(qkv.clone(), cos, sin, positions, heads + kv_heads, head_dim), k_cache.clone(), v_cache.clone()
+    kv = two_qkv[:, heads * head_dim:].view(n, 2, kv_heads, head_dim)
+    write_kv(two_k, two_v, kv[:, 0], kv[:, 1], *meta)
+    assert_equal(fused_qkv, two_qkv, "qkv vs rope_")
+    assert_equal(fused_k, two_k, "k cache vs rope_ + write_kv")
+    assert_equal(fused_v, two_v, "v cache vs rope_ + write_kv")
+
+    ref_qkv = rope_ref(qkv.cpu(), cos.cpu(), sin.cpu(), positions.cpu(), heads + kv_heads, head_dim)
+    ref_k, ref_v = k_cache.cpu().clone(), v_cache.cpu().clone()
+    kv = ref_qkv[:, heads * head_dim:].view(n, 2, kv_heads, head_dim)
+    write_kv_ref(ref_k, ref_v, kv[:, 0], kv[:, 1], *(t.cpu() for t in meta))
+    close = torch.allclose(fused_qkv.cpu().double(), ref_qkv.double(), rtol=0, atol=4 * torch.finfo(dtype).eps * 8)
+    assert close, f"qkv vs rope_ref: max diff {(fused_qkv.cpu().double() - ref_qkv.double()).abs().max():.3e}"
+    assert_equal(fused_v.cpu(), ref_v, "v cache vs write_kv_ref")
+
+
+def test_rope_write_kv_rejects_a_qkv_of_the_wrong_width():
+    k_cache = torch.zeros((4, PAGE, 2, 16))
+    cos = sin = torch.zeros((8, 8))
+    meta = (torch.zeros((1, 1, 1), dtype=torch.int32),) + tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
+    with pytest.raises(ValueError, match=r"qkv must be \[N, \(H \+ 2 Hkv\) \* D\] = \[N, 128\]"):
+        rope_write_kv_(torch.zeros((1, 100)), cos, sin, k_cache, k_cache.clone(), *meta, 4)

@@ -55,8 +55,10 @@ def workload() -> dict:
             try:
                 extra = dict(exit_policy="replay", schedule=schedule) if policy == "replay" else \
                     dict(exit_policy=policy)
+                # batch_invariant=False: decode on its shrinking buckets, so every bucket's graph is captured
                 eng = LoopEngine(model, EngineConfig(max_num_seqs=8, max_model_len=128, attention_backend="triton",
-                                                     cuda_graphs=True, poison_kv=True, **layout, **extra))
+                                                     cuda_graphs=True, poison_kv=True, batch_invariant=False,
+                                                     **layout, **extra))
                 for r in reqs:
                     eng.add_request(r)
                 outs = eng.run()

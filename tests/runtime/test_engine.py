@@ -35,6 +35,7 @@ def make_requests(n, max_tokens, policy, seed=0, lens=PROMPT_LENS):
 def run_engine(model, requests, **cfg):
     cfg.setdefault("max_model_len", 128)
     cfg.setdefault("poison_kv", True)      # KV cells without a live value are NaN: no reader may touch them
+    cfg.setdefault("prefill_gemm_rows", 16)   # the tiny model: 256-row prefill packs only slow the interpreter
     eng = LoopEngine(model, EngineConfig(**cfg))
     for r in requests:
         eng.add_request(r)

@@ -127,3 +127,19 @@ def test_prefill_buckets_pad_by_less_than_half(total, bucket):
 def test_prefill_bucket_refuses_an_empty_pack():
     with pytest.raises(ValueError, match="at least one row"):
         prefill_bucket_for(0)
+
+
+@pytest.mark.parametrize("total,bucket", [(1, 256), (256, 256), (257, 512), (700, 768), (1025, 1536), (2048, 2048),
+                                          (2049, 3072)])
+def test_batch_invariant_prefill_buckets_are_whole_calls_of_gemm_rows(total, bucket):
+    assert prefill_bucket_for(total, 256) == bucket and bucket % 256 == 0
+
+
+def test_linear_in_fixed_row_calls_is_the_product_and_refuses_a_ragged_batch():
+    from loopbench.runtime.model import linear
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(96, 40, generator=g, dtype=torch.float64), torch.randn(24, 40, generator=g, dtype=torch.float64)
+    assert torch.allclose(linear(x, w, 32), x @ w.T, rtol=1e-12, atol=1e-12)
+    assert torch.equal(linear(x[:32], w, 32), linear(x, w, 32)[:32])      # a call's rows: the same call
+    with pytest.raises(ValueError, match="100 rows are not a multiple of gemm_rows=32"):
+        linear(torch.zeros(100, 40, dtype=torch.float64), w, 32)
