@@ -1,0 +1,122 @@
+"""The load generator (harness/online/loadgen.py) and its figures (metrics.py), against a fake server.
+
+The fake server streams ``max_tokens`` tokens 20 ms apart and serves one request at a time, so requests
+that arrive together queue: their latencies must count from the planned arrival, not from when the
+server got to them.
+"""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from loopbench.harness.online import loadgen, metrics
+
+GAP_S = 0.02
+
+
+def _fake_app() -> Starlette:
+    lock = asyncio.Lock()
+
+    async def completions(request):
+        body = await request.json()
+
+        async def events():
+            async with lock:
+                for i in range(body["max_tokens"]):
+                    await asyncio.sleep(GAP_S)
+                    yield "data: " + json.dumps({"choices": [{"token_ids": [i], "finish_reason": None}]}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [{"token_ids": [], "finish_reason": "length"}]}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def url():
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(_fake_app(), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv.should_exit = True
+    thread.join(10)
+
+
+def test_the_unit_trace_is_seeded_poisson_from_zero():
+    a = loadgen.unit_trace(2000, seed=7)
+    assert a == loadgen.unit_trace(2000, seed=7) and a != loadgen.unit_trace(2000, seed=8)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    assert 0.9 < a[-1] / 1999 < 1.1                          # mean gap 1 s at rate 1
+    assert loadgen.trace_sha256(a) == loadgen.trace_sha256(list(a))
+    assert loadgen.trace_sha256(a) != loadgen.trace_sha256(a[:-1] + [a[-1] + 1e-12])
+    assert loadgen.arrivals_s([0.0, 1.0, 3.0], 4.0) == [0.0, 0.25, 0.75]
+    with pytest.raises(ValueError, match="rate_rps must be > 0, got 0"):
+        loadgen.arrivals_s(a, 0)
+    with pytest.raises(ValueError, match="num_requests must be an integer >= 1, got 0"):
+        loadgen.unit_trace(0, 1)
+
+
+def _jobs(n: int, tokens: int = 3) -> list:
+    return [loadgen.Job(i, i, [1, 2, 3], tokens) for i in range(n)]
+
+
+def test_open_loop_sends_each_request_at_its_planned_arrival(url):
+    planned = loadgen.arrivals_s(loadgen.unit_trace(8, seed=1), rate_rps=20.0)
+    _, results = asyncio.run(loadgen.open_loop(url, _jobs(8, 1), planned, max_duration_s=30))
+    for res, want in zip(results, planned):
+        assert res.planned_s == want                          # exactly the trace's arrival at this rate
+        assert 0 <= res.sent_s - want < 0.05, (res.sent_s, want)
+        assert res.error is None and res.token_ids == [0] and res.finish_reason == "length"
+
+
+def test_latency_counts_from_the_planned_arrival_when_requests_queue(url):
+    _, results = asyncio.run(loadgen.open_loop(url, _jobs(3), [0.0, 0.0, 0.0], max_duration_s=30))
+    ttft = sorted(metrics.request_latencies(r.to_dict())["ttft_s"] for r in results)
+    # one at a time, 3 tokens of 20 ms each: the k-th served request waited k * 60 ms before its first token
+    for k, t in enumerate(ttft):
+        assert t >= (3 * k + 1) * GAP_S * 0.9, ttft
+    rec = {"planned_s": 1.0, "sent_s": 1.5, "token_times_s": [2.0, 2.5, 3.5], "end_s": 3.6, "error": None}
+    lat = metrics.request_latencies(rec)
+    assert lat == {"ttft_s": 1.0, "e2e_s": 2.6, "tpot_s": 0.75, "itl_s": [0.5, 1.0]}
+
+
+def test_closed_loop_keeps_the_concurrency(url):
+    _, results = asyncio.run(loadgen.closed_loop(url, _jobs(4, 2), concurrency=2, max_duration_s=30))
+    assert all(r.error is None and len(r.token_ids) == 2 for r in results)
+    assert all(r.planned_s <= r.sent_s for r in results)
+    # two workers: the 3rd and 4th request start only after an earlier one ended
+    ends = sorted(r.end_s for r in results[:2])
+    assert min(r.sent_s for r in results[2:]) >= ends[0] - 1e-3
+
+
+def test_a_run_stops_at_its_time_bound_and_counts_open_requests_failed(url):
+    t0 = time.perf_counter()
+    _, results = asyncio.run(loadgen.open_loop(url, _jobs(3, 40), [0.0, 0.0, 0.0], max_duration_s=0.5))
+    assert time.perf_counter() - t0 < 5
+    assert [r.error for r in results].count(loadgen.TIMEOUT_ERROR) >= 2
+    figs = metrics.run_figures([r.to_dict() for r in results], {"ttft_s": 1.0, "tpot_s": 1.0})
+    assert figs["failed"] >= 2 and figs["completed"] + figs["failed"] == 3
+
+
+def test_run_figures_percentiles_and_goodput():
+    reqs = [{"planned_s": 0.0, "token_times_s": [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], "end_s": 0.1 * (i + 1) + 0.06,
+             "token_ids": [1, 2], "error": None} for i in range(10)]
+    reqs.append({"planned_s": 0.5, "token_times_s": [], "end_s": 0.7, "token_ids": [], "error": "HTTP 500: x"})
+    figs = metrics.run_figures(reqs, {"ttft_s": 0.55, "tpot_s": 0.06})
+    assert figs["completed"] == 10 and figs["failed"] == 1
+    assert figs["p50_ttft_s"] == pytest.approx(0.55) and figs["p99_ttft_s"] == pytest.approx(0.991)
+    assert figs["good"] == 5 and figs["duration_s"] == pytest.approx(1.06)
+    assert figs["goodput_rps"] == pytest.approx(5 / 1.06)
+    assert figs["throughput_tokens_per_s"] == pytest.approx(20 / 1.06)
+    assert metrics.derived_slo(figs) == {"ttft_s": pytest.approx(1.5 * 0.991), "tpot_s": pytest.approx(0.075)}
