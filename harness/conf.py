@@ -29,6 +29,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from . import rules
+from .online.config import OnlineConf
 from .records import DEFAULT_ENGINE
 from .spec import BenchSpec
 
@@ -252,6 +253,7 @@ class BenchConf:
     fault: FaultConf = field(default_factory=FaultConf)
     # An incomplete bundle to finish measuring: every other key must equal its plan's (README, "Interrupted runs").
     resume: Optional[str] = None
+    online: Optional[OnlineConf] = None  # the online serving track (harness/online/); null: none
 
 
 def register() -> None:

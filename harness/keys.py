@@ -82,9 +82,22 @@ MEANINGS: dict[str, str] = {
     "reuse_references": "reuse a cached frozen reference of the same inputs (hash) instead of capturing it",
     "fault.kill_after_arms": "testing aid: a session SIGKILLs itself after this many arms",
     "resume": "an incomplete bundle to finish measuring (every other key as in its plan)",
+    # the online serving track (harness/online/config.py OnlineConf); online: null runs none
+    "online.point": "the point whose B, prompts and frozen reference the online trace uses (null: the first)",
+    "online.num_requests": "requests of the seeded Poisson trace (at most that point's C)",
+    "online.trace_seed": "seed of the trace's arrivals",
+    "online.rates": "arrival rates as multiples of the native capacity the calibration run measures",
+    "online.pairs": "balanced pairs of online runs (baseline, candidate) per rate",
+    "online.baseline": "online baseline arm (null: the first comparison's baseline)",
+    "online.candidate": "online candidate arm (null: the first comparison's candidate)",
+    "online.slo_ttft_s": "declared SLO on time to first token (with slo_tpot_s; null: 1.5 x calibration p99)",
+    "online.slo_tpot_s": "declared SLO on time per output token after the first",
+    "online.warmup_requests": "untimed requests each fresh server serves before its measured run",
+    "online.max_duration_s": "bound of one online run; requests still open then fail",
+    "online.health_timeout_s": "a server not healthy within this fails its run",
 }
 
-_CONTAINERS = {"points": "points[]", "comparisons": "comparisons[]", "arms": "arms.<name>"}
+_CONTAINERS = {"points": "points[]", "comparisons": "comparisons[]", "arms": "arms.<name>", "online": "online"}
 
 
 def _type_name(tp) -> str:

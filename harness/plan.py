@@ -20,6 +20,7 @@ from pathlib import Path
 from . import evidence, stats, workloads
 from .fileio import canonical_json, sha256_bytes
 from .inputs import Inputs
+from .online.plan import online_plan
 from .records import OrderItem
 from .spec import BenchSpec
 from .stats import restart_of
@@ -114,4 +115,5 @@ def make_plan(spec: BenchSpec, got: Inputs, ckpt: dict, points: list[dict]) -> d
         "max_model_len": got.max_model_len, "points": points, "reference_arm": spec.reference,
         "devices": got.devices, "order": {d["name"]: order for d in got.devices},
         "detectable_effect": detectable_effect(spec),
+        **({"online": online_plan(spec, got.devices)} if spec.online is not None else {}),
     }

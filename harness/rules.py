@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .engines import check_engine
+from .online import config as online_config
 
 
 def positive_int(key: str, value: Any) -> None:
@@ -76,6 +77,7 @@ def check(plain: dict) -> None:
     kill = plain["fault"]["kill_after_arms"]
     if kill is not None and (isinstance(kill, bool) or kill < 0):
         raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")
+    online_config.check(plain)
 
 
 def check_prompt_lengths(wl: dict) -> None:

@@ -273,6 +273,9 @@ def measure(job: dict) -> None:
         done += 1
         _log(f"{item.seq:4d} {item.point} {item.comparison} pair {item.pair} {item.position:9s} "
              f"{item.arm:>14s}: {rec.measured.elapsed_s:.4f}s {rec.tokens_per_s:.1f} tok/s")
+    from .online.arms import measure_online   # the online track (harness/online/), when the plan has one
+
+    measure_online(job, _log)
 
 
 def arm_coverage(frozen: dict[str, str], arms: dict, model):

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
+from .online.config import OnlineSpec
 from .records import ArmSpec
 
 
@@ -150,6 +151,7 @@ class BenchSpec:
     sessions: int = 1
     evidence: EvidenceSpec = EvidenceSpec(0.05, 0.8, None, None)
     telemetry: TelemetrySpec = TelemetrySpec()
+    online: OnlineSpec | None = None
 
     @classmethod
     def from_plain(cls, p: Mapping[str, Any]) -> BenchSpec:
@@ -167,11 +169,16 @@ class BenchSpec:
                                                            dict(exe["slurm"]["additional_parameters"])})}),
             results_dir=p["results_dir"], cache_dir=p["cache_dir"], reuse_references=p["reuse_references"],
             fault=FaultSpec(**p["fault"]), resume=p["resume"], sessions=p["sessions"],
-            evidence=EvidenceSpec(**p["evidence"]), telemetry=TelemetrySpec(**p["telemetry"]))
+            evidence=EvidenceSpec(**p["evidence"]), telemetry=TelemetrySpec(**p["telemetry"]),
+            online=OnlineSpec.from_plain(p.get("online")))
 
     def to_plain(self) -> dict:
-        """JSON data: the plan's ``config`` (tuples as lists)."""
-        return _lists(dataclasses.asdict(self))
+        """JSON data: the plan's ``config`` (tuples as lists); without ``online`` when it is null, so the
+        plans of runs without the online track read as they did before it existed."""
+        plain = _lists(dataclasses.asdict(self))
+        if plain["online"] is None:
+            del plain["online"]
+        return plain
 
     @property
     def reference(self) -> str:

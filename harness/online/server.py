@@ -207,8 +207,18 @@ def serve(spec: dict) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGTERMs this server when the session that started it dies (PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
     if len(argv) != 1:
         print("usage: python -m loopbench.harness.online.server SPEC.json", file=sys.stderr)
         return 2

@@ -1,0 +1,114 @@
+"""Online runs in the session child: one server process per run, driven by the load generator.
+
+For each item of the plan's online order (harness/online/plan.py), on the plan's online device, after
+the session's offline arms: start a fresh server of the item's arm (harness/online/process.py; its own
+process, engine and natural exit policy on this device), send ``warmup_requests`` untimed requests, then
+
+- the calibration run: every trace request, closed loop at concurrency B; its completed requests per
+  second are the capacity the rates multiply, its p99s the derived SLO (metrics.derived_slo);
+- an arm run: the frozen trace open loop at ``rate_multiple`` x capacity (``loadgen.arrivals_s``),
+
+then stop the server and write one raw record ``online/<device>/<seq:05d>-<kind>-<arm>[-r<rate index>-p<pair>].json``
+(atomic) with every request's timestamps and tokens; the server's log sits beside it (same stem, .log).
+A server that crashes or never gets healthy raises ``ServerFailed`` with its log tail: the session
+fails, and the bundle is incomplete. Only a device's first session runs the track (a resume does not).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from ..fileio import atomic_write_json
+from . import loadgen, metrics
+from .process import ServerProcess
+
+RECORD_SCHEMA = 1
+
+
+def record_stem(item: dict) -> str:
+    """The file name stem of an order item's raw record (and of its server log)."""
+    stem = f"{item['seq']:05d}-{item['kind']}-{item['arm']}"
+    return stem if item["kind"] == "calibration" else f"{stem}-r{item['rate_index']}-p{item['pair']}"
+
+
+def server_spec(plan: dict, job: dict, arm: str) -> dict:
+    """What the server of ``arm`` needs (harness/online/server.py SPEC.json)."""
+    cfg = plan["config"]
+    return {"checkpoint_path": plan["checkpoint"]["path"], "dtype": cfg["model"]["dtype"], "device": job["device"],
+            "arm_config": cfg["arms"][arm], "max_num_seqs": plan["online"]["max_num_seqs"],
+            "max_model_len": plan["max_model_len"], "policy": cfg["exit"]["policy"],
+            "exit": {k: cfg["exit"][k] for k in ("min_loops", "max_loops", "threshold")}, "host": "127.0.0.1"}
+
+
+def _jobs(online: dict, prompts: list[list[int]]) -> list[loadgen.Job]:
+    return [loadgen.Job(r["index"], r["prompt_index"], prompts[r["prompt_index"]], online["max_tokens"])
+            for r in online["requests"]]
+
+
+def calibration_figures(record: dict) -> dict:
+    """The calibration run's figures (no SLO): its ``request_rate_rps`` is the capacity."""
+    return metrics.run_figures(record["requests"], None)
+
+
+def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capacity_rps: float | None,
+             out_dir: Path) -> dict:
+    """One online run of the order; returns its raw record (also written to ``out_dir``)."""
+    online = plan["online"]
+    jobs = _jobs(online, prompts)
+    stem = record_stem(item)
+    server = ServerProcess(server_spec(plan, job, item["arm"]), out_dir / f"{stem}.log", online["health_timeout_s"])
+    server.start()
+    try:
+        if online["warmup_requests"]:
+            warm = [loadgen.Job(-1 - i, j.prompt_index, j.prompt, j.max_tokens)
+                    for i, j in enumerate(jobs[:online["warmup_requests"]])]
+            asyncio.run(loadgen.closed_loop(server.url, warm, online["max_num_seqs"], online["max_duration_s"]))
+        if item["kind"] == "calibration":
+            rate_rps = None
+            start, results = asyncio.run(loadgen.closed_loop(server.url, jobs, online["calibration"]["concurrency"],
+                                                             online["max_duration_s"]))
+        else:
+            rate_rps = item["rate_multiple"] * capacity_rps
+            planned = loadgen.arrivals_s(online["trace"]["unit_arrivals_s"], rate_rps)
+            start, results = asyncio.run(loadgen.open_loop(server.url, jobs, planned, online["max_duration_s"]))
+        server.check("during the run")
+        health = server.health()
+    finally:
+        exit_code = server.stop()
+    record = {"schema": RECORD_SCHEMA, "job": job["name"], "session": job.get("session", job["name"]),
+              **{k: item[k] for k in ("seq", "kind", "arm", "rate_index", "rate_multiple", "pair", "position", "slot")},
+              "arm_config": plan["config"]["arms"][item["arm"]], "point": online["point"],
+              "mode": "closed" if item["kind"] == "calibration" else "open",
+              "concurrency": online["calibration"]["concurrency"] if item["kind"] == "calibration" else None,
+              "capacity_rps": capacity_rps, "rate_rps": rate_rps, "start_unix_s": start,
+              "warmup_requests": online["warmup_requests"], "max_duration_s": online["max_duration_s"],
+              "server": {"log": f"{stem}.log", "exit_code": exit_code, "health": health},
+              "requests": [r.to_dict() for r in results]}
+    atomic_write_json(out_dir / f"{stem}.json", record)
+    return record
+
+
+def measure_online(job: dict, log) -> None:
+    """The session's online track: every online run of the plan, in order (nothing without one, on
+    another device, or in a resumed or later session)."""
+    bundle = Path(job["bundle"])
+    plan = json.loads((bundle / "plan.json").read_text())
+    online = plan.get("online")
+    if online is None or job["name"] != online["device"] or job.get("session", job["name"]) != job["name"]:
+        return
+    prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())
+    out_dir = bundle / "online" / job["name"]
+    capacity = None
+    for item in online["order"]:
+        rec = run_item(plan, job, item, prompts, capacity, out_dir)
+        figs = metrics.run_figures(rec["requests"], None)
+        if item["kind"] == "calibration":
+            capacity = calibration_figures(rec)["request_rate_rps"]
+            if not capacity:
+                raise RuntimeError(f"the online calibration run completed no request ({figs['failed']} failed): "
+                                   f"no capacity to scale the rates by; see {out_dir / rec['server']['log']}")
+        log(f"online {item['seq']:3d} {item['kind']:11s} {item['arm']:>14s} rate "
+            f"{'closed' if rec['rate_rps'] is None else format(rec['rate_rps'], '.3f') + '/s'}: "
+            f"{figs['completed']} done, {figs['failed']} failed, p99 TTFT {figs['p99_ttft_s']}, "
+            f"{figs['request_rate_rps']} req/s")
