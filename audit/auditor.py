@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import check_files, check_plan, check_telemetry, check_runs, check_sessions, check_summary, check_tables, contract, evidence, load
+from . import (check_files, check_online, check_plan, check_telemetry, check_runs, check_sessions, check_summary,
+               check_tables, contract, evidence, load)
 from .context import Audit
 
 AUDITOR_VERSION = 6   # 6: implements bundle format 5 (telemetry, per-point workloads, graph coverage), audits 1 to 4
@@ -86,6 +87,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("sessions", check_sessions.check_slurm_jobs, plan, children)
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
+    ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     return checks_ok
 
 

@@ -28,7 +28,8 @@ def check_plan(ctx: Audit, plan: dict) -> None:
     records."""
     closed = ctx.version >= contract.CLOSED_SINCE
     fields = contract.fields_at(PLAN["fields"], PLAN["fields_since"], ctx.version)
-    problem = contract.fields_problem(plan, fields, "plan.json: ", closed=closed)
+    optional = contract.fields_at(PLAN["optional"], PLAN["fields_since"], ctx.version)
+    problem = contract.fields_problem(plan, fields, "plan.json: ", optional, closed=closed)
     if problem is not None:
         ctx.fail("plan", problem)
     for job, items in plan["order"].items():

@@ -20,6 +20,7 @@ class Audit:
         self.discrepancies: list[str] = []
         self._counts: dict[str, int] = {}
         self.checked: dict[str, int] = {}
+        self.online_summary: dict | None = None   # the re-derived online/summary.json (check_online), format 5
 
     def fail(self, kind: str, message: str) -> None:
         n = self._counts.get(kind, 0) + 1

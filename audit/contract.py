@@ -176,19 +176,20 @@ def layout_domains(plan: dict, ran: set[str]) -> dict[str, dict[str, list[str] |
     restarts = (plan.get("config") or {}).get("sessions", 1)
     anywhere = {"point": [pt["key"] for pt in plan.get("points", [])], "device": devices,
                 "session": sorted(set(devices) | set(device_sessions(devices, ran, restarts))),
-                "reference_device": devices[:1], "table": list(TABLES), "record": None}
+                "reference_device": devices[:1], "table": list(TABLES), "record": None, "online_record": None}
     return {"always": anywhere, "optional": anywhere,
             "point_with_reference": {**anywhere, "point": [pt["key"] for pt in plan.get("points", [])
                                                            if pt.get("reference")]},
             "session_ran": {**anywhere, "device": [d for d in devices if d in ran],
-                            "session": device_sessions(devices, ran, restarts)}}
+                            "session": device_sessions(devices, ran, restarts)},
+            "online": anywhere if plan.get("online") else None}   # format 5: files of the online track
 
 
 def layout_required(plan: dict, ran: set[str]) -> list[str]:
     """Every path the contract requires of this bundle, in the contract's order."""
     domains, out = layout_domains(plan, ran), []
     for entry in FORMAT["files"]:
-        if entry["required"] == "optional":
+        if entry["required"] == "optional" or domains[entry["required"]] is None:
             continue
         paths = [entry["path"]]
         for name in _PLACEHOLDER.findall(entry["path"]):

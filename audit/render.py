@@ -249,7 +249,7 @@ def _drift(summary: dict) -> list[str]:
 
 
 def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm_rows: list[dict],
-           environment: dict, version: int = contract.VERSION) -> str:
+           environment: dict, version: int = contract.VERSION, online: list[str] = ()) -> str:
     """The whole ``report.md`` text of a bundle of format ``version`` whose re-derived summary is
     ``summary``: that version's sections in the contract's order (the arm sections only with arms)."""
     sections = {
@@ -266,6 +266,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "graph_coverage": lambda: render_sections.graph_coverage(plan, summary["results"]),
         "telemetry": lambda: render_sections.telemetry(plan, arm_rows),
         "children": lambda: ["", *_children(summary["children"])],
+        "online": lambda: list(online),   # format 5: check_online.report_lines
         "plot": lambda: ["", R["plot"], ""],
     }
     return "\n".join(one_line(line) for name in R["sections_by_version"][str(version)] for line in sections[name]())

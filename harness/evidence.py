@@ -59,7 +59,7 @@ def columns(table: str) -> list[str]:
 def _published() -> tuple[str, ...]:
     """What finalize() writes from the records (and the auditor after it): the files of those writers in the
     contract, the manifest first (unpublish() removes it first)."""
-    writers = ("harness/evidence.py", "harness/report.py", "audit/auditor.py")
+    writers = ("harness/evidence.py", "harness/report.py", "audit/auditor.py", "harness/online/evidence.py")
     paths = [f["path"].replace("{table}", t) for f in FORMAT["files"] if f["writer"] in writers
              for t in (TABLES if "{table}" in f["path"] else [""])]
     return tuple(sorted(paths, key=lambda p: p != "manifest.json"))
@@ -373,6 +373,9 @@ def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], envir
     summary = summarize(plan, sha256_file(bundle / "plan.json"), tables, checks, children, interrupted)
     atomic_write_json(bundle / "summary.json", summary)
     plot_ratios(summary, tables["pairs"], bundle / "pair_ratios.png")
-    atomic_write_text(bundle / "report.md", render_report(plan, summary, tables["arms"], environment))
+    from .online.evidence import publish as publish_online   # the online track's files and report lines
+
+    online = publish_online(bundle, plan)
+    atomic_write_text(bundle / "report.md", render_report(plan, summary, tables["arms"], environment, online))
     write_manifest(bundle)
     return summary

@@ -219,8 +219,9 @@ def _drift(summary: dict) -> list[str]:
             + table_lines(spec["columns"], rows) + [""] + table_lines(spec["creep_columns"], creep))
 
 
-def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict) -> str:
-    """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms)."""
+def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict, online: list[str] = ()) -> str:
+    """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms);
+    ``online``: the Online section's lines (harness/online/report.py), none without an online track."""
     sections = {
         "header": lambda: _header(plan, summary, environment),
         "result": lambda: ["", R["headings"]["result"], "", result_tables(summary, plan),
@@ -234,6 +235,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "graph_coverage": lambda: report_sections.graph_coverage(plan, summary),
         "telemetry": lambda: report_sections.telemetry(plan, arms),
         "children": lambda: ["", *_children(summary["children"])],
+        "online": lambda: list(online),
         "plot": lambda: ["", R["plot"], ""],
     }
     return "\n".join(line for name in R["sections"] for line in sections[name]())

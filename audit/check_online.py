@@ -1,0 +1,349 @@
+"""The online serving track (format 5), re-derived from the raw per-request timestamps.
+
+A bundle whose plan.json has ``online`` holds one raw record per online run (online/<device>/*.json).
+From the plan and those records alone this module re-derives: the trace (seeded unit Poisson arrivals
+and their sha256) and the balanced order; each record's place in that order, its capacity (the
+calibration run's completed requests per second) and rate, and every open-loop request's planned
+arrival (unit arrival / rate); every request's TTFT, end-to-end latency, TPOT and inter-token gaps
+(from the planned arrival); every run's percentiles, throughput and goodput against the SLO (declared,
+or the factor x the calibration run's p99s); the paired medians per rate; and the served tokens
+against the frozen reference. ``online/requests.parquet`` and ``online/summary.json`` must equal that
+cell for cell and leaf for leaf, and :func:`report_lines` renders the report's Online section from it.
+The rules are the contract's ``online`` section (bundle_format.json); nothing of the harness is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pandas as pd
+
+from . import contract
+from .context import Audit
+from .values import field_diffs, plain, same
+
+SPEC = contract.FORMAT["online"]
+R = SPEC["report"]
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+def unit_arrivals(n: int, seed: int) -> list[float]:
+    return [0.0] + np.cumsum(np.random.default_rng(seed).exponential(1.0, size=n - 1)).tolist()
+
+
+def expected_order(on: dict, order_seed: int) -> list[dict]:
+    """The online order by the contract's ``order_rule``."""
+    order = [{"seq": 0, "kind": "calibration", "arm": on["baseline"], "rate_index": None, "rate_multiple": None,
+              "pair": None, "position": None, "slot": None}]
+    n = on["pairs"]
+    for ri, rate in enumerate(on["rates"]["multiples"]):
+        firsts = ["baseline"] * math.ceil(n / 2) + ["candidate"] * (n // 2)
+        perm = np.random.default_rng([order_seed, ri, 1]).permutation(n)
+        for pair in range(n):
+            first = firsts[perm[pair]]
+            for slot, pos in enumerate((first, "candidate" if first == "baseline" else "baseline")):
+                order.append({"seq": len(order), "kind": "arm", "arm": on[pos], "rate_index": ri,
+                              "rate_multiple": rate, "pair": pair, "position": pos, "slot": slot})
+    return order
+
+
+def check_plan(ctx: Audit, plan: dict) -> None:
+    """plan.json online: its fields, the trace and its sha256, the point, the requests and the order."""
+    on = plan["online"]
+    problem = contract.fields_problem(on, SPEC["plan_fields"], "plan.json: online.", closed=True) \
+        or contract.fields_problem(on["trace"], SPEC["trace_fields"], "plan.json: online.trace.", closed=True)
+    if problem is not None:
+        ctx.fail("online", problem)
+        return
+    unit = unit_arrivals(on["num_requests"], on["trace"]["seed"])
+    if on["trace"]["unit_arrivals_s"] != unit:   # JSON floats round-trip exactly
+        ctx.fail("online", "plan.json online.trace.unit_arrivals_s is not the seeded Poisson trace of its seed")
+    sha = hashlib.sha256(json.dumps([float(t) for t in on["trace"]["unit_arrivals_s"]]).encode()).hexdigest()
+    if sha != on["trace"]["sha256"]:
+        ctx.fail("online", f"plan.json online.trace.sha256 is {on['trace']['sha256']}, the trace hashes to {sha}")
+    point = next((p for p in plan["points"] if p["key"] == on["point"]), None)
+    if point is None or point["max_num_seqs"] != on["max_num_seqs"] or on["num_requests"] > point["num_requests"]:
+        ctx.fail("online", f"plan.json online.point {on['point']!r} is not a plan point of B{on['max_num_seqs']} "
+                           f"with at least {on['num_requests']} requests")
+    want_reqs = [{"index": i, "prompt_index": i, "reference_request_id": f"r{i:04d}"} for i in range(on["num_requests"])]
+    if on["requests"] != want_reqs:
+        ctx.fail("online", "plan.json online.requests are not request i = prompt i, reference r<i:04d>")
+    if on["device"] != plan["devices"][0]["name"]:
+        ctx.fail("online", f"plan.json online.device is {on['device']!r}, not the first device")
+    if not same(on["order"], expected_order(on, plan["config"]["order_seed"])):
+        ctx.fail("online", "plan.json online.order is not the seeded balanced order of its rates and pairs")
+    ctx.count("online_plan")
+
+
+# --------------------------------------------------------------------------------------- records
+
+def record_stem(item: dict) -> str:
+    stem = f"{item['seq']:05d}-{item['kind']}-{item['arm']}"
+    return stem if item["kind"] == "calibration" else f"{stem}-r{item['rate_index']}-p{item['pair']}"
+
+
+def load_records(ctx: Audit, plan: dict) -> list[dict]:
+    """Every online record that parses, has the contract's fields and sits at its order item's path."""
+    on, out = plan["online"], []
+    order = {o["seq"]: o for o in on["order"]}
+    for path in sorted((ctx.bundle / "online").glob("*/*.json")):
+        rel = path.relative_to(ctx.bundle).as_posix()
+        try:
+            rec = json.loads(path.read_text())
+        except ValueError as exc:
+            ctx.fail("online", f"{rel} could not be read: {exc}")
+            continue
+        problem = contract.fields_problem(rec, SPEC["record_fields"], f"{rel}: ", closed=True) or next(
+            (contract.fields_problem(q, SPEC["request_fields"], f"{rel}: requests[{i}].", closed=True)
+             for i, q in enumerate(rec["requests"]) if isinstance(q, dict)), None)
+        item = order.get(rec.get("seq"))
+        if problem is None and (item is None or rel != f"online/{on['device']}/{record_stem(item)}.json"
+                                or rec["job"] != on["device"]
+                                or any(rec[k] != item[k] for k in item)):
+            problem = f"{rel} is not at its place in plan.json online.order"
+        if problem is not None:
+            ctx.fail("online", problem)
+            continue
+        out.append(rec)
+    return sorted(out, key=lambda r: r["seq"])
+
+
+def latencies(q: dict) -> dict:
+    """One request's figures, from the planned arrival (contract ``online.requests_columns``)."""
+    t = q["token_times_s"]
+    ok = q["error"] is None
+    return {"ttft_s": t[0] - q["planned_s"] if ok and t else None, "e2e_latency_s": q["end_s"] - q["planned_s"] if ok else None,
+            "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if ok and len(t) > 1 else None,
+            "itl_s": [b - a for a, b in zip(t, t[1:])] if ok else []}
+
+
+def _pct(values: list[float], q: float, method: str) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q, method=method)) if values else None
+
+
+def good(lat: dict, slo: dict | None) -> bool:
+    return (slo is not None and lat["ttft_s"] is not None and lat["ttft_s"] <= slo["ttft_s"]
+            and (lat["tpot_s"] is None or lat["tpot_s"] <= slo["tpot_s"]))
+
+
+def run_figures(rec: dict, slo: dict | None, method: str) -> dict:
+    done = [(q, latencies(q)) for q in rec["requests"] if q["error"] is None]
+    dur = max((q["end_s"] for q in rec["requests"]), default=0.0)
+
+    def rate(n):
+        return n / dur if dur > 0 else None
+    ttft = [lat["ttft_s"] for _, lat in done if lat["ttft_s"] is not None]
+    itl = [g for _, lat in done for g in lat["itl_s"]]
+    tpot = [lat["tpot_s"] for _, lat in done if lat["tpot_s"] is not None]
+    n_good = sum(good(lat, slo) for _, lat in done)
+    return {"seq": rec["seq"], "kind": rec["kind"], "arm": rec["arm"], "rate_multiple": rec["rate_multiple"],
+            "rate_rps": rec["rate_rps"], "pair": rec["pair"], "position": rec["position"],
+            "completed": len(done), "failed": len(rec["requests"]) - len(done), "duration_s": dur,
+            "p50_ttft_s": _pct(ttft, 50, method), "p99_ttft_s": _pct(ttft, 99, method),
+            "p50_itl_s": _pct(itl, 50, method), "p99_itl_s": _pct(itl, 99, method), "p99_tpot_s": _pct(tpot, 99, method),
+            "throughput_tokens_per_s": rate(sum(len(q["token_ids"]) for q, _ in done)),
+            "request_rate_rps": rate(len(done)), "good": n_good if slo is not None else None,
+            "goodput_rps": rate(n_good) if slo is not None else None}
+
+
+def check_arrivals(ctx: Audit, plan: dict, records: list[dict], capacity: float | None) -> None:
+    """Each arm run's capacity is the calibration's, its rate multiple x capacity, and each request is
+    planned at unit arrival / rate (open loop) as the plan's request i on prompt i."""
+    on = plan["online"]
+    unit = on["trace"]["unit_arrivals_s"]
+    for rec in records:
+        idx = [(q["index"], q["prompt_index"]) for q in rec["requests"]]
+        if idx != [(r["index"], r["prompt_index"]) for r in on["requests"]]:
+            ctx.fail("online", f"record seq {rec['seq']}: its requests are not the plan's online requests in order")
+        if rec["kind"] == "calibration":
+            continue
+        if not same(rec["capacity_rps"], capacity):
+            ctx.fail("online", f"record seq {rec['seq']}: capacity_rps {rec['capacity_rps']} is not the calibration "
+                               f"run's {capacity}")
+            continue
+        rate = rec["rate_multiple"] * capacity
+        if not same(rec["rate_rps"], rate):
+            ctx.fail("online", f"record seq {rec['seq']}: rate_rps {rec['rate_rps']} != rate_multiple x capacity = {rate}")
+        for q in rec["requests"]:
+            if not same(q["planned_s"], unit[q["index"]] / rate):
+                ctx.fail("online", f"record seq {rec['seq']} request {q['index']}: planned_s {q['planned_s']} is not "
+                                   f"its trace arrival {unit[q['index']] / rate}")
+        ctx.count("online_arrivals", len(rec["requests"]))
+
+
+# --------------------------------------------------------------------------------------- summary
+
+def _median(values: list) -> float | None:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.median(vals)) if vals else None
+
+
+def rate_entries(on: dict, runs: list[dict]) -> list[dict]:
+    out = []
+    for ri, multiple in enumerate(on["rates"]["multiples"]):
+        at = [r for r in runs if r["kind"] == "arm" and r["rate_multiple"] == multiple]
+        by_pair: dict = {}
+        for r in at:
+            by_pair.setdefault(r["pair"], {})[r["position"]] = r
+        pairs = sorted(p for p, both in by_pair.items() if len(both) == 2)
+        figures = {}
+        for fig in SPEC["paired_figures"]:
+            base = [by_pair[p]["baseline"][fig] for p in pairs]
+            cand = [by_pair[p]["candidate"][fig] for p in pairs]
+            ratios = [c / b for b, c in zip(base, cand) if b and c is not None]
+            figures[fig] = {"baseline_median": _median(base), "candidate_median": _median(cand), "ratios": ratios,
+                            "ratio_median": _median(ratios)}
+        out.append({"rate_index": ri, "rate_multiple": multiple, "rate_rps": at[0]["rate_rps"] if at else None,
+                    "baseline": on["baseline"], "candidate": on["candidate"], "pairs": pairs, "figures": figures})
+    return out
+
+
+def token_check(ctx: Audit, on: dict, records: list[dict]) -> dict:
+    ref = {r["request_id"]: r["token_ids"] for r in
+           json.loads((ctx.bundle / "references" / f"{on['point']}.schedule.json").read_text())["requests"]}
+    checked = failed = 0
+    mismatches = []
+    for rec in records:
+        first = None
+        for q in rec["requests"]:
+            if q["error"] is not None:
+                failed += 1
+                continue
+            checked += 1
+            rid, got = f"r{q['index']:04d}", list(q["token_ids"])
+            want = ref[rid]
+            pos = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            if pos is None and len(got) != len(want):
+                pos = min(len(got), len(want))
+            if pos is not None and first is None:
+                first = {"seq": rec["seq"], "arm": rec["arm"], "request_index": q["index"], "reference_request_id": rid,
+                         "position": pos, "want": want[pos] if pos < len(want) else "<end>",
+                         "got": got[pos] if pos < len(got) else "<end>"}
+        if first is not None:
+            mismatches.append(first)
+    return {"ok": not mismatches, "requests_checked": checked, "requests_failed": failed, "mismatches": mismatches}
+
+
+def derived(ctx: Audit, plan: dict, records: list[dict]) -> tuple[dict, dict | None]:
+    """(the re-derived online/summary.json, the SLO its figures use)."""
+    on = plan["online"]
+    method = on["percentile_method"]
+    calib = next((r for r in records if r["kind"] == "calibration"), None)
+    calib_figs = run_figures(calib, None, method) if calib else None
+    if on["slo"]["source"] == "declared":
+        slo = {"ttft_s": on["slo"]["ttft_s"], "tpot_s": on["slo"]["tpot_s"]}
+    else:
+        slo = None if calib_figs is None else {"ttft_s": on["slo"]["factor"] * calib_figs["p99_ttft_s"],
+                                               "tpot_s": on["slo"]["factor"] * calib_figs["p99_tpot_s"]}
+    capacity = calib_figs["request_rate_rps"] if calib_figs else None
+    check_arrivals(ctx, plan, records, capacity)
+    runs = [run_figures(r, slo, method) for r in records]
+    summary = {"schema_version": SPEC["schema_version"],
+               "status": "complete" if len(records) == len(on["order"]) else "incomplete",
+               "runs_planned": len(on["order"]), "runs_recorded": len(records), "capacity_rps": capacity,
+               "slo": {**on["slo"], **(slo or {})}, "percentile_method": method, "runs": runs,
+               "rates": rate_entries(on, runs), "checks": token_check(ctx, on, records)}
+    return summary, slo
+
+
+def expected_rows(records: list[dict], slo: dict | None) -> list[dict]:
+    rows = []
+    for rec in records:
+        for q in rec["requests"]:
+            lat = latencies(q)
+            rows.append({"job": rec["job"], "seq": rec["seq"], "kind": rec["kind"], "arm": rec["arm"],
+                         "rate_multiple": rec["rate_multiple"], "rate_rps": rec["rate_rps"], "pair": rec["pair"],
+                         "position": rec["position"], "request_index": q["index"], "prompt_index": q["prompt_index"],
+                         "planned_s": q["planned_s"], "sent_s": q["sent_s"],
+                         "first_token_s": q["token_times_s"][0] if q["token_times_s"] else None, "end_s": q["end_s"],
+                         **lat, "tokens": len(q["token_ids"]), "finish_reason": q["finish_reason"], "error": q["error"],
+                         "meets_slo": q["error"] is None and good(lat, slo)})
+    return rows
+
+
+def check_table(ctx: Audit, rows: list[dict]) -> None:
+    """online/requests.parquet: its declared columns, and every cell the re-derived one."""
+    rel = "online/requests.parquet"
+    df = pd.read_parquet(ctx.bundle / rel)
+    declared = [c["name"] for c in SPEC["requests_columns"]]
+    if list(df.columns) != declared:
+        ctx.fail(rel, f"has columns {list(df.columns)}, the contract declares {declared}")
+        return
+    if len(df) != len(rows):
+        ctx.fail(rel, f"has {len(df)} rows, the raw online records give {len(rows)}")
+        return
+    for got, want in zip(df.to_dict("records"), rows):
+        key = f"row {want['job']} seq {want['seq']} request {want['request_index']}"
+        for col in declared:
+            if not same(plain(got[col]), want[col]):
+                ctx.fail(rel, f"{key}: {col} is {plain(got[col])!r}, re-derived from the raw timestamps {want[col]!r}")
+        ctx.count("online_request_rows")
+
+
+def check(ctx: Audit, plan: dict, children: list) -> None:
+    """Every check of the module docstring on a bundle with an online track (nothing without one)."""
+    if not plan.get("online"):
+        return
+    check_plan(ctx, plan)
+    records = load_records(ctx, plan)
+    ctx.count("online_records", len(records))
+    summary, slo = derived(ctx, plan, records)
+    check_table(ctx, expected_rows(records, slo))
+    got = json.loads((ctx.bundle / "online" / "summary.json").read_text())
+    for path, g, w in field_diffs(got, summary, ""):
+        ctx.fail("online/summary.json", f"{path} is {g!r}, re-derived from the raw timestamps {w!r}")
+    latest = {c.get("name"): c for c in children if isinstance(c, dict)}
+    dev = latest.get(plan["online"]["device"], {})
+    if dev.get("state") == "completed" and summary["status"] != "complete":
+        ctx.fail("online", f"session {plan['online']['device']} completed but recorded {len(records)} of "
+                           f"{len(plan['online']['order'])} online runs")
+    ctx.online_summary = summary   # for the report's Online section (report_lines)
+
+
+# ---------------------------------------------------------------------------------------- report
+
+def _num(v, t: str = R["number"]) -> str:
+    return R["na"] if v is None else t.format(v)
+
+
+def report_lines(ctx: Audit, plan: dict) -> list[str]:
+    """The Online section of report.md from the re-derived summary (none without an online track)."""
+    s = ctx.online_summary
+    if not plan.get("online") or s is None:
+        return []
+    on, slo = plan["online"], s["slo"]
+    src = R["source"][slo["source"]]
+    lines = ["", R["heading"], ""]
+    if s["status"] != "complete":
+        lines += [R["incomplete"].format(recorded=s["runs_recorded"], planned=s["runs_planned"]), ""]
+    lines += [R["trace"].format(num_requests=on["num_requests"], max_tokens=on["max_tokens"], point=on["point"],
+                                seed=on["trace"]["seed"], sha256=on["trace"]["sha256"], capacity=_num(s["capacity_rps"]),
+                                arm=on["calibration"]["arm"], concurrency=on["calibration"]["concurrency"],
+                                ttft=_num(slo.get("ttft_s")), tpot=_num(slo.get("tpot_s")), method=s["percentile_method"],
+                                source=src.format(factor=slo["factor"]) if slo["source"] == "calibration" else src), ""]
+    cols = R["runs_columns"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in s["runs"]:
+        lines.append(R["runs_row"].format(
+            seq=r["seq"], arm=r["arm"], completed=r["completed"], failed=r["failed"],
+            rate_multiple=R["closed"] if r["rate_multiple"] is None else _num(r["rate_multiple"], R["multiple"]),
+            rate_rps=R["closed"] if r["rate_rps"] is None else _num(r["rate_rps"]),
+            **{k: _num(r[k]) for k in ("p50_ttft_s", "p99_ttft_s", "p99_itl_s", "throughput_tokens_per_s", "goodput_rps")}))
+    for rate in s["rates"]:
+        b, c = rate["baseline"], rate["candidate"]
+        cols = [h.format(baseline=b, candidate=c) for h in R["paired_columns"]]
+        lines += ["", R["paired_subheading"].format(rate_multiple=_num(rate["rate_multiple"], R["multiple"]),
+                                                    rate_rps=_num(rate["rate_rps"]), baseline=b, candidate=c,
+                                                    n=len(rate["pairs"])), "",
+                  "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += [R["paired_row"].format(figure=f, baseline_median=_num(v["baseline_median"]),
+                                         candidate_median=_num(v["candidate_median"]), ratio_median=_num(v["ratio_median"]))
+                  for f, v in rate["figures"].items()]
+    ch = s["checks"]
+    line = R["check_ok"].format(checked=ch["requests_checked"], failed=ch["requests_failed"]) if ch["ok"] else \
+        R["check_failed"].format(n=len(ch["mismatches"]), checked=ch["requests_checked"], failed=ch["requests_failed"],
+                                 **ch["mismatches"][0])
+    return lines + ["", line, "", R["plot"]]
