@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import json
 import numbers
+import signal
 import socket
 import sys
 import time
@@ -203,15 +204,21 @@ def serve(spec: dict) -> int:
     print(f"serving on http://{spec.get('host', '127.0.0.1')}:{port}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             lifespan="on")
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: exit 0 there
+    signal.signal(signal.SIGTERM, _stopped)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _stopped(signum, frame) -> None:
+    print(f"stopped on {signal.Signals(signum).name} after a graceful shutdown", flush=True)
+    raise SystemExit(0)
 
 
 def _die_with_parent() -> None:
     """Linux: the kernel SIGTERMs this server when the session that started it dies (PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
 

@@ -1,0 +1,120 @@
+"""The online track's evidence against the auditor (audit/check_online.py): an honest cpu-online bundle
+passes; changing one latency, timestamp, figure, token or report line fails the audit and names it."""
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from loopbench.harness import conf, controller, evidence
+from loopbench.harness.online import evidence as online_evidence
+
+from .tamper import edit_json, edit_report, failed, rewrite_manifest
+
+SMALL = ["online.num_requests=6", "online.rates=[1.0]", "online.warmup_requests=2", "executor.poll_s=0.1"]
+
+
+@pytest.fixture(scope="module")
+def honest_online(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("online")
+    cfg = conf.compose("cpu-online", SMALL + [f"results_dir={root / 'results'}", f"cache_dir={root / 'cache'}"])
+    result = controller.run(cfg)
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    return result.bundle
+
+
+@pytest.fixture
+def bundle(honest_online, tmp_path) -> Path:
+    copy = tmp_path / honest_online.name
+    shutil.copytree(honest_online, copy)
+    return copy
+
+
+def _raw(bundle: Path, seq: int) -> Path:
+    return next((bundle / "online" / "cpu0").glob(f"{seq:05d}-*.json"))
+
+
+def test_the_honest_online_bundle_passes_and_serves_the_reference_tokens(honest_online):
+    from loopbench.audit.auditor import audit
+
+    verdict = audit(honest_online)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert verdict["checked"]["online_records"] == 3 and verdict["checked"]["online_request_rows"] == 18
+    summary = json.loads((honest_online / "online" / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["checks"]["ok"], summary["checks"]
+    assert summary["checks"]["requests_checked"] == 18 and summary["slo"]["source"] == "calibration"
+    assert [r["kind"] for r in summary["runs"]] == ["calibration", "arm", "arm"]
+    table = pd.read_parquet(honest_online / "online" / "requests.parquet")
+    assert {"ttft_s", "e2e_latency_s", "tpot_s", "itl_s", "planned_s"} <= set(table.columns)
+    assert (table["ttft_s"] > 0).all() and (table["tokens"] == 16).all()
+    report = (honest_online / "report.md").read_text()
+    assert "## Online serving" in report and "Served tokens equal the frozen natural reference" in report
+    assert (honest_online / "online" / "latency.png").stat().st_size > 0
+
+
+def test_tampering_one_latency_in_the_table_fails_naming_it(bundle):
+    path = bundle / "online" / "requests.parquet"
+    df = pd.read_parquet(path)
+    df.loc[4, "ttft_s"] = df.loc[4, "ttft_s"] * 0.5
+    evidence.write_table(path, df)
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    row = df.loc[4]
+    assert f"online/requests.parquet: row cpu0 seq {row['seq']} request {row['request_index']}: ttft_s is" in text
+
+
+def test_tampering_one_raw_timestamp_fails_naming_the_figures_it_moves(bundle):
+    edit_json(_raw(bundle, 1), lambda rec: rec["requests"][2]["token_times_s"].__setitem__(0, 0.0))
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert "online/requests.parquet: row cpu0 seq 1 request 2: first_token_s is" in text
+    assert "online/summary.json: runs[1].p99_ttft_s is" in text or "online/summary.json: runs[1].p50_ttft_s is" in text
+
+
+@pytest.mark.parametrize("leaf", ["p99_ttft_s", "p50_ttft_s", "p99_itl_s", "goodput_rps", "throughput_tokens_per_s"])
+def test_tampering_a_summary_figure_fails_naming_it(bundle, leaf):
+    edit_json(bundle / "online" / "summary.json", lambda s: s["runs"][2].__setitem__(leaf, s["runs"][2][leaf] * 1.01))
+    rewrite_manifest(bundle)
+    assert f"online/summary.json: runs[2].{leaf} is" in failed(bundle)
+
+
+def test_tampering_a_paired_median_or_the_slo_fails_naming_it(bundle):
+    def forge(s):
+        s["rates"][0]["figures"]["goodput_rps"]["ratio_median"] = 2.0
+        s["slo"]["ttft_s"] *= 2
+    edit_json(bundle / "online" / "summary.json", forge)
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert "online/summary.json: rates[0].figures.goodput_rps.ratio_median is 2.0" in text
+    assert "online/summary.json: slo.ttft_s is" in text
+
+
+def test_a_planned_arrival_off_the_trace_fails(bundle):
+    edit_json(_raw(bundle, 2), lambda rec: rec["requests"][3].__setitem__("planned_s", rec["requests"][3]["planned_s"] + 0.1))
+    rewrite_manifest(bundle)
+    assert "record seq 2 request 3: planned_s" in failed(bundle)
+
+
+def test_a_changed_served_token_is_a_failed_check_naming_request_and_position(bundle):
+    """The harness's own check names the first differing request and token; a summary that still says ok fails."""
+    edit_json(_raw(bundle, 2), lambda rec: rec["requests"][1]["token_ids"].__setitem__(5, rec["requests"][1]["token_ids"][5] + 1))
+    plan = json.loads((bundle / "plan.json").read_text())
+    checks = online_evidence.online_summary(bundle, plan, online_evidence.load_online_records(bundle))["checks"]
+    assert not checks["ok"]
+    first = checks["mismatches"][0]
+    assert (first["seq"], first["request_index"], first["reference_request_id"], first["position"]) == (2, 1, "r0001", 5)
+    rewrite_manifest(bundle)
+    assert "online/summary.json: checks.ok is True, re-derived from the raw timestamps False" in failed(bundle)
+
+
+def test_an_edited_online_report_line_fails(bundle):
+    edit_report(bundle, lambda lines: [line.replace("0 failed requests", "0 failed requests (all fine)") for line in lines])
+    rewrite_manifest(bundle)
+    assert "report.md: line" in failed(bundle) and "(## Online serving)" in failed(bundle)
+
+
+def test_a_stray_online_file_fails_the_layout(bundle):
+    (bundle / "online" / "notes.json").write_text("{}")
+    rewrite_manifest(bundle)
+    assert "layout: online/notes.json is not a file of the bundle layout" in failed(bundle)

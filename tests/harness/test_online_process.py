@@ -1,0 +1,73 @@
+"""The server as a separate process (harness/online/process.py), the online plan and its config rules."""
+import httpx
+import pytest
+import torch
+
+from loopbench.audit import check_online
+from loopbench.harness import conf
+from loopbench.harness.fixtures import write_synthetic_checkpoint
+from loopbench.harness.online.plan import online_order
+from loopbench.harness.online.process import ServerFailed, ServerProcess
+
+ARM = {"kv_layout": "native", "prefix_tiles": False, "attention_backend": "torch", "cuda_graphs": False,
+       "graph_cache_size": 16, "descriptor_mode": "h2d", "block_size": 16, "tile_size": 32,
+       "engine": "loopbench.runtime.engine:LoopEngine"}
+
+
+def _spec(checkpoint: str) -> dict:
+    return {"checkpoint_path": checkpoint, "dtype": "float32", "device": {"kind": "cpu", "gpu_index": None, "cpu_threads": 1},
+            "arm_config": ARM, "max_num_seqs": 2, "max_model_len": 64, "policy": "ouro",
+            "exit": {"min_loops": 1, "max_loops": 4, "threshold": 0.55}, "host": "127.0.0.1"}
+
+
+def test_the_server_process_starts_healthy_on_127_0_0_1_and_stops_cleanly(tmp_path):
+    ckpt = write_synthetic_checkpoint(tmp_path / "tiny", "tiny", seed=0, dtype=torch.float32)
+    server = ServerProcess(_spec(str(ckpt)), tmp_path / "server.log", health_timeout_s=120)
+    url = server.start()
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        assert server.health()["status"] == "ok"
+        out = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60).json()
+        assert len(out["choices"][0]["token_ids"]) == 4
+    finally:
+        code = server.stop()
+    assert code == 0                                  # SIGTERM: uvicorn's graceful shutdown
+    assert "serving on http://127.0.0.1:" in (tmp_path / "server.log").read_text()
+
+
+def test_a_server_that_crashes_fails_with_its_log_tail(tmp_path):
+    server = ServerProcess(_spec(str(tmp_path / "no-such-checkpoint")), tmp_path / "server.log", health_timeout_s=120)
+    with pytest.raises(ServerFailed, match=r"exited with status 1 before it was healthy; last lines of") as err:
+        server.start()
+    assert "no-such-checkpoint" in str(err.value)       # the traceback's last lines, from the server's log
+
+
+def test_the_online_order_is_balanced_and_the_auditor_derives_the_same():
+    order = online_order((0.5, 1.0), 4, "native", "alias_prefix", order_seed=3)
+    assert order[0]["kind"] == "calibration" and order[0]["arm"] == "native"
+    assert [o["seq"] for o in order] == list(range(len(order))) and len(order) == 1 + 2 * 4 * 2
+    for ri in (0, 1):
+        firsts = [o["position"] for o in order if o["rate_index"] == ri and o["slot"] == 0]
+        assert sorted(firsts) == ["baseline", "baseline", "candidate", "candidate"]
+    on = {"baseline": "native", "candidate": "alias_prefix", "pairs": 4, "rates": {"multiples": [0.5, 1.0]}}
+    assert check_online.expected_order(on, 3) == order
+
+
+@pytest.mark.parametrize("override, words", [
+    ("online.num_requests=17", "online.num_requests = 17 exceeds the 16 requests of point B4C16"),
+    ("online.slo_ttft_s=0.5", "online.slo_ttft_s and online.slo_tpot_s are set together"),
+    ("online.candidate=alias", "online.candidate = 'alias' is not an arm"),
+    ("online.rates=[]", "online.rates must list at least one multiple"),
+    ("online.rates=[0.5,-1.0]", "online.rates[1] must be a positive number, got -1.0"),
+    ("online.point=B9C9", "online.point = 'B9C9' is not a point of this run"),
+])
+def test_bad_online_config_is_named(override, words):
+    with pytest.raises(ValueError, match=None) as err:
+        conf.validate(conf.compose("cpu-online", [override]))
+    assert words in str(err.value)
+
+
+def test_the_online_defaults_fill_in_from_the_first_point_and_comparison():
+    spec = conf.validate(conf.compose("cpu-online"))
+    assert (spec.online.point, spec.online.baseline, spec.online.candidate) == ("B4C16", "native", "alias_prefix")
+    assert "online" not in conf.validate(conf.compose("cpu-smoke")).to_plain()   # plans without the track unchanged
