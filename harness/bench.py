@@ -79,6 +79,10 @@ def show(result) -> int:
           + f"; checks {'FAILED' if not summary['checks']['ok'] else 'passed' if summary['status'] == 'complete' else 'passed on what was recorded'}"
           + f"; verdicts {'published' if summary['verdicts_published'] else 'barred: ' + str(summary['verdicts_barred_by'])}"
           + f"; audit {'passed' if code == 0 else 'exit ' + str(code)}")
+    from .online.report import status_line   # the online track's one line, when the run has one
+
+    if (online := status_line(result.bundle)) is not None:
+        print(online)
     from .evidence import current_children
 
     for child in current_children(summary.get("children", [])):   # not the earlier runs of a resumed bundle

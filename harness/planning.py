@@ -142,7 +142,9 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
              f"{_n(n_comp, 'comparison')} x {_n(spec.pairs, 'pair')} x {_n(spec.sessions, 'session')} x 2 arms, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
              f"reference arm {spec.reference} (natural run per point, reused from the cache when its inputs match)",
              "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
-    return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)])
+    from .online.plan import describe as describe_online   # the online track's line, when there is one
+
+    return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)] + describe_online(spec))
 
 
 def _point_text(pt) -> str:

@@ -55,3 +55,17 @@ def online_plan(spec: BenchSpec, devices: list[dict]) -> dict | None:
         "health_timeout_s": on.health_timeout_s,
         "order": online_order(on.rates, on.pairs, on.baseline, on.candidate, spec.order_seed),
     }
+
+
+def describe(spec: BenchSpec) -> list[str]:
+    """``loopbench plan``'s lines about the online track (none without one)."""
+    on = spec.online
+    if on is None:
+        return []
+    slo = (f"declared TTFT <= {on.slo_ttft_s} s, TPOT <= {on.slo_tpot_s} s" if on.slo_ttft_s is not None
+           else f"{metrics.SLO_FACTOR} x the calibration run's p99 TTFT and TPOT")
+    runs = 1 + 2 * on.pairs * len(on.rates)
+    return [f"  online: {runs} server runs on the first device after its arms: a {on.baseline} calibration run "
+            f"(closed loop at B), then {on.baseline} vs {on.candidate}, {on.pairs} balanced pair(s) at each of "
+            f"{', '.join(f'{r:g}' for r in on.rates)} x capacity on a Poisson trace of {on.num_requests} requests "
+            f"of point {on.point} (seed {on.trace_seed}); SLO {slo}"]

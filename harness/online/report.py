@@ -69,6 +69,23 @@ def report_lines(online: dict, summary: dict) -> list[str]:
     return lines + ["", _check_line(summary["checks"]), "", R["plot"]]
 
 
+def status_line(bundle: Path) -> str | None:
+    """``loopbench bench``'s line about the online track of ``bundle`` (None without one)."""
+    import json
+
+    path = Path(bundle) / "online" / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    ch = s["checks"]
+    first = ch["mismatches"][0] if ch["mismatches"] else None
+    tokens = ("served tokens equal the frozen reference" if ch["ok"] else
+              f"served tokens DIFFER from the frozen reference in {len(ch['mismatches'])} run(s), first run "
+              f"{first['seq']} request {first['request_index']} token {first['position']}")
+    return (f"online: {s['status']}, {s['runs_recorded']} of {s['runs_planned']} runs, capacity "
+            f"{_num(s['capacity_rps'])} requests/s; {tokens}; {ch['requests_failed']} failed requests")
+
+
 def plot_latency(records: list[dict], summary: dict, path: Path) -> None:
     """Per run: each request's TTFT (dots) and its inter-token gaps (small dots), with the SLO lines."""
     import matplotlib

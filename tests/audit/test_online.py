@@ -7,10 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from loopbench.audit import contract
 from loopbench.harness import conf, controller, evidence
 from loopbench.harness.online import evidence as online_evidence
 
-from .tamper import edit_json, edit_report, failed, rewrite_manifest
+from .tamper import REPO, edit_json, edit_report, failed, rewrite_manifest
 
 SMALL = ["online.num_requests=6", "online.rates=[1.0]", "online.warmup_requests=2", "executor.poll_s=0.1"]
 
@@ -51,6 +52,12 @@ def test_the_honest_online_bundle_passes_and_serves_the_reference_tokens(honest_
     report = (honest_online / "report.md").read_text()
     assert "## Online serving" in report and "Served tokens equal the frozen natural reference" in report
     assert (honest_online / "online" / "latency.png").stat().st_size > 0
+    files = [p.relative_to(honest_online).as_posix() for p in honest_online.rglob("*") if p.is_file()]
+    domain = contract.layout_domains(json.loads((honest_online / "plan.json").read_text()), set())["optional"]
+    for entry in contract.FORMAT["files"]:              # no online entry of the contract is dead
+        if entry["path"].startswith("online/"):
+            assert any(contract.layout_pattern(entry["path"], domain).fullmatch(f) for f in files), entry["path"]
+            assert (REPO / entry["writer"]).is_file(), entry["writer"]
 
 
 def test_tampering_one_latency_in_the_table_fails_naming_it(bundle):
@@ -118,3 +125,8 @@ def test_a_stray_online_file_fails_the_layout(bundle):
     (bundle / "online" / "notes.json").write_text("{}")
     rewrite_manifest(bundle)
     assert "layout: online/notes.json is not a file of the bundle layout" in failed(bundle)
+
+
+def test_a_format_4_claim_with_an_online_track_is_a_downgrade(bundle):
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=4))
+    assert "plan: plan.json: online is a field that" in failed(bundle)

@@ -71,3 +71,20 @@ def test_the_online_defaults_fill_in_from_the_first_point_and_comparison():
     spec = conf.validate(conf.compose("cpu-online"))
     assert (spec.online.point, spec.online.baseline, spec.online.candidate) == ("B4C16", "native", "alias_prefix")
     assert "online" not in conf.validate(conf.compose("cpu-smoke")).to_plain()   # plans without the track unchanged
+
+
+def test_an_online_run_whose_server_crashes_fails_with_the_servers_log_tail(tmp_path):
+    from loopbench.harness.online import arms
+
+    plan = {"checkpoint": {"path": str(tmp_path / "missing")}, "max_model_len": 64,
+            "config": {"model": {"dtype": "float32"}, "arms": {"native": ARM},
+                       "exit": {"policy": "ouro", "min_loops": 1, "max_loops": 4, "threshold": 0.55}},
+            "online": {"max_num_seqs": 2, "health_timeout_s": 120, "requests": [], "max_tokens": 4,
+                       "warmup_requests": 0, "max_duration_s": 10, "calibration": {"concurrency": 2}}}
+    job = {"name": "cpu0", "device": {"kind": "cpu", "gpu_index": None, "cpu_threads": 1}}
+    item = {"seq": 0, "kind": "calibration", "arm": "native", "rate_index": None, "rate_multiple": None,
+            "pair": None, "position": None, "slot": None}
+    with pytest.raises(ServerFailed, match="exited with status 1 before it was healthy") as err:
+        arms.run_item(plan, job, item, [], None, tmp_path / "online")
+    assert (tmp_path / "online" / "00000-calibration-native.log").is_file() and "missing" in str(err.value)
+    assert not (tmp_path / "online" / "00000-calibration-native.json").exists()   # no record of a failed run
