@@ -135,16 +135,20 @@ class EngineLoop:
     def _emit(self) -> None:
         """Send every live request its new tokens; end those that finished (one host read per step)."""
         sched = self.engine.scheduler
-        finished = []
+        queued = {q.request_id for q in sched.queue}
+        finished, grown = [], []
         for rid, live in self._live.items():
             run = sched.running(rid)
-            if run is not None:
-                if run.n_out > live.sent:
-                    for tok in self.engine.runner.out_tokens[run.slot, live.sent:run.n_out].tolist():
-                        live.post("token", int(tok))
-                    live.sent = run.n_out
-            elif all(q.request_id != rid for q in sched.queue):
+            if run is not None and run.n_out > live.sent:
+                grown.append((live, run))
+            elif run is None and rid not in queued:
                 finished.append(rid)
+        if grown:   # [len(grown), max_model_len] int64 rows: one device read for the whole step
+            rows = self.engine.runner.out_tokens[[run.slot for _, run in grown]].tolist()
+            for (live, run), row in zip(grown, rows):
+                for tok in row[live.sent:run.n_out]:
+                    live.post("token", int(tok))
+                live.sent = run.n_out
         if not finished:
             return
         outs = self.engine.outputs()
