@@ -135,7 +135,8 @@ async def _bounded(tasks: list[asyncio.Task], results: list[RequestResult], max_
         task.result()   # a bug in the client surfaces here, never as a silent failure
 
 
-async def open_loop(url: str, jobs: list[Job], planned_s: list[float], max_duration_s: float) -> tuple[float, list[RequestResult]]:
+async def open_loop(url: str, jobs: list[Job], planned_s: list[float],
+                    max_duration_s: float) -> tuple[float, list[RequestResult]]:
     """Send ``jobs[i]`` at ``planned_s[i]`` (s after the start); returns (start as ``time.time()``, results)."""
     if len(jobs) != len(planned_s):
         raise ValueError(f"{len(jobs)} jobs but {len(planned_s)} planned arrivals")
@@ -151,7 +152,8 @@ async def open_loop(url: str, jobs: list[Job], planned_s: list[float], max_durat
     return start_unix_s, results
 
 
-async def closed_loop(url: str, jobs: list[Job], concurrency: int, max_duration_s: float) -> tuple[float, list[RequestResult]]:
+async def closed_loop(url: str, jobs: list[Job], concurrency: int,
+                      max_duration_s: float) -> tuple[float, list[RequestResult]]:
     """``concurrency`` workers send ``jobs`` in order, each its next when its previous one ended."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")

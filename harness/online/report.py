@@ -35,8 +35,9 @@ def _trace_line(online: dict, summary: dict) -> str:
 
 def _run_row(run: dict) -> str:
     cells = {k: _num(run[k]) for k in ("p50_ttft_s", "p99_ttft_s", "p99_itl_s", "throughput_tokens_per_s", "goodput_rps")}
+    multiple = R["closed"] if run["rate_multiple"] is None else _num(run["rate_multiple"], R["multiple"])
     return R["runs_row"].format(seq=run["seq"], arm=run["arm"], completed=run["completed"], failed=run["failed"],
-                                rate_multiple=R["closed"] if run["rate_multiple"] is None else _num(run["rate_multiple"], R["multiple"]),
+                                rate_multiple=multiple,
                                 rate_rps=R["closed"] if run["rate_rps"] is None else _num(run["rate_rps"]), **cells)
 
 

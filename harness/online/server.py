@@ -10,9 +10,9 @@ exit policy), ``exit`` (min_loops, max_loops, threshold), ``host`` and ``port_fi
 - ``GET /health``: 200 ``{"status": "ok", ...counters}`` (requests accepted, completed, aborted; slots
   running and free);
 - ``POST /v1/completions``: an OpenAI-style completion over token ids. Body: ``prompt`` (a non-empty
-  list of token ids), ``max_tokens`` (int >= 1), optional ``ignore_eos`` (bool; default false, true for an engine without EOS),
-  ``stream`` (bool, default false), ``model`` (ignored). Greedy only, so any other field is refused.
-  Without ``stream``: one JSON object, ``choices[0].token_ids`` and ``finish_reason``; with it,
+  list of token ids), ``max_tokens`` (int >= 1), optional ``ignore_eos`` (bool; default false, true for
+  an engine without EOS), ``stream`` (bool, default false), ``model`` (ignored). Greedy only, so any
+  other field is refused. Without ``stream``: one JSON object, ``choices[0].token_ids`` and ``finish_reason``; with it,
   server-sent events ``data: {...}`` with one token id each in ``choices[0].token_ids``, a last event
   with ``finish_reason``, then ``data: [DONE]``. A bad request gets 400 (422 for a body that is not
   JSON) with ``{"error": {"message": ...}}`` naming the bad field; a client that disconnects aborts its
