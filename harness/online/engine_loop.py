@@ -129,7 +129,10 @@ class EngineLoop:
             live.post("accepted", None)
         elif kind == "abort" and arg in self._live:
             self._live.pop(arg)
-            self.engine.abort(arg)
+            try:
+                self.engine.abort(arg)
+            except ValueError:   # it finished in the step before: nothing left to free
+                return
             self.counters.aborted += 1
 
     def _emit(self) -> None:
