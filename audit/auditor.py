@@ -51,11 +51,11 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import (check_files, check_online, check_plan, check_telemetry, check_runs, check_sessions, check_summary,
-               check_tables, contract, evidence, load)
+from . import (check_files, check_natural, check_online, check_plan, check_telemetry, check_runs, check_sessions,
+               check_summary, check_tables, contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 6   # 6: implements bundle format 5 (telemetry, per-point workloads, graph coverage), audits 1 to 4
+AUDITOR_VERSION = 6   # 6: implements bundle format 5 (telemetry, per-point workloads, graph coverage, online, natural)
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -67,9 +67,9 @@ def _check_files(ctx: Audit, plan, children, records: list[dict]) -> None:
         ctx.section("layout", check_files.check_layout, plan, check_files.sessions_ran(children, records))
 
 
-def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: list[dict], refs: dict) -> bool:
-    """Plan, order, devices, timing, tables, coverage, references and sessions; True when every record
-    reproduces its reference (the summary's ``checks.ok``)."""
+def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: list[dict], refs: dict) -> tuple[bool, dict | None]:
+    """Plan, order, devices, timing, tables, coverage, references, sessions and the natural track; (True when
+    every replay record reproduces its reference: the summary's ``checks.ok``, the natural track's summary)."""
     tables = load.load_tables(ctx)
     ctx.section("plan", check_plan.check_plan, plan)
     ctx.section("plan", check_plan.check_point_requests, plan)
@@ -88,17 +88,17 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
-    return checks_ok
+    return checks_ok, ctx.section("natural", check_natural.check, plan, records)
 
 
 def _check_claims(ctx: Audit, plan: dict, summary: dict, records: list[dict], children: list[dict], refs: dict,
-                  environment, checks_ok: bool) -> bool:
+                  environment, checks_ok: bool, natural: dict | None = None) -> bool:
     """Status, summary.json and report.md; True when the run is complete."""
     interrupted = ctx.section("status", check_summary.interruption, plan, children)
     complete = bool(ctx.section("status", check_summary.is_complete, plan, records, children, interrupted))
     ctx.section("summary.json", check_summary.check_status_codes, summary)
     expected = ctx.section("summary.json", check_summary.expected_summary, plan, summary, records, children, refs,
-                           complete, checks_ok, interrupted)
+                           complete, checks_ok, interrupted, natural)
     if expected is not None:
         ctx.section("summary.json", check_summary.check_summary, summary, expected)
         if isinstance(environment, dict) and (ctx.bundle / "report.md").is_file():
@@ -122,8 +122,8 @@ def run(ctx: Audit) -> dict:
     if environment is not None:
         ctx.section("environment.json", load.check_environment, environment)
     refs = ctx.section("reference", load.load_references, plan) or {}
-    checks_ok = _check_measurement(ctx, plan, records, children, refs)
-    return verdict(ctx, _check_claims(ctx, plan, summary, records, children, refs, environment, checks_ok))
+    checks_ok, natural = _check_measurement(ctx, plan, records, children, refs)
+    return verdict(ctx, _check_claims(ctx, plan, summary, records, children, refs, environment, checks_ok, natural))
 
 
 def verdict(ctx: Audit, complete: bool) -> dict:

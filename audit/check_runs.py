@@ -3,7 +3,7 @@ row trace; zero measured Graph captures; equal Graph coverage within a pair; and
 record claims against those the auditor derives from the frozen schedule (:mod:`.coverage`)."""
 from __future__ import annotations
 
-from . import contract, coverage
+from . import check_natural, contract, coverage
 from .context import Audit
 from .values import field_diffs, plain
 
@@ -26,12 +26,13 @@ def check_against_references(ctx: Audit, plan: dict, records: list[dict], refs: 
                 if phase == "measured" or warmup:
                     ctx.fail("reference", f"{r['job']} seq {r['seq']} {r['arm']}: no {phase} run")
                 continue
-            _check_phase(ctx, r, phase, data, ref)
+            if not check_natural.is_natural(plan, r):   # a natural arm runs its own exits
+                _check_phase(ctx, r, phase, data, ref)
         _check_coverage_trace(ctx, r)
         new_captures = {k: n for k, n in r["measured"]["graphs"].items() if k.endswith("captures") and n}
         if warmup and new_captures:
             ctx.fail("captures", f"{r['job']} seq {r['seq']} {r['arm']}: {new_captures} in the measured run")
-    _check_graph_coverage(ctx, records)
+    _check_graph_coverage(ctx, [r for r in records if not check_natural.is_natural(plan, r)])
     return len(ctx.discrepancies) == before
 
 
@@ -98,12 +99,14 @@ def check_coverage(ctx: Audit, plan: dict, records: list[dict], refs: dict) -> N
         ref = refs.get(r["point"])
         if ref is None:
             continue  # named by the reference check
-        key = (r["point"], r["arm"])
+        own = check_natural.is_natural(plan, r)   # coverage of its own exits (format 5)
+        key = (r["job"], r["seq"]) if own else (r["point"], r["arm"])
+        schedule = check_natural.own_schedule(r, ref["schedule"]) if own else ref["schedule"]
         if key not in derived:
-            derived[key] = coverage.coverage(ref["schedule"], r["arm_config"], planes, r.get("schema", 1))
-            if derived[key]["trace_sha256"] != ref["schedule"].get("trace_sha256"):
-                ctx.fail("coverage", f"{r['point']}: the replay scheduling rules do not reproduce the frozen "
-                                     "row trace, so no coverage count can be vouched for")
+            derived[key] = coverage.coverage(schedule, r["arm_config"], planes, r.get("schema", 1))
+            if derived[key]["trace_sha256"] != schedule.get("trace_sha256"):
+                ctx.fail("coverage", f"{r['point']} {'seq ' + str(r['seq']) if own else ''}: the replay scheduling "
+                                     "rules do not reproduce the row trace, so no coverage count can be vouched for")
         for path, got, want in field_diffs(r["coverage"], derived[key], "coverage"):
             ctx.fail("coverage", f"record {r['job']} seq {r['seq']} ({r['arm']}): {path} is "
                                  f"{plain(got) if got is not ABSENT else 'missing'}, the frozen schedule gives "

@@ -46,12 +46,12 @@ def check_status_codes(ctx: Audit, claimed: dict) -> None:
 
 
 def expected_summary(ctx: Audit, plan: dict, claimed: dict, records: list[dict], children: list[dict], refs: dict,
-                     complete: bool, checks_ok: bool, interrupted: dict | None) -> dict:
+                     complete: bool, checks_ok: bool, interrupted: dict | None, natural: dict | None = None) -> dict:
     # The checker's finding messages cannot be re-derived; a failed check is a discrepancy of its own.
     findings = [] if checks_ok else (claimed.get("checks") or {}).get("findings")
     return derive.summary(plan, sha256_file(ctx.bundle / "plan.json"), records, children, complete=complete,
                           checks_ok=checks_ok, reference_points=set(refs), findings=findings,
-                          interrupted=interrupted, version=ctx.version)
+                          interrupted=interrupted, version=ctx.version, natural=natural)
 
 
 def check_summary(ctx: Audit, claimed: dict, expected: dict) -> None:

@@ -27,7 +27,8 @@ TABLES = tuple(FORMAT["table_names"])
 UNMANIFESTED = tuple(FORMAT["unmanifested"])
 DOCS = FORMAT["documents"]
 CODES = FORMAT["status_codes"]["codes"]
-TABLE_KEYS = {name: tuple(FORMAT["tables"][name]["key"]) for name in TABLES}
+NATURAL_TABLES = tuple(FORMAT["natural_table_names"])   # format 5: checked by check_natural, not check_tables
+TABLE_KEYS = {name: tuple(FORMAT["tables"][name]["key"]) for name in TABLES + NATURAL_TABLES}
 ABSENT = object()
 
 _JSON_TYPES = {"string": (str,), "int": (int,), "number": (int, float), "bool": (bool,), "object": (dict,),
@@ -176,7 +177,8 @@ def layout_domains(plan: dict, ran: set[str]) -> dict[str, dict[str, list[str] |
     restarts = (plan.get("config") or {}).get("sessions", 1)
     anywhere = {"point": [pt["key"] for pt in plan.get("points", [])], "device": devices,
                 "session": sorted(set(devices) | set(device_sessions(devices, ran, restarts))),
-                "reference_device": devices[:1], "table": list(TABLES), "record": None, "online_record": None}
+                "reference_device": devices[:1], "table": list(TABLES), "record": None, "online_record": None,
+                "trace": [Path(t["file"]).stem for t in (plan.get("natural") or {}).get("traces", [])]}
     return {"always": anywhere, "optional": anywhere,
             "point_with_reference": {**anywhere, "point": [pt["key"] for pt in plan.get("points", [])
                                                            if pt.get("reference")]},

@@ -26,7 +26,7 @@ import pandas as pd
 import scipy
 import scipy.stats
 
-from . import check_graphs, check_telemetry, contract
+from . import check_graphs, check_natural, check_telemetry, contract
 from . import evidence as _evidence
 
 PHASES = tuple(contract.DOCS["record"]["phases"])
@@ -256,11 +256,12 @@ def results(plan: dict, pairs: list[dict], publish: bool, version: int = contrac
 
 # ------------------------------------------------------------------------------------------ summary
 
-def check_counts(records: list[dict], reference_points: set[str]) -> dict:
-    """What the reference check covers: arms, and the runs, requests and tokens of arms with a reference."""
+def check_counts(records: list[dict], reference_points: set[str], plan: dict | None = None) -> dict:
+    """What the reference check covers: arms, and the runs, requests and tokens of arms with a reference
+    (not of natural-track arms, which are not compared with it: format 5)."""
     phases = requests = tokens = 0
     for r in records:
-        if r["point"] not in reference_points:
+        if r["point"] not in reference_points or (plan is not None and check_natural.is_natural(plan, r)):
             continue
         for phase in PHASES:
             data = r.get(phase)
@@ -313,7 +314,7 @@ def incomplete_reasons(plan: dict, records: list[dict], children: list[dict], in
 
 def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[dict], *, complete: bool,
             checks_ok: bool, reference_points: set[str], findings: list, interrupted: dict | None,
-            version: int = contract.VERSION) -> dict:
+            version: int = contract.VERSION, natural: dict | None = None) -> dict:
     """summary.json as the bundle's records, plan and children make it, in format ``version``.
 
     ``findings`` (the harness checker's messages) cannot be re-derived from files; the caller passes what
@@ -340,12 +341,14 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
                          "bootstrap_seed": vd["bootstrap_seed"]},
         "counts": {"arms_planned": planned, "arms_recorded": len(records), "pairs_planned": planned // 2,
                    "pairs_complete": len(pairs), "requests": n_requests, "tokens": n_tokens},
-        "checks": {"ok": checks_ok, **check_counts(records, reference_points), "findings": findings,
+        "checks": {"ok": checks_ok, **check_counts(records, reference_points, plan), "findings": findings,
                    **coverage_warnings(records)},
         "children": children,
         "results": derived,
         **({"evidence_rule": _evidence.evidence_rule(plan), "memory_creep": _evidence.memory_creep(plan, records)}
            if version >= contract.DOCS["plan"]["sessions_since"] else {}),
+        # format 5: the natural track, as audit/check_natural.py re-derives it
+        **({"natural": natural} if version >= contract.DOCS["summary"]["fields_since"]["natural"] else {}),
     }
 
 

@@ -9,7 +9,7 @@ visible, is a discrepancy.
 """
 from __future__ import annotations
 
-from . import contract, render_sections
+from . import check_natural, contract, render_sections
 
 R = contract.FORMAT["report"]
 WORDS = R["words"]
@@ -260,6 +260,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "statistics": lambda: _statistics(summary["results"]),
         "sessions": lambda: _sessions(plan, summary),
         "drift": lambda: _drift(summary),
+        "natural": lambda: check_natural.report_lines(plan, summary.get("natural"), _table),
         "checks": lambda: ["", *_checks(summary["checks"])],
         "graph_memory": lambda: ["", *_graph_memory(arm_rows, plan if version >= 5 else None)] if arm_rows else [],
         "coverage": lambda: _coverage(arm_rows, plan if version >= 5 else None) if arm_rows else [],

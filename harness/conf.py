@@ -66,6 +66,11 @@ class DescriptorMode(Enum):
     mapped = "mapped"
 
 
+class Track(Enum):
+    replay = "replay"    # every arm replays the frozen natural run of the reference arm (BRIEF section 2)
+    natural = "natural"  # each arm runs its own natural schedule: the exit policy decides (harness/natural.py)
+
+
 class DeviceKind(Enum):
     auto = "auto"    # CUDA when available, else one CPU session
     cpu = "cpu"
@@ -153,6 +158,7 @@ class ComparisonConf:
     baseline: str = MISSING
     candidate: str = MISSING
     name: Optional[str] = None  # default "<baseline>_vs_<candidate>"
+    track: Track = Track.replay  # natural: no replay, each arm's own exits (``NaturalConf``)
 
 
 @dataclass
@@ -185,6 +191,20 @@ class TelemetryConf:
     """NVML sampling during each measured run (harness/sampler.py); nothing is sampled without NVML."""
 
     sample_hz: float = 20.0   # >= 10: a clock change or throttle shorter than 1 / sample_hz may be missed
+
+
+@dataclass
+class NaturalConf:
+    """The natural-schedule track's declared equivalence rule (harness/natural.py), fixed in the plan before
+    anything is measured. A divergence is a near-tie when its margin is below its epsilon: the gate margin
+    ``|1 - S_r - threshold|`` at the loop where the exit decision differed, or the top-1 - top-2 logit
+    margin at the first different token (the larger of the two arms' margins). A comparison is
+    ``equivalent`` when its divergent requests are at most its floor's (the natural A/A comparison
+    ``floor``; None: the A/A of its baseline arm, else of any arm, else 0) and none is above epsilon."""
+
+    gate_epsilon: float = 0.01
+    logit_epsilon: float = 0.05
+    floor: Optional[str] = None
 
 
 @dataclass
@@ -246,6 +266,7 @@ class BenchConf:
     verdict: VerdictConf = field(default_factory=VerdictConf)
     evidence: EvidenceConf = field(default_factory=EvidenceConf)
     telemetry: TelemetryConf = field(default_factory=TelemetryConf)
+    natural: NaturalConf = field(default_factory=NaturalConf)
     executor: ExecutorConf = field(default_factory=ExecutorConf)
     results_dir: str = "results"
     cache_dir: Optional[str] = None      # None = $LOOPBENCH_CACHE or ~/.cache/loopbench

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from . import checker, conf, evidence, inputs, machine, progress
+from . import checker, conf, evidence, inputs, machine, natural, progress
 from .executors import REPO_ROOT, ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
@@ -145,7 +145,8 @@ def reference_job(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path) -> Chi
         "checkpoint_path": ckpt["path"], "dtype": spec.model.dtype, "prompts_file": "prompts.json",
         "points": point_entries(spec), "output_len": spec.workload.output_len, "exit": plain["exit"],
         "arm": ref, "arm_config": plain["arms"][ref], "max_model_len": got.max_model_len,
-        "cache_dir": str(got.cache), "reuse": spec.reuse_references, "key_material": key_material})
+        "cache_dir": str(got.cache), "reuse": spec.reuse_references, "key_material": key_material,
+        **natural.reference_job_entry(plain, [pt.key for pt in spec.points])})
     return ChildSpec("reference", job, bundle / "logs" / "reference.log", dev["gpu_index"], dev["label"],
                      spec.executor.reference_timeout_s)
 
@@ -253,7 +254,8 @@ def check(bundle: Path, plan: dict) -> checker.CheckReport:
         if "reference" in pt:
             references[pt["key"]] = {"schedule": json.loads((bundle / pt["reference"]["file"]).read_text()),
                                      "work": json.loads((bundle / pt["reference"]["meta_file"]).read_text())["work"]}
-    return checker.check(evidence.load_records(bundle), references, warmup=plan["config"]["warmup"])
+    return checker.check(evidence.load_records(bundle), references, warmup=plan["config"]["warmup"],
+                         natural={c["name"] for c in natural.comparisons(plan["config"])})
 
 
 def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunResult:

@@ -31,7 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import diagnostics, graph_coverage, telemetry
+from . import diagnostics, graph_coverage, natural, telemetry
 from . import stats as _stats
 from .fileio import (atomic_write_bytes, atomic_write_json, atomic_write_text, canonical_json,  # noqa: F401
                      sha256_bytes, sha256_file, try_lock)
@@ -339,6 +339,19 @@ def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], che
     }
 
 
+NATURAL_TABLES = ("natural", "natural_divergences")
+
+
+def write_natural(bundle: Path, plan: dict, records: list[dict]) -> dict:
+    """The natural track's tables (harness/natural.py) from the traced runs and raw records; returns the
+    summary's ``natural``."""
+    rows, divs = natural.derive(plan, records, natural.load_traces(bundle, plan))
+    for name, data in zip(NATURAL_TABLES, (rows, divs)):
+        df = pd.DataFrame(data, columns=columns(name)) if data else empty_table(name)
+        write_table(Path(bundle) / "tables" / f"{name}.parquet", df)
+    return natural.summary(plan, rows, divs)
+
+
 def write_manifest(bundle: Path) -> dict:
     """sha256 and size of every file in the bundle except the manifest itself and the audit verdict, and the
     version of the format contract the bundle follows."""
@@ -371,6 +384,8 @@ def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], envir
     tables = build_tables(records)
     write_tables(bundle, tables)
     summary = summarize(plan, sha256_file(bundle / "plan.json"), tables, checks, children, interrupted)
+    if "natural" in plan:
+        summary["natural"] = write_natural(bundle, plan, records)
     atomic_write_json(bundle / "summary.json", summary)
     plot_ratios(summary, tables["pairs"], bundle / "pair_ratios.png")
     from .online.evidence import publish as publish_online   # the online track's files and report lines

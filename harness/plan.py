@@ -17,7 +17,7 @@ import datetime as _dt
 import json
 from pathlib import Path
 
-from . import evidence, stats, workloads
+from . import evidence, natural, stats, workloads
 from .fileio import canonical_json, sha256_bytes
 from .inputs import Inputs
 from .online.plan import online_plan
@@ -116,4 +116,5 @@ def make_plan(spec: BenchSpec, got: Inputs, ckpt: dict, points: list[dict]) -> d
         "devices": got.devices, "order": {d["name"]: order for d in got.devices},
         "detectable_effect": detectable_effect(spec),
         **({"online": online_plan(spec, got.devices)} if spec.online is not None else {}),
+        "natural": natural.plan_entry(config, [pt["key"] for pt in points]),
     }

@@ -16,7 +16,7 @@ import pandas as pd
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from . import compare, conf, inputs, progress
+from . import compare, conf, inputs, natural, progress
 from .plan import detectable_effect, measurement_order
 
 CONFIG_ERRORS = (ValueError, TypeError, HydraException, OmegaConfBaseException)
@@ -144,13 +144,24 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
              "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
     from .online.plan import describe as describe_online   # the online track's line, when there is one
 
-    return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)] + describe_online(spec))
+    return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)] + natural_lines(plain, spec)
+                     + describe_online(spec))
 
 
 def _point_text(pt) -> str:
     """"B16/C16", with the point's own workload: "B16/C16 P2048/D64" (harness/workloads.py)."""
     own = " ".join(f"{n}{v}" for n, v in (("P", pt.prompt_len), ("D", pt.output_len)) if v is not None)
     return f"B{pt.max_num_seqs}/C{pt.num_requests}" + (f" {own.replace(' ', '/')}" if own else "")
+
+
+def natural_lines(plain: dict, spec) -> list[str]:
+    """The natural track's traced runs and declared rule (harness/natural.py), when the plan has one."""
+    entry = natural.plan_entry(plain, [p.key for p in spec.points])
+    if not entry["comparisons"]:
+        return []
+    return [f"  natural track: {', '.join(entry['comparisons'])} run their own exits (no replay); "
+            f"{_n(len(entry['traces']), 'untimed traced run')} before measuring",
+            f"  natural equivalence rule: {entry['rule']}"]
 
 
 def _effect_line(spec) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import report_sections
+from . import natural, report_sections
 from .evidence import FORMAT, atomic_write_bytes
 
 R = FORMAT["report"]
@@ -229,6 +229,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "statistics": lambda: _statistics(summary["results"]),
         "sessions": lambda: _sessions(plan, summary),
         "drift": lambda: _drift(summary),
+        "natural": lambda: natural.report_lines(plan, summary.get("natural"), R["natural"], table_lines),
         "checks": lambda: ["", *_checks(summary["checks"])],
         "graph_memory": lambda: _graph_memory(arms, plan) if len(arms) else [],
         "coverage": lambda: _coverage(arms, plan) if len(arms) else [],

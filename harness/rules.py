@@ -65,6 +65,7 @@ def check(plain: dict) -> None:
     check_exit(plain["exit"])
     check_arms(plain["arms"])
     check_comparisons(plain)
+    check_natural(plain)
     positive_int("pairs", plain["pairs"])
     positive_int("sessions", plain["sessions"])
     check_evidence(plain["evidence"])
@@ -168,6 +169,18 @@ def check_comparisons(plain: dict) -> None:
     ref = plain["reference_arm"]
     if ref is not None and ref not in arms:
         raise ValueError(f"reference_arm = {ref!r} is not an arm; arms are {sorted(arms)}")
+
+
+def check_natural(plain: dict) -> None:
+    """The natural track's epsilons are > 0 and finite; its ``floor`` names a natural A/A comparison."""
+    nat = plain.get("natural") or {}
+    for key in ("gate_epsilon", "logit_epsilon"):
+        if key in nat and not (math.isfinite(nat[key]) and nat[key] > 0):
+            raise ValueError(f"natural.{key} must be > 0, got {nat[key]!r}")
+    floors = [c["name"] for c in plain["comparisons"]
+              if c.get("track") == "natural" and c["baseline"] == c["candidate"]]
+    if nat.get("floor") is not None and nat["floor"] not in floors:
+        raise ValueError(f"natural.floor = {nat['floor']!r} is not a natural A/A comparison; those are {floors}")
 
 
 def check_verdict(vd: dict) -> None:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from . import coverage, engines, machine, telemetry
+from . import coverage, engines, machine, natural, telemetry
 from .sampler import Sampler
 from .fileio import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
 from .records import ArmRecord, ArmSpec, OrderItem, PhaseResult
@@ -184,6 +184,10 @@ def capture_references(job: dict) -> None:
             _log(f"reference {point['key']}: captured {key[:12]} in {meta['elapsed_s']:.2f}s")
         atomic_write_text(bundle / "references" / f"{point['key']}.schedule.json", text)
         atomic_write_json(bundle / "references" / f"{point['key']}.meta.json", meta)
+        if any(t["point"] == point["key"] for t in spec.get("natural_traces", [])):   # the natural track
+            model = model or load_model(spec["checkpoint_path"], spec["dtype"], device, spec["max_model_len"])
+            natural.run_traces(spec, model, prompts, point, device, bundle)
+            _log(f"reference {point['key']}: natural-track traced runs written")
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -228,7 +232,9 @@ def load_session(job: dict) -> SessionInputs:
 def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
     """One arm of the order: a fresh engine, its untimed warmup, its measured run; the record."""
     pt, arm = s.points[item.point], ArmSpec.from_plain(s.config["arms"][item.arm])
-    eng = build_engine(arm, s.model, pt["max_num_seqs"], s.max_model_len, "replay", s.schedules[item.point])
+    own = natural.is_natural(s.config, item.comparison)   # the natural track: its own exits, no replay
+    policy, schedule = (s.config["exit"]["policy"], None) if own else ("replay", s.schedules[item.point])
+    eng = build_engine(arm, s.model, pt["max_num_seqs"], s.max_model_len, policy, schedule)
     warm = run_phase(eng, s.requests[item.point], s.device) if s.config["warmup"] else None
     if warm is not None:
         eng.reset_run()   # the same request ids again; graphs, buffers and cumulative stats stay
@@ -239,6 +245,9 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
     end_unix_s = time.time()
     samples = sampler.stop()
     tele_end = telemetry.sample(s.device["gpu_index"])
+    # a natural arm's coverage is of its own schedule (captured after the timer), not the frozen one
+    covered_here = coverage.derive(json.loads(eng.capture_schedule().to_json()), s.config["arms"][item.arm],
+                                   s.model.cfg.total_ut_steps) if own else covered(item.point, item.arm)
     del eng
     gc.collect()
     if s.device["kind"] == "cuda":  # the next arm starts from the same allocator state
@@ -248,7 +257,7 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
         job=s.job["name"], session=s.job.get("session", s.job["name"]), device=s.device, item=item,
         max_num_seqs=pt["max_num_seqs"], num_requests=pt["num_requests"], output_len=output_len, arm_config=arm,
         tokens_per_s=tokens_per_s(pt["num_requests"], output_len, meas.elapsed_s), warmup=warm, measured=meas,
-        coverage=covered(item.point, item.arm), telemetry_start=tele_start, telemetry_end=tele_end,
+        coverage=covered_here, telemetry_start=tele_start, telemetry_end=tele_end,
         telemetry_samples=samples if sampler.active else None, sampler=sampler.record(),
         measured_start_unix_s=start_unix_s, measured_end_unix_s=end_unix_s)
 

@@ -68,6 +68,7 @@ class ComparisonSpec:
     baseline: str
     candidate: str
     name: str
+    track: str = "replay"   # replay | natural (conf.Track)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,13 @@ class EvidenceSpec:
 @dataclass(frozen=True)
 class TelemetrySpec:
     sample_hz: float = 20.0
+
+
+@dataclass(frozen=True)
+class NaturalSpec:
+    gate_epsilon: float = 0.01
+    logit_epsilon: float = 0.05
+    floor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,7 @@ class BenchSpec:
     evidence: EvidenceSpec = EvidenceSpec(0.05, 0.8, None, None)
     telemetry: TelemetrySpec = TelemetrySpec()
     online: OnlineSpec | None = None
+    natural: NaturalSpec = NaturalSpec()
 
     @classmethod
     def from_plain(cls, p: Mapping[str, Any]) -> BenchSpec:
@@ -170,7 +179,7 @@ class BenchSpec:
             results_dir=p["results_dir"], cache_dir=p["cache_dir"], reuse_references=p["reuse_references"],
             fault=FaultSpec(**p["fault"]), resume=p["resume"], sessions=p["sessions"],
             evidence=EvidenceSpec(**p["evidence"]), telemetry=TelemetrySpec(**p["telemetry"]),
-            online=OnlineSpec.from_plain(p.get("online")))
+            online=OnlineSpec.from_plain(p.get("online")), natural=NaturalSpec(**p.get("natural", {})))
 
     def to_plain(self) -> dict:
         """JSON data: the plan's ``config`` (tuples as lists); without ``online`` when it is null, so the

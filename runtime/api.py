@@ -74,6 +74,10 @@ class EngineConfig:
     eos_token_id: int | None = None
     keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
     poison_kv: bool = False            # tests/debugging: KV cells without a live value hold NaN
+    # diagnostics (the harness's natural-schedule trace): keep each decode row's survival S_r and each
+    # sampled token's top-2 logits in ``LoopEngine.loop_trace``; reads the device every step, so a
+    # traced run is never a timed one
+    trace_loops: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size",
@@ -81,7 +85,7 @@ class EngineConfig:
             _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
         if self.num_blocks is not None:
             _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
-        for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "keep_logits", "poison_kv"):
+        for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "keep_logits", "poison_kv", "trace_loops"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.eos_token_id is not None:

@@ -35,6 +35,11 @@ from .scheduler import PrefillLoop, Running, Scheduler, StepPlan
 __all__ = ["EngineConfig", "EngineStats", "LoopEngine", "Request", "RequestOutput"]
 
 
+def _top2(logits: torch.Tensor) -> list[list[float]]:
+    """The two largest logits of each row of [N, vocab] as host floats [N][2] (a sync)."""
+    return logits.float().topk(2, dim=-1).values.double().tolist()
+
+
 class LoopEngine:
     """Continuously batched looped decoding over ``max_num_seqs`` resident slots."""
 
@@ -63,6 +68,10 @@ class LoopEngine:
         self._finished: dict[str, tuple[Request, torch.Tensor | None, list[int], str]] = {}
         self._aborted = False
         self.logits_log: dict[str, list[torch.Tensor]] = {}   # filled only with keep_logits
+        # filled only with trace_loops: request id -> {"survival": per output token the S_r of each loop
+        # it ran ([] for the first token: prefill runs every loop, no gate decides), "top2": per output
+        # token the two largest logits it was sampled from}
+        self.loop_trace: dict[str, dict[str, list[list[float]]]] = {}
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -90,6 +99,7 @@ class LoopEngine:
         self.scheduler.reset_run()
         self._finished.clear()
         self.logits_log.clear()
+        self.loop_trace.clear()
         self._aborted = False
 
     def has_unfinished(self) -> bool:
@@ -132,6 +142,9 @@ class LoopEngine:
             return
         done = [runs[i] for i in finals]
         self._keep_logits(done, logits)
+        if self.config.trace_loops:
+            for run, top in zip(done, _top2(logits)):
+                self.loop_trace[run.req.request_id] = {"survival": [[]], "top2": [top]}
         host = any(self.policy.needs_host_tokens(r.req) for r in done)
         for j, run in enumerate(done):
             T = len(run.req.prompt_token_ids)
@@ -149,6 +162,8 @@ class LoopEngine:
             self.stats.rows_per_depth[r.depth - 1] += 1
         self.stats.decode_steps += 1
         exits = self.policy.exits_after_step(plan, exit_flags, triggered)   # natural policies: the gate
+        if self.config.trace_loops:
+            self._trace_decode(rows, exits, logits)
         ex = [i for i, e in enumerate(exits) if e]
         exr = [rows[i] for i in ex]
         host_tokens = any(self.policy.needs_host_tokens(r.req) for r in exr)
@@ -171,6 +186,19 @@ class LoopEngine:
                 if r.depth >= r.req.max_loops:
                     raise RuntimeError(f"request {r.req.request_id!r} ran past max_loops={r.req.max_loops}")
                 r.depth += 1
+
+    def _trace_decode(self, rows: list[Running], exits: list[bool], logits: torch.Tensor) -> None:
+        """``trace_loops``: append each row's S_r after this loop, and the top-2 logits of exiting rows
+        (one device read per step; rows still hold the depth they just ran)."""
+        slots = to_device_async(np.array([r.slot for r in rows], dtype=np.int64), self.model.device)
+        survival = self.runner.survival[slots].double().tolist()
+        for r, s, e, top in zip(rows, survival, exits, _top2(logits)):
+            trace = self.loop_trace[r.req.request_id]
+            if r.depth == 1:
+                trace["survival"].append([])
+            trace["survival"][-1].append(s)
+            if e:
+                trace["top2"].append(top)
 
     def _keep_logits(self, runs: list[Running], logits: torch.Tensor) -> None:
         if self.config.keep_logits:

@@ -125,6 +125,7 @@ def strip_version_3(bundle: Path) -> None:
     def summary(s):
         s.pop("evidence_rule")
         s.pop("memory_creep")
+        s.pop("natural", None)   # format 5 (a bundle without natural comparisons has no report section)
         for r in s["results"]:
             r.pop("evidence")
     edit_json(bundle / "summary.json", summary)

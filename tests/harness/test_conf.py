@@ -105,7 +105,8 @@ def test_overrides_and_list_replacement():
         "pairs=5", "points=[{max_num_seqs:2,num_requests:3}]",
         "comparisons=[{baseline:alias_prefix,candidate:alias_prefix,name:aa}]", "arms.native.block_size=32"])).to_plain()
     assert plain["pairs"] == 5 and plain["points"] == [{"max_num_seqs": 2, "num_requests": 3, "prompt_len": None, "output_len": None}]
-    assert plain["comparisons"] == [{"baseline": "alias_prefix", "candidate": "alias_prefix", "name": "aa"}]
+    assert plain["comparisons"] == [{"baseline": "alias_prefix", "candidate": "alias_prefix", "name": "aa",
+                                     "track": "replay"}]
     assert plain["arms"]["native"]["block_size"] == 32
 
 
