@@ -33,7 +33,7 @@ def test_coverage_is_recorded_tabled_reported_and_rederived(bundle):
     records = [json.loads(p.read_text()) for p in sorted((bundle / "raw" / "cpu0").glob("*.json"))]
     arms = pd.read_parquet(bundle / "tables" / "arms.parquet").sort_values("seq")
     for rec, (_, row) in zip(records, arms.iterrows()):
-        assert rec["schema"] == 2 and set(rec["coverage"]) == set(derive_coverage.KEYS)
+        assert rec["schema"] == 3 and set(rec["coverage"]) == set(derive_coverage.KEYS)
         assert row["coverage_routed_reads"] == rec["coverage"]["routed_reads"]
         assert list(row["coverage_exits_per_depth"]) == rec["coverage"]["exits_per_depth"]
         assert (rec["coverage"]["routed_reads"] > 0) == (rec["arm_config"]["kv_layout"] == "alias")

@@ -129,4 +129,5 @@ def test_a_stray_online_file_fails_the_layout(bundle):
 
 def test_a_format_4_claim_with_an_online_track_is_a_downgrade(bundle):
     edit_json(bundle / "manifest.json", lambda m: m.update(format_version=4))
+    edit_json(bundle / "plan.json", lambda p: p.pop("natural"))     # format 6's field, named first otherwise
     assert "plan: plan.json: online is a field that" in failed(bundle)
