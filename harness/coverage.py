@@ -153,7 +153,7 @@ def derive(schedule: dict, arm: dict, num_planes: int) -> dict:
     """The counts of the module docstring for one arm replaying ``schedule``.
 
     schedule: ``Schedule.to_json`` data; arm: the arm's config (``kv_layout``, ``prefix_tiles``,
-    ``tile_size``, ``cuda_graphs``); num_planes: the model's ``total_ut_steps``. Pure host arithmetic:
+    ``tile_size``); num_planes: the model's ``total_ut_steps``. Pure host arithmetic:
     about one microsecond per decode row. ValueError as :func:`simulate`, or for an unknown layout.
     """
     if arm["kv_layout"] not in ("native", "alias"):

@@ -101,8 +101,7 @@ def run_traces(spec: dict, model, prompts: list, point: dict, device: dict, bund
 
     for t in (t for t in spec.get("natural_traces", []) if t["point"] == point["key"]):
         arm = ArmSpec.from_plain(spec["arms"][t["arm"]])
-        reqs = session.build_requests(prompts, point["num_requests"], point.get("output_len", spec["output_len"]),
-                                      spec["exit"], point.get("requests"))    # a point's own D, as the reference
+        reqs = session.point_requests(prompts, point, spec["output_len"], spec["exit"])
         cfg = arm.engine_config(point["max_num_seqs"], spec["max_model_len"], spec["exit"]["policy"])
         eng = engines.build_engine(arm.engine, model, dataclasses.replace(cfg, trace_loops=True))
         if getattr(eng, "loop_trace", None) is None:

@@ -93,6 +93,13 @@ def build_requests(prompts: list[list[int]], num_requests: int, output_len: int,
             for r in listed]
 
 
+def point_requests(prompts: list[list[int]], point: dict, output_len: int, exit_conf: dict) -> list:
+    """:func:`build_requests` for a plan point: its C, its listed requests, and its own D (format 5) where it
+    sets one, else ``output_len`` (the workload's). Every run of a point builds its requests here."""
+    return build_requests(prompts, point["num_requests"], point.get("output_len", output_len), exit_conf,
+                          point.get("requests"))
+
+
 def build_engine(arm: ArmSpec, model, max_num_seqs: int, max_model_len: int, policy: str, schedule=None):
     """A fresh engine of ``arm`` (its ``engine`` factory) at one point."""
     return engines.build_engine(arm.engine, model, arm.engine_config(max_num_seqs, max_model_len, policy, schedule))
@@ -150,8 +157,7 @@ def _cached_reference(cached: Path) -> tuple[str, dict] | None:
 def _capture_reference(spec: dict, model, prompts: list, point: dict, device: dict, key: str) -> tuple[str, dict]:
     """A natural run of the reference arm at ``point``: (frozen schedule text, meta)."""
     arm = ArmSpec.from_plain(spec["arm_config"])
-    reqs = build_requests(prompts, point["num_requests"], point.get("output_len", spec["output_len"]), spec["exit"],
-                          point.get("requests"))   # a point's own D (format 5), else the workload's
+    reqs = point_requests(prompts, point, spec["output_len"], spec["exit"])
     eng = build_engine(arm, model, point["max_num_seqs"], spec["max_model_len"], spec["exit"]["policy"])
     phase = run_phase(eng, reqs, device)
     text = eng.capture_schedule().to_json()
@@ -224,8 +230,8 @@ def load_session(job: dict) -> SessionInputs:
     return SessionInputs(
         job=job, device=device, config=cfg, points=points, max_model_len=plan["max_model_len"], model=model,
         frozen=frozen, schedules={key: Schedule.from_json(text) for key, text in frozen.items()},
-        requests={key: build_requests(prompts, pt["num_requests"], pt.get("output_len", cfg["workload"]["output_len"]), cfg["exit"],
-                                      pt.get("requests")) for key, pt in points.items()},
+        requests={key: point_requests(prompts, pt, cfg["workload"]["output_len"], cfg["exit"])
+                  for key, pt in points.items()},
         order=tuple(map(OrderItem.from_dict, plan["order"][job["name"]])))
 
 
