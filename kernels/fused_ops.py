@@ -33,11 +33,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, B
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hidden,
-                         stride_x, stride_y, stride_xo, stride_ho, eps, BLOCK: tl.constexpr):
+                         stride_x, stride_y, stride_ys, stride_xo, stride_ho, eps, BLOCK: tl.constexpr,
+                         SPLIT: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
+    if SPLIT > 1:       # fp32 split-K partials of a projection: their sum in split order, rounded once
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(y_ptr + s * stride_ys + row * stride_y + offs, mask=mask, other=0.0)
+        y = y.to(x_out_ptr.dtype.element_ty)
+    y = y.to(tl.float32)
     inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / hidden + eps)
     w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = (w1 * (y * inv_y)).to(x_out_ptr.dtype.element_ty).to(tl.float32)   # rounded like the ref
@@ -110,17 +116,29 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.T
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sandwich-norm residual step and the next pre-norm in one pass.
 
-    x_new = x + RMSNorm(y; w1); h = RMSNorm(x_new; w2). x, y: [N, hidden]; w1, w2: [hidden].
-    Returns (x_new, h), both [N, hidden] in x.dtype.
+    x_new = x + RMSNorm(y; w1); h = RMSNorm(x_new; w2). x: [N, hidden]; w1, w2: [hidden]; y: [N, hidden],
+    or fp32 split-K partials [S, N, hidden] of the projection that made it (kernels/gemm.py), which are
+    summed in order s = 0, 1, ... and rounded to x.dtype first, as ``gemm.reduce_partials`` does.
+    Returns (x_new, h), both [N, hidden] in x.dtype. Raises ValueError for a y of another shape.
     """
     hidden = w1.shape[0]
     _check_rows("x", x, hidden)
-    _check_rows("y", y, hidden)
+    split = 1
+    if y.dim() == 3:
+        if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[1:] != x.shape:
+            raise ValueError(f"partials y must be contiguous fp32 [S, {x.shape[0]}, {hidden}], got {y.dtype} "
+                             f"{tuple(y.shape)}")
+        split = y.shape[0]
+        stride_ys = y.stride(0)
+        y2 = y[0]
+    else:
+        stride_ys, y2 = 0, y
+    _check_rows("y", y2, hidden)
     x_new, h = torch.empty_like(x), torch.empty_like(x)
     if x.shape[0]:
-        _add_rms_norm_kernel[(x.shape[0],)](x, y, w1, w2, x_new, h, hidden, x.stride(0), y.stride(0),
+        _add_rms_norm_kernel[(x.shape[0],)](x, y2, w1, w2, x_new, h, hidden, x.stride(0), y2.stride(0), stride_ys,
                                             x_new.stride(0), h.stride(0), eps,
-                                            BLOCK=triton.next_power_of_2(hidden), num_warps=8)
+                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split, num_warps=8)
     return x_new, h
 
 
@@ -165,6 +183,11 @@ def rms_norm_ref(x, weight, eps):
 
 
 def add_rms_norm_ref(x, y, w1, w2, eps):
+    if y.dim() == 3:                    # split-K partials: summed in split order, rounded once
+        total = y[0]
+        for part in y[1:]:
+            total = total + part
+        y = total.to(x.dtype)
     x_new = x + rms_norm_ref(y, w1, eps)
     return x_new, rms_norm_ref(x_new, w2, eps)
 

@@ -176,10 +176,15 @@ class OuroModel:
     """
 
     def __init__(self, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
-                 dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None, fused: bool | None = None):
+                 dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None, fused: bool | None = None,
+                 small_m_gemm: bool = False):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         # Fused Triton elementwise kernels (kernels/fused_ops.py) by default on CUDA; plain torch on CPU.
         self.fused = self.device.type == "cuda" if fused is None else fused
+        # Our small-M GEMM (kernels/gemm.py) for the shapes it was measured faster on; CUDA only (TMA, PDL).
+        # Off by default until the engine has run with it on a GPU (kernels/results/README.md says where
+        # that stands); the throughput probe's --gemm ours turns it on.
+        self.small_m_gemm = self.fused and self.device.type == "cuda" and small_m_gemm
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -214,8 +219,8 @@ class OuroModel:
     @classmethod
     def from_tensors(cls, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
                      dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None,
-                     fused: bool | None = None) -> "OuroModel":
-        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len, fused=fused)
+                     fused: bool | None = None, small_m_gemm: bool = False) -> "OuroModel":
+        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len, fused=fused, small_m_gemm=small_m_gemm)
 
     @property
     def weight_bytes(self) -> int:
@@ -276,19 +281,34 @@ class OuroModel:
         n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         h = fo.rms_norm(x, self.layers[0].ln_in, eps)
+        proj = self._project
         for i, w in enumerate(self.layers):
-            qkv = linear(h, w.qkv, gemm_rows)
+            qkv = proj(h, w.qkv, gemm_rows)
             if rope_write is None:
                 fo.rope_(qkv, self.cos, self.sin, positions, H + Hkv, D)
             else:
                 rope_write(i, qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
-            x, h = fo.add_rms_norm(x, linear(a.reshape(n, H * D), w.o, gemm_rows), w.ln_in2, w.ln_post, eps)
+            x, h = fo.add_rms_norm(x, proj(a.reshape(n, H * D), w.o, gemm_rows, True), w.ln_in2, w.ln_post, eps)
             nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
-            mlp = linear(fo.silu_mul(linear(h, w.gate_up, gemm_rows)), w.down, gemm_rows)
+            mlp = proj(fo.silu_mul(proj(h, w.gate_up, gemm_rows)), w.down, gemm_rows, True)
             x, h = fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps)
         return h, self.hazard(h)
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None, partials: bool = False
+                 ) -> torch.Tensor:
+        """x @ w.T for the fused loop: our small-M GEMM (kernels/gemm.py) where it is measured faster
+        for this weight shape and row count (``gemm.config_for``) and the rows run in one call, else
+        :func:`linear` (cuBLAS). [N, out] in x's dtype, or with ``partials`` possibly the GEMM's fp32
+        split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order)."""
+        from loopbench.kernels import gemm
+        ours = self.small_m_gemm and gemm_rows is None and x.dtype in gemm.DTYPES
+        cfg = gemm.config_for(w.shape[0], w.shape[1], x.shape[0]) if ours else None
+        if cfg is None:
+            return linear(x, w, gemm_rows)
+        out = gemm.gemm(x, w, cfg)
+        return out if partials or cfg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
 
     def hazard(self, x: torch.Tensor) -> torch.Tensor:
         """h = sigmoid(early_exit_gate(x)): [N] in fp32 (fp64 for an fp64 model). x: [N, hidden]."""
@@ -297,4 +317,6 @@ class OuroModel:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """lm_head on exited rows. x: [N, hidden] -> [N, vocab] model dtype."""
+        if self.fused:
+            return self._project(x, self.lm_head, None)
         return F.linear(x, self.lm_head)

@@ -44,12 +44,14 @@ def random_ouro_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["cublas", "ours"])
+def model(request):
+    """The Ouro-1.4B shape with its decode projections on cuBLAS, and on our small-M GEMM (kernels/gemm.py)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return OuroModel.from_tensors(PRESETS["ouro-1.4b"], random_ouro_tensors(), device="cuda",
-                                  dtype=torch.bfloat16, rope_len=MAX_MODEL_LEN)
+                                  dtype=torch.bfloat16, rope_len=MAX_MODEL_LEN,
+                                  small_m_gemm=request.param == "ours")
 
 
 def requests(n: int) -> list[Request]:

@@ -1,0 +1,102 @@
+"""Microbenchmark: our small-M GEMM (kernels/gemm.py, ``CONFIGS``) against cuBLAS at Ouro's projections.
+
+For each Ouro-1.4B decode projection (bf16 weight ``[N, K]``: qkv 6144x2048, o_proj 2048x2048, gate_up
+11264x2048, down 2048x5632, lm_head 49152x2048) and M in ``--ms`` rows it times, as the engine runs them,
+a CUDA graph of back-to-back calls over distinct weight copies (together >= 256 MB, five times the H200's
+L2, so every weight byte comes from HBM) and reports the time per call:
+
+- ``cublas_us``: ``torch.matmul(x, w.t(), out=...)`` (what ``F.linear`` runs);
+- ``ours_us``: :func:`kernels.gemm.gemm` with the shape's configuration; for split-K shapes its fp32
+  partials, whose in-order sum the engine folds into the next kernel (``fused_ops.add_rms_norm``), and
+  ``ours_reduced_us`` the same plus :func:`kernels.gemm.reduce_partials` (a standalone consumer);
+- ``*_pct``: (weight + activation + output bytes, bf16, each once) / time as a percentage of a
+  device-to-device copy ceiling measured in the same run (read + write bytes);
+- ``max_abs_diff`` of ours against cuBLAS at that M.
+
+Prints a markdown table and writes it to ``--out`` with a ``.csv`` beside it.
+Usage: ``PYTHONPATH=<repo> python3 kernels/bench/gemm.py --out $OUT/gemm_h200.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+
+from loopbench.kernels import gemm as gm
+from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
+
+SHAPES = {"qkv": (6144, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+          "lm_head": (49152, 2048)}
+COLUMNS = ("shape", "n", "k", "m", "config", "cublas_us", "ours_us", "ours_reduced_us", "cublas_pct", "ours_pct",
+           "speedup", "max_abs_diff")
+
+
+def moved_bytes(n: int, k: int, m: int) -> int:
+    """Weight, activations and output once each, bf16."""
+    return 2 * (n * k + m * k + m * n)
+
+
+def measure(name: str, m: int, ceiling: float) -> dict:
+    n, k = SHAPES[name]
+    cfg = gm.CONFIGS[(n, k)]
+    copies = max(4, -(-MIN_WORKING_SET // (2 * n * k)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [0.02 * torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn((m, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty((m, n), device="cuda", dtype=torch.bfloat16) for _ in ws]
+    cublas = graph_ms_per_call([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)]) * 1e3
+    ours = graph_ms_per_call([lambda w=w: gm.gemm(x, w, cfg) for w in ws]) * 1e3
+    reduced = graph_ms_per_call([lambda w=w: gm.linear(x, w, cfg) for w in ws]) * 1e3 if cfg.split_k > 1 else ours
+    diff = (gm.linear(x, ws[0], cfg).float() - torch.matmul(x, ws[0].t()).float()).abs().max().item()
+    moved = moved_bytes(n, k, m)
+    row = dict(shape=name, n=n, k=k, m=m, config=_config_label(cfg), cublas_us=cublas, ours_us=ours,
+               ours_reduced_us=reduced, cublas_pct=100 * moved / (cublas * 1e-6) / ceiling,
+               ours_pct=100 * moved / (ours * 1e-6) / ceiling, speedup=cublas / ours, max_abs_diff=diff)
+    del ws, outs
+    torch.cuda.empty_cache()
+    return row
+
+
+def _config_label(c: gm.GemmConfig) -> str:
+    return (f"n{c.block_n}-k{c.block_k}-s{c.split_k}-st{c.num_stages}-w{c.num_warps}"
+            f"{'-tma' if c.tma else ''}{'-pdl' if c.pdl else ''}")
+
+
+def _fmt(v) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="markdown table path (a .csv is written beside it)")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 16, 32, 64, 128], help="rows (batch sizes)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = ap.parse_args(argv)
+    bad = [m for m in args.ms if not 1 <= m <= gm.MAX_M]
+    if bad:
+        ap.error(f"--ms {bad[0]} is outside 1..{gm.MAX_M}")
+    if not torch.cuda.is_available():
+        print("kernels/bench/gemm.py needs a CUDA device", file=sys.stderr)
+        return 2
+    ceiling = copy_ceiling_bytes_per_s()
+    rows = [measure(s, m, ceiling) for s in args.shapes for m in args.ms]
+    lines = [f"# Small-M GEMM vs cuBLAS on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
+             f"triton {__import__('triton').__version__})", "",
+             f"Copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s. Times: CUDA-graph chains, us per call.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.write_text(text)
+    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({c: (round(r[c], 4) if isinstance(r[c], float) else r[c]) for c in COLUMNS} for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Small-M projection GEMM for the decode loop (Triton): ``x @ weight.T`` with the weight as the MMA's
+wide side, split-K partials for fused consumers, and programmatic dependent launch.
+
+At decode batch sizes (M = max_num_seqs = 1..128 rows) a projection reads its whole weight once and does
+little arithmetic with it, so it is bound by weight bandwidth. Three choices make it faster than cuBLAS
+on Ouro's projections (kernels/results/gemm_h200.md, graph-chain timing on an H200):
+
+- **Swap AB.** A program computes the transposed tile ``out.T[BLOCK_N, BLOCK_M] = w[BLOCK_N, :] @
+  x[BLOCK_M, :].T``: the weight tile (64-128 rows) is the MMA's M side, which Hopper's warpgroup MMA
+  needs to be >= 64, and the batch (16-128 rows, padded to a power of two) is its N side, which may be as
+  small as 8. Every weight byte is read once, by one program. (The usual small-batch GEMM trick, e.g.
+  TensorRT-LLM's and CUTLASS's "swap AB" small-M kernels.)
+- **Split-K without atomics.** Where N alone gives too few programs to fill 132 SMs (o_proj and down:
+  32 column tiles), split ``s`` of ``split_k`` owns a fixed contiguous range of K tiles and writes fp32
+  partials ``[split_k, M, N]``; the consumer (``fused_ops.add_rms_norm``, or :func:`reduce_partials`)
+  adds them in split order 0, 1, ... and rounds once. CUTLASS's "parallel split-K".
+- **TMA loads** (``tma``): the tiles come through Hopper's tensor memory accelerator from host-built
+  ``TensorDescriptor`` s, fewer instructions per byte than per-thread pointer loads.
+- **PDL** (``pdl``): the kernel is launched with CUDA's programmatic stream serialization, waits for the
+  previous kernel's results with ``griddepcontrol.wait`` right before its K loop and releases its own
+  dependents (``griddepcontrol.launch_dependents``) after it, so a launch and the next kernel's start
+  overlap the previous kernel's tail (CUDA C++ Programming Guide, "Programmatic Dependent Launch and
+  Synchronization"). Nothing is read or written before the wait except the weight, which no kernel of
+  the loop writes. Under a CUDA graph capture the dependency becomes a programmatic graph edge.
+
+Batch invariance: the configuration is a function of the weight shape ``(N, K)`` only (``config_for``),
+so the K split, the K tile order and the tiles are fixed per weight; M only sets ``BLOCK_M`` (its power
+of two) and the row mask, and row ``i`` of the result is computed from row ``i`` of ``x`` alone (padding
+rows load as zero and are never stored). The engine also runs every decode step on max_num_seqs rows,
+so within one engine M never changes. tests/kernels/test_gemm.py checks on CUDA that the first M rows of
+the M=128 result equal the M-row result for every graph bucket.
+
+Interpreter: the Triton interpreter computes a bf16 ``tl.dot`` wrongly (BRIEF section 4), so on CPU
+tensors (``TRITON_INTERPRET=1`` only) ``DOT_FP32`` upcasts both tiles to fp32 with an IEEE dot; TMA and
+PDL are CUDA-only and off there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.bfloat16, torch.float16)
+MAX_M = 128                     # largest batch measured; more rows go to cuBLAS (config_for returns None)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch configuration of :func:`gemm` for one weight shape (never per M: batch invariance).
+
+    ``block_n`` / ``block_k``: weight rows and K elements per tile (powers of two; ``block_n`` >= 64 for
+    Hopper's warpgroup MMA); ``split_k``: contiguous K ranges with their own fp32 partials; ``num_stages``
+    / ``num_warps``: software pipelining and warps (change no bit); ``tma``: descriptor loads (CUDA);
+    ``pdl``: programmatic dependent launch (CUDA).
+    """
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_stages: int = 4
+    num_warps: int = 4
+    tma: bool = False
+    pdl: bool = False
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v!r}")
+        for name in ("split_k", "num_stages", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
+
+
+# Measured on an H200 (kernels/results/gemm_h200.md; graph chains over >= 256 MB of distinct weights,
+# M = 16 and 32): the fastest configuration per Ouro-1.4B projection, ``(N, K)`` of the weight. Shapes
+# not listed run on cuBLAS, which is what "use whichever is faster per shape" means for unmeasured ones.
+CONFIGS: dict[tuple[int, int], GemmConfig] = {
+    (6144, 2048): GemmConfig(block_n=64, block_k=256, split_k=1, num_stages=4, tma=True, pdl=True),    # qkv
+    (2048, 2048): GemmConfig(block_n=64, block_k=128, split_k=4, num_stages=4, pdl=True),              # o_proj
+    (11264, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),   # gate_up
+    (2048, 5632): GemmConfig(block_n=64, block_k=128, split_k=4, num_stages=4, pdl=True),              # down
+    (49152, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),   # lm_head
+}
+
+
+def config_for(n: int, k: int, m: int) -> GemmConfig | None:
+    """The measured configuration for an ``[n, k]`` weight at ``m`` rows, or None (use cuBLAS)."""
+    if m > MAX_M:
+        return None
+    return CONFIGS.get((n, k))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn, stride_om, stride_os,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                 DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k]."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    lo = split * tiles_per_split
+    num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
+    k0 = lo * BLOCK_K
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]     # [BN, BK]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]     # [BK, BM]
+    mask_m = offs_m[None, :] < M
+    mask_n = offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for t in range(0, num_tiles):
+        if EVEN:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=mask_m, other=0.0)
+        else:
+            mask_k = k0 + t * BLOCK_K + offs_k < K
+            w = tl.load(w_ptrs, mask=mask_n & mask_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m & mask_k[:, None], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_tma_kernel(x_desc, w_desc, out_ptr, M, N, K, tiles_per_split, stride_om, stride_os,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel`."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    lo = split * tiles_per_split
+    num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
+    k = lo * BLOCK_K
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for _ in range(0, num_tiles):
+        w = w_desc.load([pid_n * BLOCK_N, k])
+        x = x_desc.load([0, k])
+        acc = tl.dot(w, x.T, acc)
+        k += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _validate(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> None:
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a GemmConfig, got {type(config).__name__}")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be 2-D with unit stride along K, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(f"x and weight must share dtype and device, got {x.dtype}/{x.device} and "
+                         f"{weight.dtype}/{weight.device}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has K={x.shape[1]} but weight has K={weight.shape[1]} (weight must be [N, K])")
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"x must have 1..{MAX_M} rows, got {x.shape[0]}")
+    if (config.tma or config.pdl) and not x.is_cuda:
+        raise ValueError(f"tma and pdl need CUDA tensors, got {x.device} with {config}")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """``x @ weight.T`` with fp32 accumulation; never synchronises with the host.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, 1 <= M <= 128, unit stride along K. weight: ``[N, K]`` same dtype and device,
+        unit stride along K. config: :class:`GemmConfig` (e.g. ``config_for(N, K, M)``).
+
+    Returns:
+        ``split_k == 1``: ``[M, N]`` in x's dtype (one rounding). ``split_k > 1``: fp32 partials
+        ``[split_k, M, N]`` whose sum in split order is the product (``reduce_partials``, or a fused
+        consumer such as ``fused_ops.add_rms_norm``).
+
+    Raises:
+        TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range).
+    """
+    _validate(x, weight, config)
+    m, k = x.shape
+    n = weight.shape[0]
+    c = config
+    block_m = max(16, triton.next_power_of_2(m))
+    tiles_per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
+    if c.split_k == 1:
+        out = torch.empty((1, m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty((c.split_k, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, c.block_n), c.split_k)
+    launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    if c.pdl:
+        launch["launch_pdl"] = True
+    if c.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
+        _gemm_tma_kernel[grid](x_desc, w_desc, out, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
+                               BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, PDL=c.pdl, **launch)
+    else:
+        even = n % c.block_n == 0 and k % c.block_k == 0
+        _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
+                           out.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
+                           DOT_FP32=not x.is_cuda, PDL=c.pdl, **launch)
+    return out[0] if c.split_k == 1 else out
+
+
+_REDUCE_BLOCK = 1024
+
+
+def reduce_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum fp32 partials ``[S, M, N]`` (contiguous) in order s = 0, 1, ... and round once: ``[M, N]`` dtype."""
+    if partials.dtype != torch.float32 or partials.dim() != 3 or not partials.is_contiguous():
+        raise ValueError(f"partials must be contiguous fp32 [S, M, N], got {partials.dtype} "
+                         f"{tuple(partials.shape)}")
+    s, m, n = partials.shape
+    out = torch.empty((m, n), device=partials.device, dtype=dtype)
+    numel = m * n
+    _reduce_kernel[(triton.cdiv(numel, _REDUCE_BLOCK),)](partials, out, numel, SPLIT_K=s, BLOCK=_REDUCE_BLOCK)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """:func:`gemm` reduced to ``[M, N]`` in x's dtype (a reduce launch when ``split_k > 1``)."""
+    out = gemm(x, weight, config)
+    return out if config.split_k == 1 else reduce_partials(out, x.dtype)
+
+
+def gemm_ref(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1, block_k: int = 128) -> torch.Tensor:
+    """Torch reference: fp32 products; with ``split_k`` the same K ranges as :func:`gemm` (fp32 partials)."""
+    k = x.shape[1]
+    per = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    parts = [x[:, lo:lo + per].float() @ weight[:, lo:lo + per].float().T for lo in range(0, per * split_k, per)]
+    if split_k == 1:
+        return parts[0].to(x.dtype)
+    return torch.stack(parts)

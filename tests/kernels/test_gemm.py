@@ -1,0 +1,137 @@
+"""Small-M GEMM (kernels/gemm.py) == its torch reference: interpreter on CPU, every variant on CUDA.
+
+Shapes cross tile boundaries (N, K not multiples of the tiles, M not a power of two) so the masks and the
+short last split are exercised; on CUDA also the Ouro shapes of ``CONFIGS``, the TMA and PDL variants,
+graph capture, and batch invariance (the first rows of a larger M equal a smaller M's rows bitwise).
+"""
+import pytest
+import torch
+
+from loopbench.kernels import fused_ops as fo
+from loopbench.kernels import gemm as gm
+
+CPU_CASES = [  # (M, N, K, block_n, block_k, split_k)
+    (1, 64, 64, 64, 64, 1),
+    (5, 100, 200, 64, 64, 1),        # N, K off the tiles
+    (16, 130, 384, 64, 64, 3),       # split-K, even ranges
+    (21, 64, 330, 64, 64, 4),        # split-K, short and empty last splits
+    (40, 96, 96, 64, 32, 2),         # M > 32: BLOCK_M 64
+]
+
+
+def _inputs(m, n, k, device, seed=0):
+    g = torch.Generator().manual_seed(seed + m * 7 + n * 3 + k)
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    w = (0.1 * torch.randn(n, k, generator=g)).to(device, torch.bfloat16)
+    return x, w
+
+
+def _assert_close(got, ref, what):
+    # fp32 accumulation in another order than the reference: a few fp32 ulps of the sum; a bf16 result
+    # may round the other way at a tie-near value (one bf16 ulp).
+    tol = (4e-6 if got.dtype == torch.float32 else 8e-3) * ref.float().abs().clamp(min=1.0)
+    diff = (got.float() - ref.float()).abs()
+    assert bool((diff <= tol).all()), f"{what}: max diff {diff.max().item():.3e}"
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk,split", CPU_CASES)
+def test_gemm_matches_reference_cpu(m, n, k, bn, bk, split):
+    x, w = _inputs(m, n, k, "cpu")
+    cfg = gm.GemmConfig(block_n=bn, block_k=bk, split_k=split)
+    out = gm.gemm(x, w, cfg)
+    ref = gm.gemm_ref(x, w, split, bk)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _assert_close(out, ref, f"gemm M{m} N{n} K{k} split {split}")
+    if split > 1:
+        red = gm.reduce_partials(out, torch.bfloat16)
+        total = out[0]
+        for p in out[1:]:
+            total = total + p
+        # the interpreter rounds fp32 -> bf16 its own way (tests/kernels/test_fused.py): one ulp here,
+        # bitwise on CUDA (test_reduce_partials_bitwise_cuda)
+        _assert_close(red, total.to(torch.bfloat16), "reduce_partials")
+        assert torch.equal(gm.linear(x, w, cfg), red)
+
+
+def test_add_rms_norm_from_partials_cpu():
+    x, w = _inputs(7, 96, 160, "cpu")
+    cfg = gm.GemmConfig(block_n=64, block_k=32, split_k=3)
+    parts = gm.gemm(x, w, cfg)
+    res = torch.randn(7, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w1, w2 = (1 + 0.1 * torch.randn(96)).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    got = fo.add_rms_norm(res, parts, w1, w2, 1e-6)
+    from_reduced = fo.add_rms_norm(res, gm.reduce_partials(parts, torch.bfloat16), w1, w2, 1e-6)
+    for a, b, what in zip(got, from_reduced, ("x", "h")):
+        assert torch.equal(a, b), f"add_rms_norm({what}) from partials differs from the reduced projection"
+    ref = fo.add_rms_norm_ref(res, parts, w1, w2, 1e-6)
+    for a, b in zip(got, ref):
+        assert (a.float() - b.float()).abs().max().item() <= 0.05
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, w: (x.float(), w), "bfloat16 or float16"),
+    (lambda x, w: (x, w[:, :-1]), "K="),
+    (lambda x, w: (x.t(), w), "unit stride"),
+    (lambda x, w: (torch.cat([x] * 30), w), "1..128 rows"),
+])
+def test_gemm_rejects_bad_input(bad, match):
+    x, w = _inputs(5, 64, 64, "cpu")
+    with pytest.raises((TypeError, ValueError), match=match):
+        gm.gemm(*bad(x, w), gm.GemmConfig(block_n=64, block_k=64))
+    with pytest.raises(ValueError, match="need CUDA"):
+        gm.gemm(x, w, gm.GemmConfig(block_n=64, block_k=64, tma=True))
+    with pytest.raises(ValueError, match="power of two"):
+        gm.GemmConfig(block_n=48)
+
+
+def test_config_for_is_per_shape():
+    assert gm.config_for(6144, 2048, 16) is gm.config_for(6144, 2048, 128)
+    assert gm.config_for(6144, 2048, 129) is None, "more rows than measured must go to cuBLAS"
+    assert gm.config_for(123, 456, 16) is None
+
+
+@pytest.mark.gpu
+def test_reduce_partials_bitwise_cuda():
+    parts = torch.randn(4, 16, 2048, device="cuda")
+    total = parts[0] + parts[1] + parts[2] + parts[3]
+    assert torch.equal(gm.reduce_partials(parts, torch.bfloat16), total.to(torch.bfloat16))
+
+
+GPU_VARIANTS = [gm.GemmConfig(block_n=64, block_k=64, split_k=s, tma=t, pdl=p)
+                for s in (1, 3) for t in (False, True) for p in (False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GPU_VARIANTS, ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (13, 200, 328), (64, 192, 512), (128, 64, 256)])
+def test_gemm_variants_cuda(cfg, m, n, k):
+    x, w = _inputs(m, n, k, "cuda")
+    out = gm.gemm(x, w, cfg)
+    _assert_close(out, gm.gemm_ref(x, w, cfg.split_k, cfg.block_k), f"{cfg} M{m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(gm.CONFIGS))
+def test_ouro_shapes_batch_invariant_and_graph_safe_cuda(shape):
+    n, k = shape
+    x, w = _inputs(128, n, k, "cuda")
+    cfg = gm.CONFIGS[shape]
+    full = gm.gemm(x, w, cfg)
+    _assert_close(full, gm.gemm_ref(x, w, cfg.split_k, cfg.block_k), f"{shape}")
+    for m in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96):
+        part = gm.gemm(x[:m].contiguous(), w, cfg)
+        assert torch.equal(part, full[..., :m, :]), f"{shape}: rows of M={m} differ from the first rows of M=128"
+    # replayed from a CUDA graph (PDL launches become graph edges): the same bits
+    xs = x[:16].clone()
+    eager = gm.gemm(xs, w, cfg).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gm.gemm(xs, w, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gm.gemm(xs, w, cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), f"{shape}: graph replay differs from eager"
