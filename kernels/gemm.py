@@ -85,6 +85,12 @@ CONFIGS: dict[tuple[int, int], GemmConfig] = {
     (49152, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),   # lm_head
 }
 
+# gemm_swiglu per gate_up weight shape [2 I, K]; block_n counts gate rows (32: 176 programs for Ouro's
+# I = 5632). Not yet measured (kernels/bench/gemm.py --swiglu times it against the two launches).
+SWIGLU_CONFIGS: dict[tuple[int, int], GemmConfig] = {
+    (11264, 2048): GemmConfig(block_n=32, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),
+}
+
 
 def config_for(n: int, k: int, m: int) -> GemmConfig | None:
     """The measured configuration for an ``[n, k]`` weight at ``m`` rows, or None (use cuBLAS)."""
@@ -96,8 +102,9 @@ def config_for(n: int, k: int, m: int) -> GemmConfig | None:
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn, stride_om, stride_os,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                 DOT_FP32: tl.constexpr, PDL: tl.constexpr):
-    """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k]."""
+                 DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False):
+    """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k].
+    GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,9 +117,26 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]     # [BK, BM]
     mask_m = offs_m[None, :] < M
     mask_n = offs_n[:, None] < N
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    acc, acc_up = _k_loop(w_ptrs, w_ptrs + N.to(tl.int64) * stride_wn, x_ptrs, mask_n, mask_m, offs_k, k0, K,
+                          num_tiles, BLOCK_N, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, GLU)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if GLU:
+        acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
+    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+@triton.jit
+def _k_loop(w_ptrs, up_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, BLOCK_N: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr,
+            GLU: tl.constexpr):
+    """The K loop of the pointer kernels: fp32 accumulators [BLOCK_N, BLOCK_M] of w_ptrs' rows (and, with
+    GLU, of up_ptrs' rows) against x, over ``num_tiles`` K tiles from ``k0``. Returns (acc, acc_up)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for t in range(0, num_tiles):
         if EVEN:
             w = tl.load(w_ptrs)
@@ -122,36 +146,59 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
             w = tl.load(w_ptrs, mask=mask_n & mask_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m & mask_k[:, None], other=0.0)
         if DOT_FP32:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            x = x.to(tl.float32)
+            acc = tl.dot(w.to(tl.float32), x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
+        if GLU:
+            if EVEN:
+                wu = tl.load(up_ptrs)
+            else:
+                wu = tl.load(up_ptrs, mask=mask_n & mask_k[None, :], other=0.0)
+            if DOT_FP32:
+                acc_up = tl.dot(wu.to(tl.float32), x, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(wu, x, acc_up)
+            up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+    return acc, acc_up
+
+
+@triton.jit
+def _swiglu(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 accumulators, rounding where gemm + fused_ops.silu_mul round: the
+    projection's output, then silu's."""
+    g = gate.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(x_desc, w_desc, out_ptr, M, N, K, tiles_per_split, stride_om, stride_os,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel`."""
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     GLU: tl.constexpr = False):
+    """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel` (GLU: the up rows
+    start at row N of the descriptor)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     lo = split * tiles_per_split
     num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
     k = lo * BLOCK_K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for _ in range(0, num_tiles):
-        w = w_desc.load([pid_n * BLOCK_N, k])
         x = x_desc.load([0, k])
-        acc = tl.dot(w, x.T, acc)
+        acc = tl.dot(w_desc.load([pid_n * BLOCK_N, k]), x.T, acc)
+        if GLU:
+            acc_up = tl.dot(w_desc.load([N + pid_n * BLOCK_N, k]), x.T, acc_up)
         k += BLOCK_K
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if GLU:
+        acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -204,9 +251,35 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Ten
         TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range).
     """
     _validate(x, weight, config)
+    return _launch(x, weight, config, weight.shape[0], glu=False)
+
+
+def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """SwiGLU's gate/up projection and activation in one launch: ``silu(x @ gate.T) * (x @ up.T)``.
+
+    Args:
+        x: as for :func:`gemm`. gate_up: ``[2 I, K]``, the gate rows then the up rows (the model's fused
+        ``gate_up`` weight). config: a :class:`GemmConfig` with ``split_k == 1`` (the activation needs the
+        whole sum); ``block_n`` counts the gate rows of a tile (its up rows come with them).
+
+    Returns:
+        ``[M, I]`` in x's dtype, bitwise what :func:`gemm` followed by ``fused_ops.silu_mul`` gives when the
+        accumulation matches: the projection is rounded to x's dtype, silu's output too, as there.
+
+    Raises:
+        ValueError: ``split_k != 1`` or an odd number of weight rows; else as :func:`gemm`.
+    """
+    _validate(x, gate_up, config)
+    if config.split_k != 1:
+        raise ValueError(f"gemm_swiglu needs split_k == 1 (the activation needs the whole sum), got {config}")
+    if gate_up.shape[0] % 2:
+        raise ValueError(f"gate_up must have an even number of rows (gate then up), got {gate_up.shape[0]}")
+    return _launch(x, gate_up, config, gate_up.shape[0] // 2, glu=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: bool) -> torch.Tensor:
+    """Run one of the kernels over ``n`` output columns; [M, n] (split_k 1) or fp32 partials [S, M, n]."""
     m, k = x.shape
-    n = weight.shape[0]
-    c = config
     block_m = max(16, triton.next_power_of_2(m))
     tiles_per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
     if c.split_k == 1:
@@ -222,12 +295,12 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Ten
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
         _gemm_tma_kernel[grid](x_desc, w_desc, out, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
-                               BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, PDL=c.pdl, **launch)
+                               BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, PDL=c.pdl, GLU=glu, **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
                            out.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
-                           DOT_FP32=not x.is_cuda, PDL=c.pdl, **launch)
+                           DOT_FP32=not x.is_cuda, PDL=c.pdl, GLU=glu, **launch)
     return out[0] if c.split_k == 1 else out
 
 

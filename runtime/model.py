@@ -153,6 +153,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None = None) -> to
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # rope_write(layer, qkv [N, (H + 2 Hkv) * D]): rotate q and k in place and write k, v into the caller's KV
 # cache (kernels/kv_write.rope_write_kv_); with it, attend only attends (it must not write the cache again).
+# It may also have project(layer, x [N, hidden], w_qkv, gemm.GemmConfig) -> qkv: the projection doing the
+# same in its epilogue (kernels/qkv_rope.py), which the small-M GEMM path uses where it has a config.
 RopeWriteFn = Callable[[int, torch.Tensor], None]
 
 
@@ -275,26 +277,45 @@ class OuroModel:
         """:meth:`run_loop` with one launch per elementwise stage: each sandwich norm is fused with its
         residual add and with the next pre-norm (the next layer's input norm, or the final norm), RoPE
         rotates q and k in place inside the fused qkv output (together with the KV write when the caller
-        gives ``rope_write``), and silu(gate) * up is one kernel."""
+        gives ``rope_write``), and silu(gate) * up is one kernel. With ``small_m_gemm`` the projections run
+        on kernels/gemm.py where it has a configuration: o_proj's and down's split-K partials go straight
+        into the norm kernel, and where kernels/qkv_rope.py and ``gemm.gemm_swiglu`` have one, the qkv
+        projection does RoPE and the KV write and gate_up does SwiGLU in their epilogues."""
         from loopbench.kernels import fused_ops as fo
+        from loopbench.kernels import gemm, qkv_rope
         cfg = self.cfg
         n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         h = fo.rms_norm(x, self.layers[0].ln_in, eps)
         proj = self._project
+        qkv_cfg = self._fused_config(qkv_rope.CONFIGS, self.layers[0].qkv, h, gemm_rows)
+        glu_cfg = self._fused_config(gemm.SWIGLU_CONFIGS, self.layers[0].gate_up, h, gemm_rows)
         for i, w in enumerate(self.layers):
-            qkv = proj(h, w.qkv, gemm_rows)
-            if rope_write is None:
-                fo.rope_(qkv, self.cos, self.sin, positions, H + Hkv, D)
+            if qkv_cfg is not None and hasattr(rope_write, "project"):
+                qkv = rope_write.project(i, h, w.qkv, qkv_cfg)
             else:
-                rope_write(i, qkv)
+                qkv = proj(h, w.qkv, gemm_rows)
+                if rope_write is None:
+                    fo.rope_(qkv, self.cos, self.sin, positions, H + Hkv, D)
+                else:
+                    rope_write(i, qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
             x, h = fo.add_rms_norm(x, proj(a.reshape(n, H * D), w.o, gemm_rows, True), w.ln_in2, w.ln_post, eps)
             nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
-            mlp = proj(fo.silu_mul(proj(h, w.gate_up, gemm_rows)), w.down, gemm_rows, True)
+            act = gemm.gemm_swiglu(h, w.gate_up, glu_cfg) if glu_cfg else fo.silu_mul(proj(h, w.gate_up, gemm_rows))
+            mlp = proj(act, w.down, gemm_rows, True)
             x, h = fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps)
         return h, self.hazard(h)
+
+    def _fused_config(self, configs: dict, w: torch.Tensor, x: torch.Tensor, gemm_rows: int | None):
+        """The GemmConfig of a fused projection kernel (``configs``: its per-weight-shape table) for weight
+        ``w`` at x's rows, or None: run it unfused (small-M GEMM off, rows in fixed-size calls, too many
+        rows, another dtype, or a shape not measured)."""
+        from loopbench.kernels import gemm
+        if not (self.small_m_gemm and gemm_rows is None and x.shape[0] <= gemm.MAX_M and x.dtype in gemm.DTYPES):
+            return None
+        return configs.get(tuple(w.shape))
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None, partials: bool = False
                  ) -> torch.Tensor:

@@ -9,6 +9,7 @@ The decode path never synchronises with the host.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +50,29 @@ def prefill_descriptor(loops: Sequence[PrefillLoop], lens: Sequence[int], rows: 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
     """Greedy sampling: logits [N, vocab] -> token ids [N] int64 (on the logits' device, no sync)."""
     return logits.argmax(-1)
+
+
+@dataclass(frozen=True)
+class PagedRopeWrite:
+    """model.RopeWriteFn into this runner's paged cache for one launch's rows ([N] int32 slot, depth and
+    position), with ``project``: the qkv projection that does the same in its epilogue (kernels/qkv_rope.py)."""
+    kv: DepthKVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    row_slot: torch.Tensor
+    row_depth: torch.Tensor
+    row_pos: torch.Tensor
+    heads: int
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> None:
+        from loopbench.kernels.kv_write import rope_write_kv_
+        rope_write_kv_(qkv, self.cos, self.sin, self.kv.k[layer], self.kv.v[layer], self.kv.block_tables,
+                       self.row_slot, self.row_depth, self.row_pos, self.heads)
+
+    def project(self, layer: int, x: torch.Tensor, w_qkv: torch.Tensor, config) -> torch.Tensor:
+        from loopbench.kernels.qkv_rope import qkv_rope_write_kv
+        return qkv_rope_write_kv(x, w_qkv, config, self.cos, self.sin, self.kv.k[layer], self.kv.v[layer],
+                                 self.kv.block_tables, self.row_slot, self.row_depth, self.row_pos, self.heads)
 
 
 class Runner:
@@ -178,16 +202,10 @@ class Runner:
         rope_write = self._rope_write(row_slot, row_depth, positions) if fused else None
         return (self.model.run_loop(x, positions, attend, gemm_rows=gemm_rows, rope_write=rope_write)[0],)
 
-    def _rope_write(self, row_slot, row_depth, row_pos):
+    def _rope_write(self, row_slot, row_depth, row_pos) -> PagedRopeWrite:
         """The fused RoPE + KV write of one launch's rows (model.RopeWriteFn), Triton backend only."""
-        from loopbench.kernels.kv_write import rope_write_kv_
-        kv, model, heads = self.kv, self.model, self.model.cfg.num_attention_heads
-
-        def rope_write(layer, qkv):
-            rope_write_kv_(qkv, model.cos, model.sin, kv.k[layer], kv.v[layer], kv.block_tables, row_slot,
-                           row_depth, row_pos, heads)
-
-        return rope_write
+        return PagedRopeWrite(self.kv, self.model.cos, self.model.sin, row_slot, row_depth, row_pos,
+                              self.model.cfg.num_attention_heads)
 
     # ------------------------------------------------------------------------------------- decode
     def decode(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,7 +13,10 @@ L2, so every weight byte comes from HBM) and reports the time per call:
   device-to-device copy ceiling measured in the same run (read + write bytes);
 - ``max_abs_diff`` of ours against cuBLAS at that M.
 
-Prints a markdown table and writes it to ``--out`` with a ``.csv`` beside it.
+Prints a markdown table and writes it to ``--out`` with a ``.csv`` beside it. ``--swiglu`` adds a table of
+gate_up with its SwiGLU activation: two launches (cuBLAS or ours, then ``fused_ops.silu_mul``) against
+:func:`kernels.gemm.gemm_swiglu` at a few configurations; ``--qkv-rope`` one of the qkv projection with RoPE
+and the KV write: two launches against :func:`kernels.qkv_rope.qkv_rope_write_kv`.
 Usage: ``PYTHONPATH=<repo> python3 kernels/bench/gemm.py --out $OUT/gemm_h200.md``.
 """
 from __future__ import annotations
@@ -60,6 +63,77 @@ def measure(name: str, m: int, ceiling: float) -> dict:
     return row
 
 
+SWIGLU_CANDIDATES = [gm.GemmConfig(block_n=bn, block_k=128, num_stages=4, tma=tma, pdl=True)
+                     for bn in (32, 64) for tma in (True, False)]
+
+
+def measure_swiglu(m: int) -> list[dict]:
+    """gate_up + SwiGLU at ``m`` rows, us per call: cuBLAS then silu_mul, ours then silu_mul, and
+    :func:`kernels.gemm.gemm_swiglu` (one launch) at each candidate configuration, with bitwise checks."""
+    from loopbench.kernels import fused_ops as fo
+    n, k = SHAPES["gate_up"]
+    copies = max(4, -(-MIN_WORKING_SET // (2 * n * k)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [0.02 * torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn((m, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    plain = gm.CONFIGS[(n, k)]
+    rows = [dict(variant="cublas + silu_mul", m=m,
+                 us=graph_ms_per_call([lambda w=w: fo.silu_mul(torch.matmul(x, w.t())) for w in ws]) * 1e3,
+                 bitwise_two_launch="")]
+    rows.append(dict(variant=f"ours {_config_label(plain)} + silu_mul", m=m,
+                     us=graph_ms_per_call([lambda w=w: fo.silu_mul(gm.gemm(x, w, plain)) for w in ws]) * 1e3,
+                     bitwise_two_launch=""))
+    for cfg in SWIGLU_CANDIDATES:
+        two = fo.silu_mul(gm.gemm(x, ws[0], cfg))
+        same = torch.equal(gm.gemm_swiglu(x, ws[0], cfg), two)
+        rows.append(dict(variant=f"gemm_swiglu {_config_label(cfg)}", m=m,
+                         us=graph_ms_per_call([lambda w=w, c=cfg: gm.gemm_swiglu(x, w, c) for w in ws]) * 1e3,
+                         bitwise_two_launch="yes" if same else "NO"))
+    del ws
+    torch.cuda.empty_cache()
+    return rows
+
+
+def measure_qkv_rope(m: int) -> list[dict]:
+    """qkv + RoPE + KV write at ``m`` rows (Ouro: 16 + 16 + 16 heads of 128, one row per slot at depth 1,
+    position 100), us per call: ours then ``rope_write_kv_`` (two launches), cuBLAS then it, and
+    :func:`kernels.qkv_rope.qkv_rope_write_kv` (one launch), with the bitwise check against the first."""
+    from loopbench.kernels import qkv_rope
+    from loopbench.kernels.kv_write import rope_write_kv_
+    n, k = SHAPES["qkv"]
+    heads, d, page = 16, 128, 16
+    copies = max(4, -(-MIN_WORKING_SET // (2 * n * k)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [0.02 * torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn((m, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    blocks = 8
+    caches = [torch.zeros((m * 4 * blocks + 1, page, heads, d), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    tables = (1 + torch.arange(m * 4 * blocks, device="cuda", dtype=torch.int32)).view(m, 4, blocks)
+    rows = (torch.arange(m, device="cuda", dtype=torch.int32), torch.ones(m, device="cuda", dtype=torch.int32),
+            torch.full((m,), 100, device="cuda", dtype=torch.int32))
+    cos = torch.randn((256, d // 2), device="cuda")
+    sin = torch.randn((256, d // 2), device="cuda")
+    plain, fused = gm.CONFIGS[(n, k)], qkv_rope.CONFIGS[(n, k)]
+
+    def two(w, c=plain):
+        return rope_write_kv_(gm.gemm(x, w, c), cos, sin, *caches, tables, *rows, heads)
+
+    def one(w):
+        return qkv_rope.qkv_rope_write_kv(x, w, fused, cos, sin, *caches, tables, *rows, heads)
+
+    same = torch.equal(one(ws[0]), two(ws[0], fused))
+    out = [dict(variant=f"ours {_config_label(plain)} + rope_write_kv_", m=m,
+                us=graph_ms_per_call([lambda w=w: two(w) for w in ws]) * 1e3, bitwise_two_launch=""),
+           dict(variant="cublas + rope_write_kv_", m=m, bitwise_two_launch="",
+                us=graph_ms_per_call([lambda w=w: rope_write_kv_(torch.matmul(x, w.t()), cos, sin, *caches, tables,
+                                                                  *rows, heads) for w in ws]) * 1e3),
+           dict(variant=f"qkv_rope_write_kv {_config_label(fused)}", m=m, bitwise_two_launch="yes" if same else "NO",
+                us=graph_ms_per_call([lambda w=w: one(w) for w in ws]) * 1e3)]
+    del ws, caches
+    torch.cuda.empty_cache()
+    return out
+
+
 def _config_label(c: gm.GemmConfig) -> str:
     return (f"n{c.block_n}-k{c.block_k}-s{c.split_k}-st{c.num_stages}-w{c.num_warps}"
             f"{'-tma' if c.tma else ''}{'-pdl' if c.pdl else ''}")
@@ -74,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="markdown table path (a .csv is written beside it)")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 16, 32, 64, 128], help="rows (batch sizes)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--swiglu", action="store_true", help="also time gate_up + SwiGLU: two launches vs gemm_swiglu")
+    ap.add_argument("--qkv-rope", action="store_true",
+                    help="also time qkv + RoPE + KV write: two launches vs kernels/qkv_rope.py")
     args = ap.parse_args(argv)
     bad = [m for m in args.ms if not 1 <= m <= gm.MAX_M]
     if bad:
@@ -88,6 +165,19 @@ def main(argv=None) -> int:
              f"Copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s. Times: CUDA-graph chains, us per call.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    if args.swiglu:
+        lines += ["", "gate_up with SwiGLU (us per call; `bitwise_two_launch`: gemm_swiglu == gemm then silu_mul "
+                  "at that configuration)", "", "| variant | m | us | bitwise_two_launch |", "|---|---|---|---|"]
+        for m in args.ms:
+            lines += [f"| {r['variant']} | {r['m']} | {r['us']:.2f} | {r['bitwise_two_launch']} |"
+                      for r in measure_swiglu(m)]
+    if args.qkv_rope:
+        lines += ["", "qkv with RoPE and the KV write (us per call; `bitwise_two_launch`: the fused kernel == its "
+                  "configuration's gemm then rope_write_kv_)", "", "| variant | m | us | bitwise_two_launch |",
+                  "|---|---|---|---|"]
+        for m in args.ms:
+            lines += [f"| {r['variant']} | {r['m']} | {r['us']:.2f} | {r['bitwise_two_launch']} |"
+                      for r in measure_qkv_rope(m)]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.write_text(text)

@@ -1,0 +1,139 @@
+"""The qkv projection with RoPE and the KV write in its epilogue (Triton): one launch where the decode
+loop runs three (projection, ``kv_write.rope_write_kv_``) today.
+
+A program owns one head: the ``head_dim`` weight rows of q head ``h`` (``h < H``), k head ``h - H`` or v
+head ``h - H - Hkv``, against all M rows (the swap-AB tile of kernels/gemm.py, ``block_n = head_dim``, the
+same K loop ``gemm._k_loop``). After the loop it rounds the projection to the model dtype, as
+:func:`gemm.gemm` would store it, and then does what ``rope_write_kv_`` does to that head, with the same
+formula and the same roundings (rotate-half RoPE, RoFormer arXiv 2104.09864, in the tables' dtype):
+
+- q and k heads are rotated by each row's position; every head is stored into ``qkv`` (so the prefill
+  attention, which reads k and v from ``qkv``, and the decode attention, which reads the cache, both work);
+- k and v heads are also written into the paged KV cache at (row_slot, row_depth, row_pos), with the
+  skipping rules of kernels/kv_write.py (negative slot, out-of-range depth or position: nothing written).
+
+So ``qkv_rope_write_kv(x, w, ...)`` is bitwise ``rope_write_kv_(gemm(x, w, cfg), ...)`` when the two
+accumulate alike (same tiles, same K order), which tests/kernels/test_qkv_rope.py checks.
+Batch invariance as in kernels/gemm.py: the tiles are fixed per weight shape; each row is its own column.
+Pointer loads only (no TMA variant yet); not yet measured on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gemm as gm
+from .kv_write import _validate_write
+
+# Per qkv weight shape [(H + 2 Hkv) * D, K]: block_n must be D (a tile is one head), so Ouro's qkv has 48
+# programs. Not yet measured against gemm + rope_write_kv_ (the sweep's plain qkv at block_n 128 took
+# 10.4-10.6 us vs 9.2 at block_n 64, kernels/results/gemm_sweep_h200_84accc2.md; rope_write_kv_ 3.1 us).
+CONFIGS: dict[tuple[int, int], gm.GemmConfig] = {
+    (6144, 2048): gm.GemmConfig(block_n=128, block_k=128, split_k=1, num_stages=4, pdl=True),
+}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qkv_rope_write_kernel(
+    x_ptr, w_ptr, qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_slot_ptr,
+    row_depth_ptr, row_pos_ptr,
+    M, K, num_slots, num_planes, max_blocks,
+    stride_xm, stride_wn, stride_qm, stride_cos,
+    stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts, stride_btp, stride_btj,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    head = tl.program_id(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_n = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
+    live = offs_m < M
+    mask_n = offs_n[:, None] >= 0
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc, _ = gm._k_loop(w_ptrs, w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K),
+                        HEAD_DIM, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, False)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dtype = qkv_ptr.dtype.element_ty
+    halves = tl.permute(tl.reshape(acc.to(dtype), (2, HALF, BLOCK_M)), (1, 2, 0))
+    x1, x2 = tl.split(halves)                                     # [HALF, BLOCK_M]: d and d + HALF
+    offs_d = tl.arange(0, HALF)
+    pos = tl.load(row_pos_ptr + offs_m, mask=live, other=0)
+    if head < NUM_HEADS + NUM_KV_HEADS:                           # q or k: rotate (fused_ops.rotate_head_)
+        c = tl.load(cos_ptr + pos[None, :].to(tl.int64) * stride_cos + offs_d[:, None], mask=live[None, :], other=0.0)
+        s = tl.load(sin_ptr + pos[None, :].to(tl.int64) * stride_cos + offs_d[:, None], mask=live[None, :], other=0.0)
+        f1, f2 = x1.to(c.dtype), x2.to(c.dtype)
+        x1, x2 = (f1 * c - f2 * s).to(dtype), (f2 * c + f1 * s).to(dtype)
+    dst = qkv_ptr + offs_m[None, :].to(tl.int64) * stride_qm + head * HEAD_DIM + offs_d[:, None]
+    tl.store(dst, x1, mask=live[None, :])
+    tl.store(dst + HALF, x2, mask=live[None, :])
+    if head >= NUM_HEADS:                                         # k or v: into the cache too
+        slot = tl.load(row_slot_ptr + offs_m, mask=live, other=-1)
+        depth = tl.load(row_depth_ptr + offs_m, mask=live, other=1)
+        ok = live & (slot >= 0) & (slot < num_slots) & (depth >= 1) & (depth <= num_planes)
+        ok = ok & (pos >= 0) & (pos < max_blocks * PAGE_SIZE)
+        # skipped rows look up (slot 0, plane 1, pos 0), in bounds, and write nothing
+        slot, depth, pos = tl.where(ok, slot, 0), tl.where(ok, depth, 1), tl.where(ok, pos, 0)
+        block = tl.load(block_tables_ptr + slot * stride_bts + (depth - 1) * stride_btp
+                        + (pos // PAGE_SIZE) * stride_btj).to(tl.int64)
+        in_page = pos % PAGE_SIZE
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            kv = k_cache_ptr + block[None, :] * stride_kb + in_page[None, :] * stride_kt \
+                + (head - NUM_HEADS) * stride_kh + offs_d[:, None] * stride_kd
+            step = HALF * stride_kd
+        else:
+            kv = v_cache_ptr + block[None, :] * stride_vb + in_page[None, :] * stride_vt \
+                + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + offs_d[:, None] * stride_vd
+            step = HALF * stride_vd
+        tl.store(kv, x1, mask=ok[None, :])
+        tl.store(kv + step, x2, mask=ok[None, :])
+
+
+def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfig, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      row_slot: torch.Tensor, row_depth: torch.Tensor, row_pos: torch.Tensor,
+                      num_heads: int) -> torch.Tensor:
+    """``rope_write_kv_(x @ w_qkv.T, ...)`` in one launch; never synchronises with the host.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16 (1 <= M <= 128), unit stride along K. w_qkv: ``[(H + 2 Hkv) * D, K]`` (q, k,
+            v heads; the model's fused ``qkv`` weight), x's dtype. config: a :class:`gemm.GemmConfig` with
+            ``block_n == D``, ``split_k == 1`` and no ``tma``.
+        cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, num_heads: as for
+            ``kv_write.rope_write_kv_`` (one layer's cache ``[num_blocks, block_size, Hkv, D]``; int32 rows).
+
+    Returns:
+        qkv ``[M, (H + 2 Hkv) * D]`` in x's dtype, q and k rotated. Raises ValueError/TypeError naming the
+        bad argument (the checks of :func:`gemm.gemm` and ``rope_write_kv_``, and the config's).
+    """
+    gm._validate(x, w_qkv, config)
+    _, page_size, hkv, d = k_cache.shape
+    if config.block_n != d or config.split_k != 1 or config.tma:
+        raise ValueError(f"qkv_rope_write_kv needs block_n == head_dim ({d}), split_k 1 and no tma, got {config}")
+    m, k = x.shape
+    if w_qkv.shape[0] != (num_heads + 2 * hkv) * d:
+        raise ValueError(f"w_qkv must have (H + 2 Hkv) * D = {(num_heads + 2 * hkv) * d} rows, got {w_qkv.shape[0]}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2 or not cos.is_contiguous():
+        raise ValueError(f"cos/sin must be contiguous [max_len, {d // 2}], got {tuple(cos.shape)}")
+    qkv = torch.empty((m, w_qkv.shape[0]), device=x.device, dtype=x.dtype)
+    kv_view = qkv[:, num_heads * d:].view(m, 2, hkv, d)
+    _validate_write(k_cache, v_cache, kv_view[:, 0], kv_view[:, 1], block_tables, row_slot, row_depth, row_pos)
+    c = config
+    launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    if c.pdl:
+        launch["launch_pdl"] = True
+    _qkv_rope_write_kernel[(num_heads + 2 * hkv,)](
+        x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
+        m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),
+        *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=c.pdl, PAGE_SIZE=page_size,
+        **launch)
+    return qkv

@@ -1,0 +1,61 @@
+"""qkv projection + RoPE + KV write in one launch (kernels/qkv_rope.py) == gemm then rope_write_kv_, bitwise:
+the same tiles and K order, the same roundings. Interpreter on CPU (bf16 through the interpreter's own
+conversions on both sides), every check on CUDA. Rows with a negative or out-of-range slot, depth or
+position must write nothing into the cache.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopbench.kernels import gemm as gm
+from loopbench.kernels.kv_write import rope_write_kv_
+from loopbench.kernels.qkv_rope import qkv_rope_write_kv
+
+PAGE, SLOTS, PLANES, MAX_BLOCKS = 16, 5, 4, 5
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _case(device, heads, kv_heads, head_dim, hidden, seed=0):
+    from loopbench.runtime.model import OuroConfig, rope_tables
+    gen = torch.Generator().manual_seed(seed + head_dim + hidden)
+    num_blocks = SLOTS * PLANES * MAX_BLOCKS + 4
+    tables = torch.randperm(num_blocks, generator=gen)[: SLOTS * PLANES * MAX_BLOCKS].view(SLOTS, PLANES, MAX_BLOCKS)
+    dt = torch.bfloat16
+    caches = [torch.randn((num_blocks, PAGE, kv_heads, head_dim), generator=gen).to(dt).to(device) for _ in range(2)]
+    cos, sin = rope_tables(OuroConfig(head_dim=head_dim, rope_theta=10_000.0), 128, device)
+    # page edges; the last four rows are padding or out of range and must write nothing
+    slot = [0, 1, 2, 3, 4, 0, 2, -1, 7, 1, 3]
+    depth = [1, 2, 3, 4, 1, 4, 2, 2, 1, 0, 5]
+    pos = [0, 15, 16, 31, 79, 47, 33, 3, 3, 3, 3]
+    meta = [tables.int().to(device)] + [torch.tensor(v, dtype=torch.int32, device=device) for v in (slot, depth, pos)]
+    x = torch.randn((len(slot), hidden), generator=gen).to(dt).to(device)
+    w = (0.1 * torch.randn(((heads + 2 * kv_heads) * head_dim, hidden), generator=gen)).to(dt).to(device)
+    return x, w, cos, sin, caches, meta
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,hidden,block_k", [(4, 2, 16, 96, 32), (2, 2, 32, 64, 64),
+                                                                    (16, 16, 128, 256, 128)])
+def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, head_dim, hidden, block_k):
+    if device == "cpu" and head_dim == 128:
+        pytest.skip("the Ouro head in the interpreter is slow; CUDA covers it")
+    x, w, cos, sin, (k_cache, v_cache), meta = _case(device, heads, kv_heads, head_dim, hidden)
+    cfg = gm.GemmConfig(block_n=head_dim, block_k=block_k)
+    fused_k, fused_v = k_cache.clone(), v_cache.clone()
+    fused = qkv_rope_write_kv(x, w, cfg, cos, sin, fused_k, fused_v, *meta, heads)
+    two_k, two_v = k_cache.clone(), v_cache.clone()
+    two = rope_write_kv_(gm.gemm(x, w, cfg), cos, sin, two_k, two_v, *meta, heads)
+    for got, want, what in ((fused, two, "qkv"), (fused_k, two_k, "k cache"), (fused_v, two_v, "v cache")):
+        diff = (got.float() - want.float()).abs()
+        assert torch.equal(got, want), f"{what}: {int((diff > 0).sum())} elements differ, max {diff.max().item():.3e}"
+    written = int((fused_k != k_cache).any(-1).any(-1).sum())
+    assert 0 < written <= 7, f"{written} cache cells changed; the 7 valid rows write one cell each"
+
+
+def test_fused_qkv_rope_write_rejects_a_tile_that_is_not_one_head():
+    x, w, cos, sin, (k_cache, v_cache), meta = _case("cpu", 4, 2, 16, 96)
+    with pytest.raises(ValueError, match="block_n == head_dim"):
+        qkv_rope_write_kv(x, w, gm.GemmConfig(block_n=32, block_k=32), cos, sin, k_cache, v_cache, *meta, 4)
+    with pytest.raises(ValueError, match="rows"):
+        qkv_rope_write_kv(x, w[:-16], gm.GemmConfig(block_n=16, block_k=32), cos, sin, k_cache, v_cache, *meta, 4)
