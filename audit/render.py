@@ -9,11 +9,42 @@ visible, is a discrepancy.
 """
 from __future__ import annotations
 
+import re
+import string
+
 from . import check_natural, contract, render_sections
 
-R = contract.FORMAT["report"]
-WORDS = R["words"]
+WORDS = contract.FORMAT["report"]["words"]
 FREE_TEXT = "loopbench/bundle_format.json report.free_text"
+_SINCE = re.compile(r"(.+)_since_(\d+)(?:\.(\d+))?")
+
+
+def wording(section, version: int, revision: int = 0):
+    """The contract's ``report`` section as a bundle of format ``version`` and report wording ``revision``
+    (plan.json report_wording, format 5) words it: at every depth a key ``k_since_N`` or ``k_since_N.M``
+    with the latest (N, M) <= (``version``, ``revision``) stands for ``k``; later wordings are dropped."""
+    if not isinstance(section, dict):
+        return section
+    latest: dict[str, tuple[tuple[int, int], object]] = {}
+    for key, value in section.items():
+        m = _SINCE.fullmatch(key)
+        base, since = (m[1], (int(m[2]), int(m[3] or 0))) if m else (key, (0, 0))
+        if since <= (version, revision) and since >= latest.get(base, ((-1, 0), None))[0]:
+            latest[base] = (since, wording(value, version, revision))
+    return {key: value for key, (_, value) in latest.items()}
+
+
+class _Counts(string.Formatter):
+    """``str.format`` that also fills the contract's count fields, ``{n:one|many}`` -> "1 pair" / "3 pairs"."""
+
+    def format_field(self, value, format_spec: str) -> str:
+        if "|" in format_spec:
+            one, many = format_spec.split("|")
+            return f"{value:,} {one if value == 1 else many}"
+        return super().format_field(value, format_spec)
+
+
+fill = _Counts().format
 
 
 def one_line(line: str) -> str:
@@ -24,31 +55,30 @@ def one_line(line: str) -> str:
     return line
 
 
-def _table(columns: list[str], rows: list[str]) -> list[str]:
+def _table(w: dict, columns: list[str], rows: list[str]) -> list[str]:
     """A table; a row whose strings hold a '|' (a forged cell) is refused (ValueError)."""
     for row in rows:
         if row.count("|") != len(columns) + 1:
             raise ValueError(f"a string of the bundle would add cells to a report.md table ({FREE_TEXT}): {row!r}")
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
+    heading = [w["column_names"].get(c, c) for c in columns]   # format 5: "Device", not "GPU"
+    return ["| " + " | ".join(heading) + " |", "|" + "---|" * len(columns), *rows]
 
 
-def _ci(ci: list | None, missing: str) -> str:
-    return R["ci"].format(*ci) if ci else missing
+def _ci(w: dict, ci: list | None, missing: str) -> str:
+    return w["ci"].format(*ci) if ci else missing
 
 
-def result_row(res: dict, workload: str | None = None) -> str:
-    """One seed-style row: GPU, B / C, [P / D (format 5),] tokens/s of each arm, speedup [CI], change, verdict."""
+def result_row(w: dict, res: dict, workload: str | None = None) -> str:
+    """One seed-style row: device, B / C, [P / D (format 5),] tokens/s of each arm, speedup [CI], change, verdict."""
     st = res["stats"]
-    return R["result"]["row" if workload is None else "row_since_5"].format(workload=workload, **{
-        **res, "speedup": st["speedup"], "ci": _ci(st["ci"], f"[{WORDS['na']}]"),
+    return w["result"]["row"].format(workload=workload, **{
+        **res, "speedup": st["speedup"], "ci": _ci(w, st["ci"], f"[{WORDS['na']}]"),
         "change_pct": 100 * (st["speedup"] - 1),
         "verdict": res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]})
 
 
-def _result_tables(results: list[dict], plan: dict | None = None) -> list[str]:
+def _result_tables(w: dict, results: list[dict], plan: dict | None = None) -> list[str]:
     """One table per comparison; with the ``plan`` (format 5) each point's P / D too."""
-    columns = R["result"]["columns"] if plan is None else R["result"]["columns_since_5"]
-
     def label(res: dict) -> str | None:
         return None if plan is None else render_sections.workload(plan, res["point"])
 
@@ -58,8 +88,10 @@ def _result_tables(results: list[dict], plan: dict | None = None) -> list[str]:
     lines = []
     for comp, rows in by_comparison.items():
         b, c = rows[0]["baseline"], rows[0]["candidate"]
-        lines += [R["result"]["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
-        lines += _table([h.format(baseline=b, candidate=c) for h in columns], [result_row(r, label(r)) for r in rows])
+        level = w["level"].format(100 * rows[0]["stats"]["confidence"])   # verdict.confidence
+        lines += [w["result"]["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
+        lines += _table(w, [h.format(baseline=b, candidate=c, level=level) for h in w["result"]["columns"]],
+                        [result_row(w, r, label(r)) for r in rows])
         lines.append("")
     return lines or [""]   # no results: one empty line, as harness/report.py writes it
 
@@ -73,21 +105,21 @@ def _prompt_label(wl: dict) -> str:
     return str(wl["prompt_len"])
 
 
-def _reasons(summary: dict) -> str:
+def _reasons(w: dict, summary: dict) -> str:
     """The incomplete reasons in words: status codes worded by the contract (a version-1 summary's are
     sentences already)."""
-    return R["reason_separator"].join(r if isinstance(r, str) else contract.reason_text(r)
+    return w["reason_separator"].join(r if isinstance(r, str) else contract.reason_text(r)
                                       for r in summary["incomplete_reasons"])
 
 
-def _header(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, environment: dict) -> list[str]:
+def _header(w: dict, plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, environment: dict) -> list[str]:
     cfg, code, ckpt = plan["config"], plan["code"], plan["checkpoint"]
     wl = cfg["workload"]
-    lines = [R["title"].format(name=plan["name"], state=R["state"][summary["status"]]), ""]
+    lines = [w["title"].format(name=plan["name"], state=w["state"][summary["status"]]), ""]
     if summary["status"] != "complete":
-        lines += [R["banner"]["incomplete"].format(reasons=_reasons(summary)), ""]
+        lines += [w["banner"]["incomplete"].format(reasons=_reasons(w, summary)), ""]
     elif not summary["verdicts_published"]:
-        lines += [R["banner"]["checks_failed"], ""]
+        lines += [w["banner"]["checks_failed"], ""]
     facts = {**cfg["exit"], "git_sha": code["git_sha"] or WORDS["unknown_sha"],
              "dirty": WORDS["dirty"] if code["git_dirty"] else "", "plan_sha256": plan_sha256,
              "description": ckpt["description"], "dtype": cfg["model"]["dtype"], "checkpoint_sha256": ckpt["sha256"],
@@ -97,33 +129,33 @@ def _header(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, en
              "torch": environment.get("torch", {}).get("version"),
              "triton": environment.get("packages", {}).get("triton"),
              "python": environment.get("python", {}).get("version")}
-    return lines + [line.format(**facts) for line in R["header"]]
+    return lines + [fill(line, **facts) for line in w["header"]]
 
 
-def _statistics(results: list[dict]) -> list[str]:
-    spec, rows = R["statistics"], []
+def _statistics(w: dict, results: list[dict]) -> list[str]:
+    spec, rows = w["statistics"], []
     for r in results:
         st = r["stats"]
         p = spec["p"].format(p=st["wilcoxon_p"], method=st["wilcoxon_method"]) if st["wilcoxon_p"] is not None \
             else WORDS["na"]
-        rows.append(spec["row"].format(**{**r, **st, "bca": _ci(st["bca_ci"], WORDS["undefined"]), "p": p}))
-    return [R["headings"]["statistics"], ""] + _table(spec["columns"], rows)
+        rows.append(spec["row"].format(**{**r, **st, "bca": _ci(w, st["bca_ci"], WORDS["undefined"]), "p": p}))
+    return [w["headings"]["statistics"], ""] + _table(w, spec["columns"], rows)
 
 
-def _checks(checks: dict) -> list[str]:
-    spec, findings = R["checks"], checks["findings"]
+def _checks(w: dict, checks: dict) -> list[str]:
+    spec, findings = w["checks"], checks["findings"]
     most = spec["max_findings"]
-    lines = [R["headings"]["checks"], "",
-             spec["line"].format(**checks, outcome=WORDS["pass"] if checks["ok"] else WORDS["fail"])]
+    lines = [w["headings"]["checks"], "",
+             fill(spec["line"], **checks, outcome=WORDS["pass"] if checks["ok"] else WORDS["fail"])]
     lines += [spec["finding"].format(message=f["message"]) for f in findings[:most]]
     if len(findings) > most:
         lines.append(spec["more"].format(n=len(findings) - most))
-    return lines + [spec["warning"].format(warning=w) for w in checks.get("warnings", [])]
+    return lines + [spec["warning"].format(warning=text) for text in checks.get("warnings", [])]
 
 
-def _mib(values: list) -> str:
+def _mib(w: dict, values: list) -> str:
     present = [v for v in values if v is not None]
-    return R["graph_memory"]["mib"].format(max(present) / 2**20) if present else WORDS["na"]
+    return w["graph_memory"]["mib"].format(max(present) / 2**20) if present else WORDS["na"]
 
 
 def _groups(arm_rows: list[dict], keys: list[str]) -> list[tuple[tuple, list[dict]]]:
@@ -146,53 +178,52 @@ def _cell_groups(arm_rows: list[dict], spec: dict, plan: dict | None) -> list[tu
             for (d, _, a), g in _groups(keyed, ["device", "point_index", "arm"])]
 
 
-def _graph_memory(arm_rows: list[dict], plan: dict | None = None) -> list[str]:
-    """Per (GPU, B, C, arm) (format 5: per point): runs, Graph captures / replays / fallbacks, peak memory, KV blocks."""
-    spec, rows = R["graph_memory"], []
-    since_5 = "" if plan is None else "_since_5"
+def _graph_memory(w: dict, arm_rows: list[dict], plan: dict | None = None) -> list[str]:
+    """Per (device, B, C, arm) (format 5: per point): runs, Graph captures / replays / fallbacks, peak memory, KV blocks."""
+    spec, rows = w["graph_memory"], []
 
     def total(g: list[dict], *keys: str) -> int:
         return int(sum(r[k] or 0 for r in g for k in keys))
 
     for cell, g in _cell_groups(arm_rows, spec, plan):
-        rows.append(spec["row" + since_5].format(
+        rows.append(spec["row"].format(
             **cell, runs=len(g),
             warmup_captures=total(g, "warmup_captures", "warmup_prefill_captures"),
             captures=total(g, "captures", "prefill_captures"), replays=total(g, "replays"),
             fallbacks=total(g, "fallbacks"), prefill_replays=total(g, "prefill_replays"),
             prefill_fallbacks=total(g, "prefill_fallbacks"),
-            peak_allocated_mib=_mib([r["peak_allocated_bytes"] for r in g]),
-            peak_reserved_mib=_mib([r["peak_reserved_bytes"] for r in g]),
+            peak_allocated_mib=_mib(w, [r["peak_allocated_bytes"] for r in g]),
+            peak_reserved_mib=_mib(w, [r["peak_reserved_bytes"] for r in g]),
             kv_blocks=max(r["kv_blocks_used"] for r in g)))
-    return [R["headings"]["graph_memory"], ""] + _table(spec["columns" + since_5], rows)
+    return [w["headings"]["graph_memory"], ""] + _table(w, spec["columns"], rows)
 
 
-def _count_text(value) -> str:
-    return R["coverage"]["list_separator"].join(str(v) for v in value) if isinstance(value, list) else str(value)
+def _count_text(w: dict, value) -> str:
+    return w["coverage"]["list_separator"].join(str(v) for v in value) if isinstance(value, list) else str(value)
 
 
-def _coverage(arm_rows: list[dict], plan: dict | None = None) -> list[str]:
-    """Per (GPU, B, C, arm) (format 5: per point), the coverage counts its runs share ("varies" where not)."""
-    spec = R["coverage"]
+def _coverage(w: dict, arm_rows: list[dict], plan: dict | None = None) -> list[str]:
+    """Per (device, B, C, arm) (format 5: per point), the coverage counts its runs share ("varies" where not)."""
+    spec = w["coverage"]
     if "coverage_routed_reads" not in arm_rows[0]:
         return []
-    rows, since_5 = [], "" if plan is None else "_since_5"
+    rows = []
     for cell, g in _cell_groups(arm_rows, spec, plan):
         cells = []
         for key in spec["counts"]:
-            texts = {_count_text(r[f"coverage_{key}"]) for r in g}
+            texts = {_count_text(w, r[f"coverage_{key}"]) for r in g}
             cells.append(texts.pop() if len(texts) == 1 else WORDS["varies"])
-        rows.append(spec["row" + since_5].format(**cell, runs=len(g), cells=" | ".join(cells)))
-    return ["", R["headings"]["coverage"], "", spec["text"], ""] + _table(spec["columns" + since_5], rows)
+        rows.append(spec["row"].format(**cell, runs=len(g), cells=" | ".join(cells)))
+    return ["", w["headings"]["coverage"], "", spec["text"], ""] + _table(w, spec["columns"], rows)
 
 
-def _children(children: list[dict]) -> list[str]:
+def _children(w: dict, children: list[dict]) -> list[str]:
     """One row per child of every run of the bundle, named by its session id (its name before resume)."""
-    spec = R["children"]
+    spec = w["children"]
     rows = [spec["row"].format(**{**c, "session": c.get("session", c["name"]),
                                   "wall": WORDS["na"] if c["wall_s"] is None else spec["wall"].format(c["wall_s"])})
             for c in children]   # wall_s None: never started, or its controller died
-    return [R["headings"]["children"], ""] + _table(spec["columns"], rows)
+    return [w["headings"]["children"], ""] + _table(w, spec["columns"], rows)
 
 
 # ------------------------------------------------------------------- format 4: sessions, drift
@@ -201,18 +232,18 @@ def _num(template: str, value) -> str:
     return WORDS["na"] if value is None else template.format(value)
 
 
-def _rule(plan: dict, summary: dict, version: int) -> str:
+def _rule(w: dict, plan: dict, summary: dict) -> str:
+    """The sentence under the result tables (before format 4 it names no sessions: no evidence_rule)."""
     vd = plan["config"]["verdict"]
-    if version < contract.DOCS["plan"]["sessions_since"]:
-        return R["result"]["rule"].format(**vd)
-    return R["result"]["rule_since_4"].format(**vd, **summary["evidence_rule"])
+    return fill(w["result"]["rule"], **vd, **summary.get("evidence_rule", {}),
+                level=w["level"].format(100 * vd["confidence"]))
 
 
-def _sessions(plan: dict, summary: dict) -> list[str]:
+def _sessions(w: dict, plan: dict, summary: dict) -> list[str]:
     """Per result each session's median, between / within SDs and the pooled median [CI]; the plan's MDE."""
-    spec, de = R["sessions"], plan["detectable_effect"]
+    spec, de = w["sessions"], plan["detectable_effect"]
     noise = de["noise"]
-    mde = spec["mde"].format(**de, sigma=_num(spec["sigma"], noise["sigma_log_ratio"]),
+    mde = fill(spec["mde"], **de, sigma=_num(spec["sigma"], noise["sigma_log_ratio"]),
                              source=spec["source"][noise["source"]].format(**noise),
                              mde=_num(spec["mde_value"], de["mde_relative"]))
     rows = []
@@ -221,14 +252,14 @@ def _sessions(plan: dict, summary: dict) -> list[str]:
         medians = spec["median_separator"].join(spec["median"].format(m) for m in ev["session_medians"])
         rows.append(spec["row"].format(**r, n_sessions=len(ev["sessions"]), medians=medians,
                                        between=_num(spec["sd"], ev["between_sd"]), within=_num(spec["sd"], ev["within_sd"]),
-                                       speedup=r["stats"]["speedup"], ci=_ci(r["stats"]["ci"], f"[{WORDS['na']}]")))
-    return ["", R["headings"]["sessions"], "", spec["text"].format(**summary["evidence_rule"]), "", mde, ""] \
-        + _table(spec["columns"], rows)
+                                       speedup=r["stats"]["speedup"], ci=_ci(w, r["stats"]["ci"], f"[{WORDS['na']}]")))
+    return ["", w["headings"]["sessions"], "", fill(spec["text"], **summary["evidence_rule"]), "", mde, ""] \
+        + _table(w, spec["columns"], rows)
 
 
-def _drift(summary: dict) -> list[str]:
+def _drift(w: dict, summary: dict) -> list[str]:
     """Per result the Spearman trend and Mann-Whitney order test; per device the allocator creep."""
-    spec, rows = R["drift"], []
+    spec, rows = w["drift"], []
     for r in summary["results"]:
         t, o = r["evidence"]["trend"], r["evidence"]["order"]
         flags = [spec["flag_trend"]] * t["flag"] + [spec["flag_order"]] * o["flag"]
@@ -244,30 +275,41 @@ def _drift(summary: dict) -> list[str]:
                                               last=_num(spec["mib"], mib[1]), rho=_num(spec["stat"], c["statistic"]),
                                               p=_num(spec["p"], c["p"]),
                                               flag=spec["flag_creep"] if c["flag"] else spec["no_flag"]))
-    return ["", R["headings"]["drift"], "", spec["text"].format(**summary["evidence_rule"]), ""] \
-        + _table(spec["columns"], rows) + [""] + _table(spec["creep_columns"], creep)
+    return ["", w["headings"]["drift"], "", spec["text"].format(**summary["evidence_rule"]), ""] \
+        + _table(w, spec["columns"], rows) + [""] + _table(w, spec["creep_columns"], creep)
+
+
+def _devices_shown(w: dict, rows: list[dict]) -> list[dict]:
+    """``rows`` with each device named as the report names it: "CPU" from format 5, else its label."""
+    return [{**r, "device": w["device_names"].get(r["device"], r["device"])} for r in rows]
 
 
 def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm_rows: list[dict],
            environment: dict, version: int = contract.VERSION, online: list[str] = ()) -> str:
     """The whole ``report.md`` text of a bundle of format ``version`` whose re-derived summary is
-    ``summary``: that version's sections in the contract's order (the arm sections only with arms)."""
+    ``summary``: that version's wording and sections in the contract's order (the arm sections only
+    with arms)."""
+    w = wording(contract.FORMAT["report"], version, plan.get("report_wording", 0))
+    summary = {**summary, **{key: _devices_shown(w, summary[key])
+                             for key in ("results", "memory_creep", "children") if key in summary}}
+    arm_rows = _devices_shown(w, arm_rows)
     sections = {
-        "header": lambda: _header(plan, plan_sha256, prompts_sha256, summary, environment),
-        "result": lambda: ["", R["headings"]["result"], "",
-                           *_result_tables(summary["results"], plan if version >= 5 else None),
-                           _rule(plan, summary, version), ""],
-        "statistics": lambda: _statistics(summary["results"]),
-        "sessions": lambda: _sessions(plan, summary),
-        "drift": lambda: _drift(summary),
-        "natural": lambda: check_natural.report_lines(plan, summary.get("natural"), _table),
-        "checks": lambda: ["", *_checks(summary["checks"])],
-        "graph_memory": lambda: ["", *_graph_memory(arm_rows, plan if version >= 5 else None)] if arm_rows else [],
-        "coverage": lambda: _coverage(arm_rows, plan if version >= 5 else None) if arm_rows else [],
-        "graph_coverage": lambda: render_sections.graph_coverage(plan, summary["results"]),
-        "telemetry": lambda: render_sections.telemetry(plan, arm_rows),
-        "children": lambda: ["", *_children(summary["children"])],
+        "header": lambda: _header(w, plan, plan_sha256, prompts_sha256, summary, environment),
+        "result": lambda: ["", w["headings"]["result"], "",
+                           *_result_tables(w, summary["results"], plan if version >= 5 else None),
+                           _rule(w, plan, summary), ""],
+        "statistics": lambda: _statistics(w, summary["results"]),
+        "sessions": lambda: _sessions(w, plan, summary),
+        "drift": lambda: _drift(w, summary),
+        "natural": lambda: check_natural.report_lines(plan, summary.get("natural"),
+                                                      lambda columns, rows: _table(w, columns, rows)),
+        "checks": lambda: ["", *_checks(w, summary["checks"])],
+        "graph_memory": lambda: ["", *_graph_memory(w, arm_rows, plan if version >= 5 else None)] if arm_rows else [],
+        "coverage": lambda: _coverage(w, arm_rows, plan if version >= 5 else None) if arm_rows else [],
+        "graph_coverage": lambda: render_sections.graph_coverage(w, plan, summary["results"]),
+        "telemetry": lambda: render_sections.telemetry(w, plan, arm_rows),
+        "children": lambda: ["", *_children(w, summary["children"])],
         "online": lambda: list(online),   # format 5: check_online.report_lines
-        "plot": lambda: ["", R["plot"], ""],
+        "plot": lambda: ["", w["plot"], ""],
     }
-    return "\n".join(one_line(line) for name in R["sections_by_version"][str(version)] for line in sections[name]())
+    return "\n".join(one_line(line) for name in w["sections_by_version"][str(version)] for line in sections[name]())

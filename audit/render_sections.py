@@ -21,7 +21,8 @@ def workload(plan: dict, point_key: str) -> str:
     return R["result"]["workload"].format(prompt=prompt, output_len=pt.get("output_len", wl["output_len"]))
 
 
-def graph_coverage(plan: dict, results: list[dict]) -> list[str]:
+def graph_coverage(w: dict, plan: dict, results: list[dict]) -> list[str]:
+    """Per result its arms' eager fractions and the verdict bar; ``w`` the bundle's wording (render.wording)."""
     from .render import _table
 
     spec = R["graph_coverage"]
@@ -37,7 +38,7 @@ def graph_coverage(plan: dict, results: list[dict]) -> list[str]:
             for r in results]
     return ["", R["headings"]["graph_coverage"], "",
             spec["text"].format(tolerance=plan["config"]["verdict"]["eager_fraction_tolerance"]), ""] \
-        + _table(spec["columns"], rows)
+        + _table(w, spec["columns"], rows)
 
 
 def _row(dev: str, point: str, arm: str, g: list[dict]) -> str:
@@ -68,8 +69,9 @@ def _row(dev: str, point: str, arm: str, g: list[dict]) -> str:
         flags=spec["flag_separator"].join(flags) or spec["no_flag"])
 
 
-def telemetry(plan: dict, arm_rows: list[dict]) -> list[str]:
-    """Per (GPU, point, arm) its runs' telemetry, or the "no telemetry" line when no run was sampled."""
+def telemetry(w: dict, plan: dict, arm_rows: list[dict]) -> list[str]:
+    """Per (GPU, point, arm) its runs' telemetry, or the "no telemetry" line when no run was sampled;
+    ``w`` the bundle's wording (render.wording)."""
     from .render import _groups, _table
 
     spec = R["telemetry"]
@@ -78,4 +80,4 @@ def telemetry(plan: dict, arm_rows: list[dict]) -> list[str]:
         return head + [spec["none"]]
     rows = [_row(dev, point, arm, g) for (dev, point, arm), g in _groups(arm_rows, ["device", "point", "arm"])]
     return head + [spec["text"].format(sample_hz=plan["config"]["telemetry"]["sample_hz"]), ""] \
-        + _table(spec["columns"], rows)
+        + _table(w, spec["columns"], rows)

@@ -157,6 +157,10 @@ def _show(args) -> int:
 def _compare(args) -> int:
     from . import compare
 
+    if args.confidence is not None and not 0 < args.confidence < 1:
+        print(f"loopbench compare: --confidence {args.confidence} is not a level between 0 and 1 (0.95 for a 95% "
+              "interval)", file=sys.stderr)
+        return 2
     try:
         text, comparable = compare.compare_text(compare.Bundle.load(args.a), compare.Bundle.load(args.b),
                                                 args.confidence)

@@ -148,11 +148,13 @@ def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple
     if diffs:
         return "\n".join(head + ["not comparable: the bundles measured different things:"]
                          + [f"  {d}" for d in diffs]), False
+    from .report import level_text
+
     level = confidence if confidence is not None else a.plan["config"]["verdict"]["confidence"]
     rows = compare_rows(a, b, level)
-    lines = head + ["", f"tokens/s: median over each arm's measured runs; change = B / A - 1 with a {level:.0%} "
+    lines = head + ["", f"tokens/s: median over each arm's measured runs; change = B / A - 1 with a {level_text(level)} "
                         "percentile bootstrap interval, resampling each bundle's runs on its own", "",
-                    f"| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [{level:.0%} interval] | |",
+                    f"| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [{level_text(level)} interval] | |",
                     "|---|---|---|---|---|---|"]
     points = {p["key"]: p for p in a.plan["points"]}
     for r in rows:
@@ -179,7 +181,7 @@ def show_text(bundle: Bundle) -> str:
     audit_file = bundle.path / "audit.json"
     audit = json.loads(audit_file.read_text()).get("status", "?") if audit_file.is_file() else "not audited"
     status = s["status"] + (f" ({report.reasons_text(s)})" if s["incomplete_reasons"] else "")
-    return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s),
+    return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s, bundle.plan),
                       f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts "
                       f"{'published' if s['verdicts_published'] else 'barred'}", f"report: {bundle.path / 'report.md'}"])
 

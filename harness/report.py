@@ -9,6 +9,8 @@ driven by the same contract) and requires ``report.md`` to match it line for lin
 from __future__ import annotations
 
 import io
+import re
+import string
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +19,49 @@ import pandas as pd
 from . import natural, report_sections
 from .evidence import FORMAT, atomic_write_bytes
 
-R = FORMAT["report"]
+_SINCE = re.compile(r"(.+)_since_(\d+)(?:\.(\d+))?")
+
+
+def wording(section, version: int, revision: int = 0):
+    """The contract's ``report`` section as a bundle of format ``version`` and report wording ``revision``
+    (plan.json report_wording) words it: a key ``k_since_N`` or ``k_since_N.M`` (the latest (N, M) <=
+    (version, revision)) replaces ``k`` at every depth; later wordings are left out."""
+    if not isinstance(section, dict):
+        return section
+    chosen: dict[str, tuple[tuple[int, int], object]] = {}
+    for key, value in section.items():
+        m = _SINCE.fullmatch(key)
+        base, since = (m[1], (int(m[2]), int(m[3] or 0))) if m else (key, (0, 0))
+        if since <= (version, revision) and since >= chosen.get(base, ((-1, 0), None))[0]:
+            chosen[base] = (since, wording(value, version, revision))
+    return {key: value for key, (_, value) in chosen.items()}
+
+
+class _Counted(string.Formatter):
+    """str.format plus the contract's count field ``{n:one|many}``: "1 pair", "2 pairs", "1,024 tokens"."""
+
+    def format_field(self, value, format_spec: str) -> str:
+        if "|" not in format_spec:
+            return super().format_field(value, format_spec)
+        one, many = format_spec.split("|")
+        return f"{value:,} {one if value == 1 else many}"
+
+
+REPORT_WORDING = FORMAT["documents"]["plan"]["report_wording"]   # plan.json report_wording
+R = wording(FORMAT["report"], FORMAT["version"], REPORT_WORDING)   # the harness writes the current format only
 WORDS = R["words"]
 CODES = FORMAT["status_codes"]["codes"]
+fill = _Counted().format
+
+
+def level_text(confidence: float) -> str:
+    """The interval's level as the report names it: 0.95 -> "95%" (``verdict.confidence``)."""
+    return R["level"].format(100 * confidence)
+
+
+def shown_device(label: str) -> str:
+    """A device as the report names it: "CPU", or the GPU's label ("H200 #0")."""
+    return R["device_names"].get(label, label)
 
 
 def reason_text(reason: dict) -> str:
@@ -34,6 +76,7 @@ def reasons_text(summary: dict) -> str:
 
 def table_lines(columns: list[str], rows: list[str]) -> list[str]:
     """A markdown table: its heading row, the ``---`` row and the rendered rows."""
+    columns = [R["column_names"].get(c, c) for c in columns]
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
 
 
@@ -41,28 +84,29 @@ def ci_text(ci: list | None) -> str:
     return R["ci"].format(*ci) if ci else f"[{WORDS['na']}]"
 
 
-def table_row(res: dict, workload: str | None = None) -> str:
-    """One seed-style row (device, B / C, [P / D,] tokens/s of each arm, speedup [CI], change, verdict)."""
+def table_row(res: dict, workload: str) -> str:
+    """One seed-style row (device, B / C, P / D ``workload``, tokens/s of each arm, speedup [CI], change,
+    verdict)."""
     st = res["stats"]
     verdict = res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]
-    row = R["result"]["row"] if workload is None else R["result"]["row_since_5"]
-    return row.format(workload=workload, **{**res, "speedup": st["speedup"], "ci": ci_text(st["ci"]),
-                                        "change_pct": 100 * (st["speedup"] - 1), "verdict": verdict})
+    return R["result"]["row"].format(workload=workload, **{
+        **res, "device": shown_device(res["device"]), "speedup": st["speedup"], "ci": ci_text(st["ci"]),
+        "change_pct": 100 * (st["speedup"] - 1), "verdict": verdict})
 
 
-def result_tables(summary: dict, plan: dict | None = None) -> str:
-    """The seed's table, one per comparison (GPU, B / C, tokens/s of each arm, speedup [CI], change); with
-    the ``plan``, each point's P / D too (format 5, report_sections.workload_label)."""
+def result_tables(summary: dict, plan: dict) -> str:
+    """The seed's table, one per comparison (device, B / C, P / D of the ``plan``'s point, tokens/s of each
+    arm, speedup [CI], change), as the current format words it."""
     spec, out = R["result"], []
-    label = (lambda res: None) if plan is None else (lambda res: report_sections.workload_label(plan, res["point"]))
-    columns = spec["columns"] if plan is None else spec["columns_since_5"]
+    columns = spec["columns"]
     comps: dict[str, list[dict]] = {}
     for res in summary["results"]:
         comps.setdefault(res["comparison"], []).append(res)
     for comp, rows in comps.items():
-        b, c = rows[0]["baseline"], rows[0]["candidate"]
+        b, c, level = rows[0]["baseline"], rows[0]["candidate"], level_text(rows[0]["stats"]["confidence"])
         out += [spec["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
-        out += table_lines([h.format(baseline=b, candidate=c) for h in columns], [table_row(r, label(r)) for r in rows])
+        out += table_lines([h.format(baseline=b, candidate=c, level=level) for h in columns],
+                           [table_row(r, report_sections.workload_label(plan, r["point"])) for r in rows])
         out.append("")
     return "\n".join(out)
 
@@ -93,7 +137,7 @@ def _header(plan: dict, summary: dict, environment: dict) -> list[str]:
               "torch": environment.get("torch", {}).get("version"),
               "triton": environment.get("packages", {}).get("triton"),
               "python": environment.get("python", {}).get("version")}
-    return lines + [line.format(**fields) for line in R["header"]]
+    return lines + [fill(line, **fields) for line in R["header"]]
 
 
 def _statistics(results: list[dict]) -> list[str]:
@@ -111,7 +155,7 @@ def _checks(ch: dict) -> list[str]:
     spec, findings = R["checks"], ch["findings"]
     most = spec["max_findings"]
     lines = [R["headings"]["checks"], "",
-             spec["line"].format(**ch, outcome=WORDS["pass"] if ch["ok"] else WORDS["fail"])]
+             fill(spec["line"], **ch, outcome=WORDS["pass"] if ch["ok"] else WORDS["fail"])]
     lines += [spec["finding"].format(message=f["message"]) for f in findings[:most]]
     if len(findings) > most:
         lines.append(spec["more"].format(n=len(findings) - most))
@@ -126,14 +170,14 @@ def _mib(series) -> str:
 def _graph_memory(arms: pd.DataFrame, plan: dict) -> list[str]:
     spec, rows = R["graph_memory"], []
     for cell, g in report_sections.arm_groups(arms, plan):
-        rows.append(spec["row_since_5"].format(
+        rows.append(spec["row"].format(
             **cell, runs=len(g),
             warmup_captures=int(g["warmup_captures"].fillna(0).sum() + g["warmup_prefill_captures"].fillna(0).sum()),
             captures=int(g["captures"].sum() + g["prefill_captures"].sum()), replays=int(g["replays"].sum()),
             fallbacks=int(g["fallbacks"].sum()), prefill_replays=int(g["prefill_replays"].sum()),
             prefill_fallbacks=int(g["prefill_fallbacks"].sum()), peak_allocated_mib=_mib(g["peak_allocated_bytes"]),
             peak_reserved_mib=_mib(g["peak_reserved_bytes"]), kv_blocks=int(g["kv_blocks_used"].max())))
-    return ["", R["headings"]["graph_memory"], ""] + table_lines(spec["columns_since_5"], rows)
+    return ["", R["headings"]["graph_memory"], ""] + table_lines(spec["columns"], rows)
 
 
 def _per_run(values) -> str:
@@ -145,14 +189,14 @@ def _per_run(values) -> str:
 
 
 def _coverage(arms: pd.DataFrame, plan: dict) -> list[str]:
-    """Per (GPU, point, arm): how often each path where the layouts differ ran in one measured run."""
+    """Per (device, point, arm): how often each path where the layouts differ ran in one measured run."""
     spec = R["coverage"]
     if "coverage_routed_reads" not in arms.columns:
         return []
-    rows = [spec["row_since_5"].format(**cell, runs=len(g),
+    rows = [spec["row"].format(**cell, runs=len(g),
                                        cells=" | ".join(_per_run(g[f"coverage_{k}"]) for k in spec["counts"]))
             for cell, g in report_sections.arm_groups(arms, plan)]
-    return ["", R["headings"]["coverage"], "", spec["text"], ""] + table_lines(spec["columns_since_5"], rows)
+    return ["", R["headings"]["coverage"], "", spec["text"], ""] + table_lines(spec["columns"], rows)
 
 
 def _children(children: list[dict]) -> list[str]:
@@ -172,14 +216,15 @@ def _fmt(template: str, value) -> str:
 
 def rule_text(plan: dict, summary: dict) -> str:
     """The result section's sentence under the table: the verdict rule and how the interval was made."""
-    return R["result"]["rule_since_4"].format(**plan["config"]["verdict"], **summary["evidence_rule"])
+    vd = plan["config"]["verdict"]
+    return fill(R["result"]["rule"], **vd, **summary["evidence_rule"], level=level_text(vd["confidence"]))
 
 
 def mde_line(plan: dict) -> str:
     """The plan's minimum detectable effect in words (``plan.detectable_effect``)."""
     spec, de = R["sessions"], plan["detectable_effect"]
     noise = de["noise"]
-    return spec["mde"].format(**de, sigma=_fmt(spec["sigma"], noise["sigma_log_ratio"]),
+    return fill(spec["mde"], **de, sigma=_fmt(spec["sigma"], noise["sigma_log_ratio"]),
                               source=spec["source"][noise["source"]].format(**noise),
                               mde=_fmt(spec["mde_value"], de["mde_relative"]))
 
@@ -193,7 +238,7 @@ def _sessions(plan: dict, summary: dict) -> list[str]:
             **r, n_sessions=len(ev["sessions"]), speedup=st["speedup"], ci=ci_text(st["ci"]),
             medians=spec["median_separator"].join(spec["median"].format(m) for m in ev["session_medians"]),
             between=_fmt(spec["sd"], ev["between_sd"]), within=_fmt(spec["sd"], ev["within_sd"])))
-    return ["", R["headings"]["sessions"], "", spec["text"].format(**summary["evidence_rule"]), "",
+    return ["", R["headings"]["sessions"], "", fill(spec["text"], **summary["evidence_rule"]), "",
             mde_line(plan), ""] + table_lines(spec["columns"], rows)
 
 
@@ -219,9 +264,17 @@ def _drift(summary: dict) -> list[str]:
             + table_lines(spec["columns"], rows) + [""] + table_lines(spec["creep_columns"], creep))
 
 
+def _as_shown(summary: dict, arms: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
+    """The summary and the arms table with every device named as the report names it (``shown_device``)."""
+    summary = {**summary, **{key: [{**x, "device": shown_device(x["device"])} for x in summary[key]]
+                             for key in ("results", "memory_creep", "children")}}
+    return summary, arms.assign(device=arms["device"].map(shown_device)) if len(arms) else arms
+
+
 def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict, online: list[str] = ()) -> str:
     """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms);
     ``online``: the Online section's lines (harness/online/report.py), none without an online track."""
+    summary, arms = _as_shown(summary, arms)
     sections = {
         "header": lambda: _header(plan, summary, environment),
         "result": lambda: ["", R["headings"]["result"], "", result_tables(summary, plan),

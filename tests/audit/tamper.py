@@ -1,6 +1,7 @@
 """A forger's tools: edit a bundle's files and rewrite its manifest to match, so that it is the auditor's
 re-derivation that must catch the edit, not the manifest's hashes."""
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,25 @@ def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
     return rec
 
 
+def strip_wording_1(bundle: Path) -> None:
+    """report.md as format-5 report wording 0 (and format 4) worded it: "GPU" and "cpu" for "Device" and
+    "CPU", the result table's columns without the arms' roles, the interval's level or "speedup - 1", and
+    counts of one in the plural (or "session(s)"); plan.json's ``report_wording`` is the caller's to drop
+    (it changes the plan's sha256)."""
+    lines = (bundle / "report.md").read_text().split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("| "):
+            if i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+                line = line.replace("| Device |", "| GPU |", 1)
+                line = line.replace(" (baseline) tokens/s", " tokens/s").replace(" (candidate) tokens/s", " tokens/s")
+                line = re.sub(r"\[[\d.]+% CI\]", "[95% CI]", line).replace("Throughput change (speedup - 1)",
+                                                                           "Throughput change")
+            line = line.replace("| CPU |", "| cpu |")
+        line = re.sub(r"\b(\d+) independent sessions?\b", r"\1 independent session(s)", line)
+        lines[i] = re.sub(r"\b1 (pair|arm|run|request|output token|balanced pair)\b", r"1 \1s", line)
+    (bundle / "report.md").write_text("\n".join(lines))
+
+
 def strip_version_3(bundle: Path) -> None:
     """What format 3 added, taken out of summary.json and report.md (sessions and drift sections, the
     rule sentence), as a format-2 writer would have left a one-session bundle; plan.json's
@@ -157,7 +177,9 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
 def strip_version_5(bundle: Path) -> None:
     """What format 5 added, taken out of summary.json and report.md (graph coverage and telemetry sections,
     the result table's P / D column), as a format-4 writer would have left it; plan.json's points'
-    ``prompt_len`` / ``output_len`` are the caller's to drop (they change the plan's sha256)."""
+    ``prompt_len`` / ``output_len`` and ``report_wording`` are the caller's to drop (they change the plan's
+    sha256)."""
+    strip_wording_1(bundle)
     edit_json(bundle / "summary.json", lambda s: [r.pop("graph_coverage") for r in s["results"]])
     spec = evidence.FORMAT["report"]
     in_table = False

@@ -28,7 +28,7 @@ def test_summary_names_must_match_the_plan_comparisons(bundle):
 # --------------------------------------------------------------------------------- defect 5: report
 
 def _result_rows(lines):
-    return [i for i, line in enumerate(lines) if line.startswith("| cpu | 2 / 3 |") and "×" in line]
+    return [i for i, line in enumerate(lines) if line.startswith("| CPU | 2 / 3 |") and "×" in line]
 
 
 def _forge(line: str) -> str:
@@ -76,12 +76,12 @@ def _replace_fact(fact: str, new: str):
 
 
 REPORT_EDITS = {
-    "forged row added": (_insert_forged_row, "(## Result) is not in the re-derived report: '| cpu | 2 / 3 |"),
+    "forged row added": (_insert_forged_row, "(## Result) is not in the re-derived report: '| CPU | 2 / 3 |"),
     "genuine row in an HTML comment": (_hide_genuine_row, "(## Result) holds raw HTML"),
     "result row outside the result tables": (_row_outside_tables, "(## Children) is not in the re-derived report"),
-    "result rows swapped": (_swap_result_rows, "(## Result) reads '| cpu | 2 / 3 |"),
+    "result rows swapped": (_swap_result_rows, "(## Result) reads '| CPU | 2 / 3 |"),
     "result row removed": (lambda lines: lines[:_result_rows(lines)[0]] + lines[_result_rows(lines)[0] + 1:],
-                           "report.md: lacks the re-derived line '| cpu | 2 / 3 |"),
+                           "report.md: lacks the re-derived line '| CPU | 2 / 3 |"),
     "statistics row": (_replace_in("## Statistics", "(exact) | 3 |", "(exact) | 1,716 |"), "(## Statistics) reads"),
     "checks line": (_replace_in("## Checks", "PASS: 8 arms", "PASS: 56 arms"), "(## Checks) reads 'PASS: 56 arms"),
     "graph counters row": (_replace_in("## Graph counters and memory", "| native | 6 |", "| native | 7 |"),

@@ -164,7 +164,8 @@ def _as_version_1(bundle):
     strip_version_3(bundle)
     strip_version_5(bundle)
     edit_json(bundle / "plan.json", lambda p: ([(pt.pop("requests"), pt.pop("prompt_len"), pt.pop("output_len"))
-                                                for pt in p["points"]], p.pop("detectable_effect"), p.pop("natural", None)))
+                                                for pt in p["points"]], p.pop("detectable_effect"), p.pop("natural", None),
+                                               p.pop("report_wording")))
     new_sha = evidence.sha256_file(bundle / "plan.json")
     edit_json(bundle / "summary.json", lambda s: s.update(
         schema_version=1, plan_sha256=new_sha,

@@ -69,12 +69,12 @@ def test_two_sessions_per_device_each_its_own_process_and_balanced_pairs(evidenc
 
 def test_report_shows_sessions_drift_and_the_detectable_effect(evidence_run):
     text = (evidence_run[0] / "report.md").read_text()
-    for line in ("## Sessions", "## Drift and order", "Each device ran 2 independent session(s)",
+    for line in ("## Sessions", "## Drift and order", "Each device ran 2 independent sessions, one after another",
                  "n = 8 pairs per comparison and device, alpha 0.05, power 80%, noise sigma 0.05 (declared): +5.08% speedup",
-                 "| GPU | B / C | comparison | sessions | median ratio per session | between-session SD |",
-                 "| GPU | B / C | comparison | trend rho | trend p | order U | order p |",
-                 "| GPU | runs with memory | first peak MiB | last peak MiB | trend rho | trend p | flag |",
-                 "| cpu | 0 | n/a | n/a | n/a | n/a | none |", "hierarchical percentile (sessions, then pairs) bootstrap"):
+                 "| Device | B / C | comparison | sessions | median ratio per session | between-session SD |",
+                 "| Device | B / C | comparison | trend rho | trend p | order U | order p |",
+                 "| Device | runs with memory | first peak MiB | last peak MiB | trend rho | trend p | flag |",
+                 "| CPU | 0 | n/a | n/a | n/a | n/a | none |", "hierarchical percentile (sessions, then pairs) bootstrap"):
         assert line in text, line
     assert text.index("## Statistics") < text.index("## Sessions") < text.index("## Drift and order") < text.index("## Checks")
 

@@ -40,7 +40,7 @@ def test_coverage_is_recorded_tabled_reported_and_rederived(bundle):
         assert (rec["coverage"]["fill_token_planes"] > 0) == (rec["arm_config"]["kv_layout"] == "native")
     report = (bundle / "report.md").read_text()
     section = report.split("## Layout paths per run")[1].split("\n## ")[0]
-    assert [line.split(" | ")[3] for line in section.split("\n") if line.startswith("| cpu | 2 / 3 |")] == [
+    assert [line.split(" | ")[3] for line in section.split("\n") if line.startswith("| CPU | 2 / 3 |")] == [
         "alias_prefix", "native"]
     warnings = json.loads((bundle / "summary.json").read_text())["checks"]["warnings"]
     assert warnings == ["cpu0 B2C3 native_vs_alias_prefix: arm 'alias_prefix' read no key tile directly: this "

@@ -71,7 +71,7 @@ def test_sampled_bundle_passes_and_reports_energy_and_flags(tbundle):
     assert bool(arms.loc[1, "throttled"]) and not bool(arms.loc[0, "throttled"]) and bool(arms.loc[2, "clock_changed"])
     assert arms.loc[0, "sample_rate_hz"] == pytest.approx(20.0)
     text = (tbundle / "report.md").read_text()
-    assert "| GPU | point | arm | runs | samples per run | lowest rate Hz | mean power W | energy J | J / token |" in text
+    assert "| Device | point | arm | runs | samples per run | lowest rate Hz | mean power W | energy J | J / token |" in text
     assert "THROTTLE 1/" in text and "CLOCKS 1/" in text and "1755-1980" in text
     tele = __import__("pandas").read_parquet(tbundle / "tables" / "telemetry.parquet")
     assert sorted(set(tele["when"])) == ["during", "end", "start"] and len(tele) == len(arms) * 8

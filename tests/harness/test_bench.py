@@ -22,8 +22,9 @@ def bench(tmp_path, *args, flags=()):
 def test_bench_runs_checks_audits_and_prints_the_table(tmp_path):
     proc = bench(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| GPU | B / C | P / D | native tokens/s | alias_prefix tokens/s | Paired speedup [95% CI] |" in proc.stdout
-    assert "| cpu | 2 / 2 |" in proc.stdout and "audit PASS" in proc.stdout
+    assert ("| Device | B / C | P / D | native (baseline) tokens/s | alias_prefix (candidate) tokens/s "
+            "| Paired speedup [95% CI] | Throughput change (speedup - 1) |") in proc.stdout
+    assert "| CPU | 2 / 2 |" in proc.stdout and "audit PASS" in proc.stdout
     (bundle,) = (tmp_path / "r").iterdir()
     assert json.loads((bundle / "audit.json").read_text())["status"] == "pass"
 

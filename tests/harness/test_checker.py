@@ -126,7 +126,7 @@ def test_planted_mismatch_bars_every_verdict():
                                               "warmup": True}},
                                   summary, evidence.build_tables(recs)["arms"], {})
     assert "every verdict is barred" in text and "request 'r0000' position 0" in text
-    assert "| cpu | 2 / 2 |" in text and "| none |" in text
+    assert "| CPU | 2 / 2 |" in text and "| none |" in text
 
 
 def test_missing_warmup_is_a_finding_unless_warmup_is_off():

@@ -134,7 +134,7 @@ def test_show_a_bundle_and_show_all(two_bundles, tmp_path):
     _, work, (a, b) = two_bundles
     proc = loopbench(work, "show", str(a))
     assert proc.returncode == 0, proc.stderr
-    assert "| cpu | 2 / 2 |" in proc.stdout and "status: complete" in proc.stdout and "audit pass" in proc.stdout
+    assert "| CPU | 2 / 2 |" in proc.stdout and "status: complete" in proc.stdout and "audit pass" in proc.stdout
     proc = loopbench(work, "show", "--all", "--results", str(a.parent))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -158,3 +158,12 @@ def test_show_and_compare_refuse_what_is_no_bundle(tmp_path, capsys):
     assert "not a published bundle" in capsys.readouterr().err
     assert cli.main(["show"]) == 2
     assert cli.main(["compare", str(tmp_path), str(tmp_path)]) == 2
+
+
+def test_compare_names_its_level_from_the_config_or_the_flag_and_refuses_a_bad_one(capsys):
+    a, b = (str(REPO / "results" / n) for n in ("2026-11-30-ouro-1.4b-nogit", "2026-12-01-ouro-1.4b-c16d2c0"))
+    assert cli.main(["compare", a, b, "--confidence", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "change [90% interval]" in out and "a 90% percentile bootstrap interval" in out and "95%" not in out
+    assert cli.main(["compare", a, b, "--confidence", "95"]) == 2
+    assert "--confidence 95.0 is not a level between 0 and 1" in capsys.readouterr().err

@@ -45,9 +45,9 @@ def test_seed_style_row():
     res = {"device": "5090 #0", "max_num_seqs": 16, "num_requests": 32, "baseline_tokens_per_s": 387.054,
            "candidate_tokens_per_s": 380.449, "verdict": "slower",
            "stats": {"speedup": 0.98254, "ci": [0.97904, 0.98371]}}
-    assert report.table_row(res) == \
-        "| 5090 #0 | 16 / 32 | 387.05 | 380.45 | 0.9825× [0.9790, 0.9837] | -1.75% | slower |"
-    assert report.table_row({**res, "verdict": None, "stats": {"speedup": 1.0, "ci": None}}).endswith(
+    assert report.table_row(res, "128 / 64") == \
+        "| 5090 #0 | 16 / 32 | 128 / 64 | 387.05 | 380.45 | 0.9825× [0.9790, 0.9837] | -1.75% | slower |"
+    assert report.table_row({**res, "verdict": None, "stats": {"speedup": 1.0, "ci": None}}, "128 / 64").endswith(
         "| 1.0000× [n/a] | +0.00% | none |")
 
 

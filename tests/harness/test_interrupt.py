@@ -206,7 +206,7 @@ def test_resume_measures_the_rest_in_the_planned_order_and_audits_pass(resumed, 
         assert (r["pair"], r["position"], r["arm"]) == (item["pair"], item["position"], item["arm"])
     job = json.loads((bundle / "jobs" / "session-cpu0.r1.json").read_text())
     assert job["seqs"] == list(range(kept, 12)) and job["session"] == "cpu0.r1"
-    assert "| cpu0.r1 | cpu | completed | 0 |" in (bundle / "report.md").read_text()
+    assert "| cpu0.r1 | CPU | completed | 0 |" in (bundle / "report.md").read_text()
 
     with pytest.raises(ValueError, match="is complete; a complete bundle cannot be resumed"):
         _resume(dirs, bundle)

@@ -1,0 +1,137 @@
+"""report.md's wording per format version: both renderers (harness/report.py, audit/render.py) word a
+format-5 bundle alike (Device column, arm roles, the interval's level from verdict.confidence, counts in
+their number; plan.json report_wording 1), and the auditor still words an older bundle (formats 1-4, and
+format 5 without report_wording) as its writer did, so results/ audits PASS."""
+import copy
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from loopbench.audit import contract, derive, render
+from loopbench.audit.auditor import audit
+from loopbench.harness import report
+from tests.audit.tamper import REPO, edit_json, failed, rewrite_manifest
+
+OLD = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"   # format 4, one session of 3 pairs, on a CPU
+FIRST_5 = REPO / "results" / "2026-12-01-ouro-1.4b-context-42d529f"   # format 5 without report_wording (0)
+
+
+def _load(bundle: Path):
+    docs = {n: json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "summary", "environment")}
+    records = [json.loads(p.read_text()) for p in sorted((bundle / "raw").rglob("*.json"))]
+    return docs, records, pd.read_parquet(bundle / "tables" / "arms.parquet")
+
+
+def _theirs(docs, records, version=contract.VERSION) -> str:
+    """The auditor's re-rendering of the documents as a bundle of format ``version``."""
+    plan, summary, env = docs["plan"], docs["summary"], docs["environment"]
+    return render.report(plan, summary["plan_sha256"], plan["prompts"]["sha256"], summary,
+                         [derive.arm_row(r) for r in records], env, version)
+
+
+def _both(docs, records, arms) -> tuple[str, str]:
+    """(harness's report.md, the auditor's re-rendering) of the same documents of the current format."""
+    return report.render_report(docs["plan"], docs["summary"], arms, docs["environment"]), _theirs(docs, records)
+
+
+@pytest.mark.parametrize("bundle, version, line", [
+    (OLD, 4, "| GPU | B / C | native tokens/s | native tokens/s | Paired speedup [95% CI] | Throughput change |"),
+    (FIRST_5, 5, "| GPU | B / C | P / D | native tokens/s | alias tokens/s | Paired speedup [95% CI] | Throughput change |")])
+def test_an_older_wording_is_reworded_as_its_writer_did(bundle, version, line):
+    docs, records, _ = _load(bundle)
+    assert json.loads((bundle / "manifest.json").read_text())["format_version"] == version
+    assert "report_wording" not in docs["plan"]
+    theirs = _theirs(docs, records, version)
+    assert theirs == (bundle / "report.md").read_text() and line in theirs
+
+
+def test_format_5_wording_1_is_the_same_in_both_renderers(honest_bundle):
+    docs, records, arms = _load(honest_bundle)
+    assert docs["plan"]["report_wording"] == 1
+    mine, theirs = _both(docs, records, arms)
+    assert mine == theirs == (honest_bundle / "report.md").read_text()
+    for line in ("| Device | B / C | P / D | native (baseline) tokens/s | alias_prefix (candidate) tokens/s "
+                 "| Paired speedup [95% CI] | Throughput change (speedup - 1) | Verdict |",
+                 "| CPU | 2 / 3 | 17 / 4 |", "| Device | B / C | comparison | pairs | BCa CI |",
+                 "| Device | B / C | P / D | arm | runs | warmup captures |",
+                 "- Protocol: 2 balanced pairs per point and comparison",
+                 "over 1 independent session per device of 2 pairs each (see Sessions)",
+                 "the whole 95% CI lies above / below 1", "Each device ran 1 independent session, one after another"):
+        assert line in mine, line
+    assert "| GPU |" not in mine and "| cpu |" not in mine and "session(s)" not in mine
+
+
+def test_a_forged_report_wording_is_named(bundle):
+    edit_json(bundle / "plan.json", lambda p: p.update(report_wording=2))
+    rewrite_manifest(bundle)
+    assert "plan.json report_wording is 2; this auditor renders format-5 report wordings 1 to 1" in failed(bundle)
+
+
+def test_the_interval_level_comes_from_verdict_confidence(honest_bundle):
+    docs, records, arms = _load(honest_bundle)
+    docs["plan"]["config"]["verdict"]["confidence"] = 0.9
+    for r in docs["summary"]["results"]:
+        r["stats"]["confidence"] = 0.9
+    mine, theirs = _both(docs, records, arms)
+    assert mine == theirs and "95%" not in mine
+    assert "Paired speedup [90% CI]" in mine and "the whole 90% CI lies above / below 1" in mine
+    docs["plan"]["config"]["verdict"]["confidence"] = 0.995
+    assert "the whole 99.5% CI lies" in _both(docs, records, arms)[0]
+
+
+def test_counts_of_one_are_singular(honest_bundle):
+    docs, records, arms = _load(honest_bundle)
+    docs["plan"]["config"]["pairs"] = 1
+    docs["plan"]["config"]["verdict"]["min_pairs"] = 1
+    docs["plan"]["detectable_effect"]["n_pairs"] = 1
+    docs["summary"]["evidence_rule"]["pairs_per_session"] = 1
+    docs["summary"]["checks"].update(arms_checked=1, phases_checked=1, requests_checked=1, tokens_checked=1)
+    mine, theirs = _both(docs, records, arms)
+    assert mine == theirs
+    for text in ("- Protocol: 1 balanced pair per point", "1 independent session per device of 1 pair each",
+                 "with at least 1 pair;", "n = 1 pair per comparison and device",
+                 "1 arm, 1 run (warmup and measured), 1 request and 1 output token compared"):
+        assert text in mine, text
+    docs["summary"]["checks"].update(tokens_checked=1024, arms_checked=2)
+    assert "2 arms, 1 run (warmup and measured), 1 request and 1,024 output tokens" in _both(docs, records, arms)[0]
+
+
+def test_a_gpu_is_named_by_its_label(honest_bundle):
+    docs, records, arms = _load(honest_bundle)
+    for key in ("results", "memory_creep", "children"):
+        for x in docs["summary"][key]:
+            x["device"] = "H200 #0"
+    for r in records:
+        r["device"]["label"] = "H200 #0"
+    mine, theirs = _both(docs, records, arms.assign(device="H200 #0"))
+    assert mine == theirs and "| H200 #0 | 2 / 3 |" in mine and "| CPU |" not in mine
+
+
+@pytest.mark.parametrize("fill", [report.fill, render.fill], ids=["harness", "audit"])
+def test_count_fields(fill):
+    assert [fill("{n:pair|pairs}", n=n) for n in (0, 1, 2, 1024)] == ["0 pairs", "1 pair", "2 pairs", "1,024 pairs"]
+    assert fill("{x:.2%} of {n:,}", x=0.5, n=1000) == "50.00% of 1,000"
+
+
+def test_wording_picks_each_versions_templates():
+    section = copy.deepcopy(contract.FORMAT["report"])
+    result = section["result"]
+    rules = [render.wording(section, *v)["result"]["rule"] for v in ((3, 0), (4, 0), (5, 0), (5, 1))]
+    assert rules == [result["rule"], result["rule_since_4"], result["rule_since_4"], result["rule_since_5.1"]]
+    assert [render.wording(section, *v)["result"]["columns"] for v in ((4, 0), (5, 0), (5, 1))] == [
+        result["columns"], result["columns_since_5"], result["columns_since_5.1"]]
+    assert render.wording(section, 5)["column_names"] == {} and render.wording(section, 5, 1)["column_names"] == {
+        "GPU": "Device"}
+
+    def keys(d):
+        return [k for key, v in d.items() for k in [key, *(keys(v) if isinstance(v, dict) else [])]]
+    assert "rule_since_5.1" in keys(section) and not [k for k in keys(render.wording(section, 5, 1)) if "_since_" in k]
+    assert report.wording(section, 5, 1) == render.wording(section, 5, 1) == report.R
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "results").glob("2026-*")))
+def test_every_committed_bundle_still_audits_pass(name):
+    verdict = audit(REPO / "results" / name)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
