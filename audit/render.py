@@ -22,7 +22,8 @@ _SINCE = re.compile(r"(.+)_since_(\d+)(?:\.(\d+))?")
 def wording(section, version: int, revision: int = 0):
     """The contract's ``report`` section as a bundle of format ``version`` and report wording ``revision``
     (plan.json report_wording, format 5) words it: at every depth a key ``k_since_N`` or ``k_since_N.M``
-    with the latest (N, M) <= (``version``, ``revision``) stands for ``k``; later wordings are dropped."""
+    with the latest (N, M) <= (``version``, ``revision``) stands for ``k``; later wordings are dropped.
+    harness/report.py has its twin (the auditor imports nothing of the harness); a test holds them equal."""
     if not isinstance(section, dict):
         return section
     latest: dict[str, tuple[tuple[int, int], object]] = {}
