@@ -18,9 +18,21 @@ from loopbench.harness import conf, controller, slurm
 from tests.audit.tamper import edit_json, failed, rewrite_manifest
 
 REPO = Path(__file__).resolve().parents[2]
-_NO_SLURM = pytest.mark.skipif(shutil.which("sbatch") is None or shutil.which("scontrol") is None,
-                               reason="needs a SLURM cluster: sbatch/scontrol not on PATH "
-                                      "(bash .ci/slurm start runs one on localhost)")
+
+
+def _no_controller() -> bool:
+    """No SLURM to submit to: sbatch/scontrol absent, or installed with no controller up (`scontrol ping`:
+    a machine with the client packages but no running slurmctld, where every job would fail)."""
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return True
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=30).returncode != 0
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+
+
+_NO_SLURM = pytest.mark.skipif(_no_controller(), reason="needs a SLURM cluster: sbatch/scontrol not on PATH or no "
+                                                        "controller up (bash .ci/slurm start runs one on localhost)")
 
 
 def on_slurm(test):
