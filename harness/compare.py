@@ -137,7 +137,9 @@ def _pct(x: float) -> str:
 def _identity(bundle: Bundle) -> str:
     code = bundle.plan["code"]
     sha = (code.get("git_sha") or "unknown")[:12] + ("+dirty" if code.get("git_dirty") else "")
-    devices = ", ".join(sorted({d["label"] for d in bundle.plan["devices"]}))
+    from .report import shown_device
+
+    devices = ", ".join(sorted({shown_device(d["label"]) for d in bundle.plan["devices"]}))   # "CPU", "H200 #0"
     return f"{bundle.path.name} (code {sha}; {devices}; {bundle.summary['status']})"
 
 

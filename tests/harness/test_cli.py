@@ -110,6 +110,7 @@ def test_compare_of_two_cpu_bundles_prints_a_table(two_bundles):
     proc = loopbench(work, "compare", str(a), str(b))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [95% interval] | |" in proc.stdout
+    assert f"A: {a.name} (code " in proc.stdout and "; CPU; complete)" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 / 2 |")]
     assert [r.split(" | ")[1] for r in rows] == ["alias_prefix", "native"]
     assert all(r.endswith(("faster |", "slower |", "not significant |")) for r in rows), rows
