@@ -8,7 +8,7 @@ import pytest
 
 from loopbench.audit import coverage as derive_coverage, derive
 from loopbench.audit.auditor import audit
-from loopbench.harness import evidence, stats
+from loopbench.harness import evidence, records as harness_records, stats
 from tests.audit.tamper import REPO, edit_json, edit_report, edit_table, failed, raw, rewrite_manifest
 
 GPU_BUNDLES = {"2026-11-30-ouro-1.4b-nogit": 56, "2026-12-01-ouro-1.4b-e4b8faf": 56}   # format version 1
