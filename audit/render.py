@@ -16,22 +16,21 @@ from . import check_natural, contract, render_sections
 
 WORDS = contract.FORMAT["report"]["words"]
 FREE_TEXT = "loopbench/bundle_format.json report.free_text"
-_SINCE = re.compile(r"(.+)_since_(\d+)(?:\.(\d+))?")
+_SINCE = re.compile(r"(.+)_since_(\d+)")
 
 
-def wording(section, version: int, revision: int = 0):
-    """The contract's ``report`` section as a bundle of format ``version`` and report wording ``revision``
-    (plan.json report_wording, format 5) words it: at every depth a key ``k_since_N`` or ``k_since_N.M``
-    with the latest (N, M) <= (``version``, ``revision``) stands for ``k``; later wordings are dropped.
+def wording(section, version: int):
+    """The contract's ``report`` section as a bundle of format ``version`` words it: at every depth a key
+    ``k_since_N`` with the latest N <= ``version`` stands for ``k``; later wordings are dropped.
     harness/report.py has its twin (the auditor imports nothing of the harness); a test holds them equal."""
     if not isinstance(section, dict):
         return section
-    latest: dict[str, tuple[tuple[int, int], object]] = {}
+    latest: dict[str, tuple[int, object]] = {}
     for key, value in section.items():
         m = _SINCE.fullmatch(key)
-        base, since = (m[1], (int(m[2]), int(m[3] or 0))) if m else (key, (0, 0))
-        if since <= (version, revision) and since >= latest.get(base, ((-1, 0), None))[0]:
-            latest[base] = (since, wording(value, version, revision))
+        base, since = (m[1], int(m[2])) if m else (key, 0)
+        if since <= version and since >= latest.get(base, (-1, None))[0]:
+            latest[base] = (since, wording(value, version))
     return {key: value for key, (_, value) in latest.items()}
 
 
@@ -61,7 +60,7 @@ def _table(w: dict, columns: list[str], rows: list[str]) -> list[str]:
     for row in rows:
         if row.count("|") != len(columns) + 1:
             raise ValueError(f"a string of the bundle would add cells to a report.md table ({FREE_TEXT}): {row!r}")
-    heading = [w["column_names"].get(c, c) for c in columns]   # format 5: "Device", not "GPU"
+    heading = [w["column_names"].get(c, c) for c in columns]   # format 7: "Device", not "GPU"
     return ["| " + " | ".join(heading) + " |", "|" + "---|" * len(columns), *rows]
 
 
@@ -281,7 +280,7 @@ def _drift(w: dict, summary: dict) -> list[str]:
 
 
 def _devices_shown(w: dict, rows: list[dict]) -> list[dict]:
-    """``rows`` with each device named as the report names it: "CPU" from format 5, else its label."""
+    """``rows`` with each device named as the report names it: "CPU" from format 7, else its label."""
     return [{**r, "device": w["device_names"].get(r["device"], r["device"])} for r in rows]
 
 
@@ -290,7 +289,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
     """The whole ``report.md`` text of a bundle of format ``version`` whose re-derived summary is
     ``summary``: that version's wording and sections in the contract's order (the arm sections only
     with arms)."""
-    w = wording(contract.FORMAT["report"], version, plan.get("report_wording", 0))
+    w = wording(contract.FORMAT["report"], version)
     summary = {**summary, **{key: _devices_shown(w, summary[key])
                              for key in ("results", "memory_creep", "children") if key in summary}}
     arm_rows = _devices_shown(w, arm_rows)

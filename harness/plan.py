@@ -117,5 +117,4 @@ def make_plan(spec: BenchSpec, got: Inputs, ckpt: dict, points: list[dict]) -> d
         "detectable_effect": detectable_effect(spec),
         **({"online": online_plan(spec, got.devices)} if spec.online is not None else {}),
         "natural": natural.plan_entry(config, [pt["key"] for pt in points]),
-        "report_wording": evidence.FORMAT["documents"]["plan"]["report_wording"],   # which format-5 wording report.md has
     }

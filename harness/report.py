@@ -19,21 +19,20 @@ import pandas as pd
 from . import natural, report_sections
 from .evidence import FORMAT, atomic_write_bytes
 
-_SINCE = re.compile(r"(.+)_since_(\d+)(?:\.(\d+))?")
+_SINCE = re.compile(r"(.+)_since_(\d+)")
 
 
-def wording(section, version: int, revision: int = 0):
-    """The contract's ``report`` section as a bundle of format ``version`` and report wording ``revision``
-    (plan.json report_wording) words it: a key ``k_since_N`` or ``k_since_N.M`` (the latest (N, M) <=
-    (version, revision)) replaces ``k`` at every depth; later wordings are left out."""
+def wording(section, version: int):
+    """The contract's ``report`` section as a bundle of format ``version`` words it: a key ``k_since_N``
+    (the latest N <= ``version``) replaces ``k`` at every depth; later wordings are left out."""
     if not isinstance(section, dict):
         return section
-    chosen: dict[str, tuple[tuple[int, int], object]] = {}
+    chosen: dict[str, tuple[int, object]] = {}
     for key, value in section.items():
         m = _SINCE.fullmatch(key)
-        base, since = (m[1], (int(m[2]), int(m[3] or 0))) if m else (key, (0, 0))
-        if since <= (version, revision) and since >= chosen.get(base, ((-1, 0), None))[0]:
-            chosen[base] = (since, wording(value, version, revision))
+        base, since = (m[1], int(m[2])) if m else (key, 0)
+        if since <= version and since >= chosen.get(base, (-1, None))[0]:
+            chosen[base] = (since, wording(value, version))
     return {key: value for key, (_, value) in chosen.items()}
 
 
@@ -47,8 +46,7 @@ class _Counted(string.Formatter):
         return f"{value:,} {one if value == 1 else many}"
 
 
-REPORT_WORDING = FORMAT["documents"]["plan"]["report_wording"]   # plan.json report_wording
-R = wording(FORMAT["report"], FORMAT["version"], REPORT_WORDING)   # the harness writes the current format only
+R = wording(FORMAT["report"], FORMAT["version"])   # the harness writes the current format only
 WORDS = R["words"]
 CODES = FORMAT["status_codes"]["codes"]
 fill = _Counted().format

@@ -119,11 +119,10 @@ def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
     return rec
 
 
-def strip_wording_1(bundle: Path) -> None:
-    """report.md as format-5 report wording 0 (and format 4) worded it: "GPU" and "cpu" for "Device" and
-    "CPU", the result table's columns without the arms' roles, the interval's level or "speedup - 1", and
-    counts of one in the plural (or "session(s)"); plan.json's ``report_wording`` is the caller's to drop
-    (it changes the plan's sha256)."""
+def strip_version_7(bundle: Path) -> None:
+    """report.md as formats 4 to 6 worded it: "GPU" and "cpu" for "Device" and "CPU", the result table's
+    columns without the arms' roles, the interval's level or "speedup - 1", and counts of one in the plural
+    (or "session(s)"); the manifest's ``format_version`` is the caller's to set."""
     lines = (bundle / "report.md").read_text().split("\n")
     for i, line in enumerate(lines):
         if line.startswith("| "):
@@ -177,9 +176,8 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
 def strip_version_5(bundle: Path) -> None:
     """What format 5 added, taken out of summary.json and report.md (graph coverage and telemetry sections,
     the result table's P / D column), as a format-4 writer would have left it; plan.json's points'
-    ``prompt_len`` / ``output_len`` and ``report_wording`` are the caller's to drop (they change the plan's
-    sha256)."""
-    strip_wording_1(bundle)
+    ``prompt_len`` / ``output_len`` are the caller's to drop (they change the plan's sha256)."""
+    strip_version_7(bundle)
     edit_json(bundle / "summary.json", lambda s: [r.pop("graph_coverage") for r in s["results"]])
     spec = evidence.FORMAT["report"]
     in_table = False

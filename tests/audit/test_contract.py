@@ -146,10 +146,10 @@ def test_plan_point_listing_too_few_requests_is_named(bundle):
 
 
 def test_older_format_versions_are_audited_by_their_rules_and_others_refused(bundle):
-    assert contract.SUPPORTED == (1, 2, 3, 4, 5, 6) and contract.VERSION == 6
+    assert contract.SUPPORTED == (1, 2, 3, 4, 5, 6, 7) and contract.VERSION == 7
     assert set(contract.FORMAT["versions"]) == {str(v) for v in contract.SUPPORTED}
     edit_json(bundle / "manifest.json", lambda m: (m.pop("format_version"), m.update(layout_version=0)))
-    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2, 3, 4, 5, 6]" \
+    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2, 3, 4, 5, 6, 7]" \
         in failed(bundle)
 
 
@@ -164,8 +164,7 @@ def _as_version_1(bundle):
     strip_version_3(bundle)
     strip_version_5(bundle)
     edit_json(bundle / "plan.json", lambda p: ([(pt.pop("requests"), pt.pop("prompt_len"), pt.pop("output_len"))
-                                                for pt in p["points"]], p.pop("detectable_effect"), p.pop("natural", None),
-                                               p.pop("report_wording")))
+                                                for pt in p["points"]], p.pop("detectable_effect"), p.pop("natural", None)))
     new_sha = evidence.sha256_file(bundle / "plan.json")
     edit_json(bundle / "summary.json", lambda s: s.update(
         schema_version=1, plan_sha256=new_sha,

@@ -1,7 +1,7 @@
 """report.md's wording per format version: both renderers (harness/report.py, audit/render.py) word a
-format-5 bundle alike (Device column, arm roles, the interval's level from verdict.confidence, counts in
-their number; plan.json report_wording 1), and the auditor still words an older bundle (formats 1-4, and
-format 5 without report_wording) as its writer did, so results/ audits PASS."""
+format-7 bundle alike (Device column, arm roles, the interval's level from verdict.confidence, counts in
+their number), and the auditor still words an older bundle (formats 1-6) as its writer did, so results/
+audits PASS."""
 import copy
 import json
 from pathlib import Path
@@ -12,10 +12,11 @@ import pytest
 from loopbench.audit import contract, derive, render
 from loopbench.audit.auditor import audit
 from loopbench.harness import report
-from tests.audit.tamper import REPO, edit_json, failed, rewrite_manifest
+from tests.audit.tamper import REPO, edit_json, failed, rewrite_manifest, strip_version_7
 
 OLD = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"   # format 4, one session of 3 pairs, on a CPU
-FIRST_5 = REPO / "results" / "2026-12-01-ouro-1.4b-context-42d529f"   # format 5 without report_wording (0)
+FIRST_5 = REPO / "results" / "2026-12-01-ouro-1.4b-context-42d529f"   # format 5
+NATURAL = REPO / "results" / "2026-12-01-ouro-1.4b-natural-b0940b1"   # format 6, the last before this wording
 
 
 def _load(bundle: Path):
@@ -38,18 +39,18 @@ def _both(docs, records, arms) -> tuple[str, str]:
 
 @pytest.mark.parametrize("bundle, version, line", [
     (OLD, 4, "| GPU | B / C | native tokens/s | native tokens/s | Paired speedup [95% CI] | Throughput change |"),
-    (FIRST_5, 5, "| GPU | B / C | P / D | native tokens/s | alias tokens/s | Paired speedup [95% CI] | Throughput change |")])
+    (FIRST_5, 5, "| GPU | B / C | P / D | native tokens/s | alias tokens/s | Paired speedup [95% CI] | Throughput change |"),
+    (NATURAL, 6, "| GPU | B / C | P / D | native tokens/s | native tokens/s | Paired speedup [95% CI] | Throughput change |")])
 def test_an_older_wording_is_reworded_as_its_writer_did(bundle, version, line):
     docs, records, _ = _load(bundle)
     assert json.loads((bundle / "manifest.json").read_text())["format_version"] == version
-    assert "report_wording" not in docs["plan"]
     theirs = _theirs(docs, records, version)
     assert theirs == (bundle / "report.md").read_text() and line in theirs
 
 
-def test_format_5_wording_1_is_the_same_in_both_renderers(honest_bundle):
+def test_format_7_wording_is_the_same_in_both_renderers(honest_bundle):
     docs, records, arms = _load(honest_bundle)
-    assert docs["plan"]["report_wording"] == 1
+    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == 7
     mine, theirs = _both(docs, records, arms)
     assert mine == theirs == (honest_bundle / "report.md").read_text()
     for line in ("| Device | B / C | P / D | native (baseline) tokens/s | alias_prefix (candidate) tokens/s "
@@ -63,10 +64,23 @@ def test_format_5_wording_1_is_the_same_in_both_renderers(honest_bundle):
     assert "| GPU |" not in mine and "| cpu |" not in mine and "session(s)" not in mine
 
 
-def test_a_forged_report_wording_is_named(bundle):
-    edit_json(bundle / "plan.json", lambda p: p.update(report_wording=2))
+def test_a_format_7_report_in_the_older_wording_is_named(bundle):
+    strip_version_7(bundle)
     rewrite_manifest(bundle)
-    assert "plan.json report_wording is 2; this auditor renders format-5 report wordings 1 to 1" in failed(bundle)
+    assert "| GPU | B / C | P / D | native tokens/s | alias_prefix tokens/s |" in (bundle / "report.md").read_text()
+    assert "report.md" in failed(bundle)
+
+
+def test_a_format_7_bundle_worded_as_format_6_audits_as_format_6(bundle):
+    """The wording is all that format 7 adds: the same files with format 6's report.md are a format-6 bundle."""
+    strip_version_7(bundle)
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=6))
+    rewrite_manifest(bundle)
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=7))
+    rewrite_manifest(bundle)
+    assert "report.md" in failed(bundle)
 
 
 def test_the_interval_level_comes_from_verdict_confidence(honest_bundle):
@@ -118,17 +132,17 @@ def test_count_fields(fill):
 def test_wording_picks_each_versions_templates():
     section = copy.deepcopy(contract.FORMAT["report"])
     result = section["result"]
-    rules = [render.wording(section, *v)["result"]["rule"] for v in ((3, 0), (4, 0), (5, 0), (5, 1))]
-    assert rules == [result["rule"], result["rule_since_4"], result["rule_since_4"], result["rule_since_5.1"]]
-    assert [render.wording(section, *v)["result"]["columns"] for v in ((4, 0), (5, 0), (5, 1))] == [
-        result["columns"], result["columns_since_5"], result["columns_since_5.1"]]
-    assert render.wording(section, 5)["column_names"] == {} and render.wording(section, 5, 1)["column_names"] == {
+    rules = [render.wording(section, v)["result"]["rule"] for v in (3, 4, 6, 7)]
+    assert rules == [result["rule"], result["rule_since_4"], result["rule_since_4"], result["rule_since_7"]]
+    assert [render.wording(section, v)["result"]["columns"] for v in (4, 5, 6, 7)] == [
+        result["columns"], result["columns_since_5"], result["columns_since_5"], result["columns_since_7"]]
+    assert render.wording(section, 6)["column_names"] == {} and render.wording(section, 7)["column_names"] == {
         "GPU": "Device"}
 
     def keys(d):
         return [k for key, v in d.items() for k in [key, *(keys(v) if isinstance(v, dict) else [])]]
-    assert "rule_since_5.1" in keys(section) and not [k for k in keys(render.wording(section, 5, 1)) if "_since_" in k]
-    assert report.wording(section, 5, 1) == render.wording(section, 5, 1) == report.R
+    assert "rule_since_7" in keys(section) and not [k for k in keys(render.wording(section, 7)) if "_since_" in k]
+    assert report.wording(section, 7) == render.wording(section, 7) == report.R
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "results").glob("2026-*")))
