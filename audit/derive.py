@@ -185,10 +185,15 @@ def wilcoxon(ratios: np.ndarray) -> tuple[float, str]:
     return _conditional_signed_rank_p(nonzero), "exact conditional (ties or zeros)"
 
 
-def verdict(speedup: float, ci: list | None, min_effect: float, n_pairs: int, min_pairs: int) -> tuple[str, str]:
-    """The predeclared rule: faster / slower only when the whole CI is past 1 and the effect is big enough."""
+def verdict(speedup: float, ci: list | None, min_effect: float, n_pairs: int, min_pairs: int,
+            version: int = contract.VERSION) -> tuple[str, str]:
+    """The predeclared rule: faster / slower only when the whole CI is past 1 and the effect is big enough;
+    the reason as a bundle of format ``version`` words it (one pair in the singular from
+    ``singular_count_since``)."""
     if n_pairs < min_pairs:
-        return "inconclusive", f"{n_pairs} pairs, fewer than the minimum {min_pairs} for a verdict"
+        singular = n_pairs == 1 and version >= contract.DOCS["summary"]["singular_count_since"]
+        noun = "pair" if singular else "pairs"
+        return "inconclusive", f"{n_pairs} {noun}, fewer than the minimum {min_pairs} for a verdict"
     if ci is None:
         return "inconclusive", "confidence interval undefined (fewer than 2 pairs or degenerate data)"
     low, high = ci
@@ -202,10 +207,11 @@ def verdict(speedup: float, ci: list | None, min_effect: float, n_pairs: int, mi
     return "inconclusive", f"effect {speedup - 1:+.2%} smaller than the minimum {min_effect:.2%}"
 
 
-def comparison_stats(ratios: list[float], vd: dict, groups: list[np.ndarray] | None = None) -> dict:
-    """The summary's ``stats`` of one (job, point, comparison), ratios in pair order; ``groups``: the
-    ratios per session (format 4), whose CI with more than one is the two-stage bootstrap's and whose BCa
-    is undefined."""
+def comparison_stats(ratios: list[float], vd: dict, groups: list[np.ndarray] | None = None,
+                     version: int = contract.VERSION) -> dict:
+    """The summary's ``stats`` of one (job, point, comparison) of a bundle of format ``version``, ratios in
+    pair order; ``groups``: the ratios per session (format 4), whose CI with more than one is the two-stage
+    bootstrap's and whose BCa is undefined."""
     x = np.asarray(ratios, dtype=float)
     speedup = float(np.median(x))
     groups = groups if groups is not None else [x]
@@ -216,7 +222,7 @@ def comparison_stats(ratios: list[float], vd: dict, groups: list[np.ndarray] | N
     ci = _evidence.interval(groups, vd, pair_ci)
     bca = bootstrap_ci(x, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "BCa") if len(groups) == 1 else None
     p, p_method = wilcoxon(x)
-    word, why = verdict(speedup, ci, vd["min_effect"], x.size, vd["min_pairs"])
+    word, why = verdict(speedup, ci, vd["min_effect"], x.size, vd["min_pairs"], version)
     return {"n_pairs": int(x.size), "ratios": [float(v) for v in x], "speedup": speedup, "ci": ci, "bca_ci": bca,
             "ci_method": "percentile" if len(groups) == 1 else _evidence.HIERARCHICAL, "confidence": vd["confidence"], "n_resamples": vd["n_resamples"],
             "bootstrap_seed": vd["bootstrap_seed"], "distinct_resamples": math.comb(2 * x.size - 1, x.size),
@@ -240,7 +246,7 @@ def results(plan: dict, pairs: list[dict], publish: bool, version: int = contrac
                 first = rows[0]
                 sessions = version >= contract.DOCS["plan"]["sessions_since"]
                 st = comparison_stats([p["ratio"] for p in rows], cfg["verdict"],
-                                      _evidence.session_groups(plan, rows) if sessions else None)
+                                      _evidence.session_groups(plan, rows) if sessions else None, version)
                 cd = first["num_requests"] * first["output_len"]
                 out.append({
                     "job": dev["name"], "device": first["device"], "point": pt["key"],

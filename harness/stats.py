@@ -155,7 +155,8 @@ def verdict(speedup: float, ci: tuple[float, float] | None, min_effect: float, n
     bootstrap CI already excludes 1 at n = 2.
     """
     if n_pairs is not None and n_pairs < min_pairs:
-        return "inconclusive", f"{n_pairs} pairs, fewer than the minimum {min_pairs} for a verdict"
+        noun = "pair" if n_pairs == 1 else "pairs"
+        return "inconclusive", f"{n_pairs} {noun}, fewer than the minimum {min_pairs} for a verdict"
     if ci is None:
         return "inconclusive", "confidence interval undefined (fewer than 2 pairs or degenerate data)"
     low, high = ci

@@ -11,7 +11,7 @@ import pytest
 
 from loopbench.audit import contract, derive, render
 from loopbench.audit.auditor import audit
-from loopbench.harness import report
+from loopbench.harness import report, stats
 from tests.audit.tamper import REPO, edit_json, failed, rewrite_manifest, strip_version_7
 
 OLD = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"   # format 4, one session of 3 pairs, on a CPU
@@ -143,6 +143,16 @@ def test_wording_picks_each_versions_templates():
         return [k for key, v in d.items() for k in [key, *(keys(v) if isinstance(v, dict) else [])]]
     assert "rule_since_7" in keys(section) and not [k for k in keys(render.wording(section, 7)) if "_since_" in k]
     assert report.wording(section, 7) == render.wording(section, 7) == report.R
+
+
+@pytest.mark.parametrize("n_pairs, version, reason", [
+    (1, 7, "1 pair, fewer than the minimum 6 for a verdict"), (3, 7, "3 pairs, fewer than the minimum 6 for a verdict"),
+    (1, 6, "1 pairs, fewer than the minimum 6 for a verdict"), (1, 5, "1 pairs, fewer than the minimum 6 for a verdict")])
+def test_verdict_reason_is_worded_as_the_bundles_version_wrote_it(n_pairs, version, reason):
+    """From format 7 one pair is singular; results/...-online-69b8d26 (format 5) says "1 pairs" and audits PASS."""
+    assert derive.verdict(1.05, None, 0.01, n_pairs, 6, version)[1] == reason
+    if version == contract.VERSION:
+        assert stats.verdict(1.05, None, 0.01, n_pairs, 6)[1] == reason
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "results").glob("2026-*")))

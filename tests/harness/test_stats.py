@@ -86,6 +86,11 @@ def test_verdict_rule():
     assert stats.verdict(1.05, (1.02, 1.08), 0.01, n_pairs=3, min_pairs=6)[0] == "inconclusive"
 
 
+def test_verdict_reason_counts_pairs_in_their_number():
+    assert stats.verdict(1.05, None, 0.01, n_pairs=1, min_pairs=6)[1].startswith("1 pair, fewer than the minimum 6")
+    assert stats.verdict(1.05, None, 0.01, n_pairs=3, min_pairs=6)[1].startswith("3 pairs, fewer than the minimum 6")
+
+
 def test_bad_inputs_name_the_values():
     with pytest.raises(ValueError, match="elapsed seconds must be > 0"):
         stats.pair_ratios([1.0, 0.0], [1.0, 1.0])
