@@ -122,7 +122,12 @@ def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
 def strip_version_7(bundle: Path) -> None:
     """report.md as formats 4 to 6 worded it: "GPU" and "cpu" for "Device" and "CPU", the result table's
     columns without the arms' roles, the interval's level or "speedup - 1", and counts of one in the plural
-    (or "session(s)"); the manifest's ``format_version`` is the caller's to set."""
+    (or "session(s)"); summary.json's verdict reasons with "1 pairs"; the manifest's ``format_version`` is
+    the caller's to set."""
+    def reasons(s):
+        for r in s["results"]:
+            r["stats"]["verdict_reason"] = r["stats"]["verdict_reason"].replace("1 pair,", "1 pairs,")
+    edit_json(bundle / "summary.json", reasons)
     lines = (bundle / "report.md").read_text().split("\n")
     for i, line in enumerate(lines):
         if line.startswith("| "):

@@ -99,8 +99,8 @@ def test_context_preset_runs_every_point_on_its_own_workload(context_run):
         sched = json.loads((bundle / "references" / f"{point}.schedule.json").read_text())
         assert {r["prompt_len"] for r in sched["requests"]} == {p_len}
     text = (bundle / "report.md").read_text()
-    for line in ("| GPU | B / C | P / D | native tokens/s | alias tokens/s |", "| cpu | 3 / 4 | 24 / 12 |",
-                 "| cpu | 3 / 4 | 80 / 8 |", "## Graph coverage", "No telemetry: NVML was not available"):
+    for line in ("| Device | B / C | P / D | native (baseline) tokens/s | alias (candidate) tokens/s |",
+                 "| CPU | 3 / 4 | 24 / 12 |", "| CPU | 3 / 4 | 80 / 8 |", "## Graph coverage", "No telemetry: NVML was not available"):
         assert line in text, line
 
 
