@@ -51,11 +51,11 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import (check_files, check_natural, check_online, check_plan, check_telemetry, check_runs, check_sessions,
-               check_summary, check_tables, contract, evidence, load)
+from . import (check_files, check_natural, check_online, check_plan, check_roofline, check_telemetry, check_runs,
+               check_sessions, check_summary, check_tables, contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 6   # 6: implements bundle format 5 (telemetry, per-point workloads, graph coverage, online, natural)
+AUDITOR_VERSION = 7   # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -88,6 +88,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
+    ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     return checks_ok, ctx.section("natural", check_natural.check, plan, records)
 
 

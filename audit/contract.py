@@ -28,7 +28,8 @@ UNMANIFESTED = tuple(FORMAT["unmanifested"])
 DOCS = FORMAT["documents"]
 CODES = FORMAT["status_codes"]["codes"]
 NATURAL_TABLES = tuple(FORMAT["natural_table_names"])   # format 5: checked by check_natural, not check_tables
-TABLE_KEYS = {name: tuple(FORMAT["tables"][name]["key"]) for name in TABLES + NATURAL_TABLES}
+ROOFLINE_TABLES = tuple(FORMAT.get("roofline_table_names", ()))   # format 7: checked by check_roofline
+TABLE_KEYS = {name: tuple(FORMAT["tables"][name]["key"]) for name in TABLES + NATURAL_TABLES + ROOFLINE_TABLES}
 ABSENT = object()
 
 _JSON_TYPES = {"string": (str,), "int": (int,), "number": (int, float), "bool": (bool,), "object": (dict,),

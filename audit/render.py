@@ -285,7 +285,7 @@ def _devices_shown(w: dict, rows: list[dict]) -> list[dict]:
 
 
 def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm_rows: list[dict],
-           environment: dict, version: int = contract.VERSION, online: list[str] = ()) -> str:
+           environment: dict, version: int = contract.VERSION, online: list[str] = (), roofline: list[str] = ()) -> str:
     """The whole ``report.md`` text of a bundle of format ``version`` whose re-derived summary is
     ``summary``: that version's wording and sections in the contract's order (the arm sections only
     with arms)."""
@@ -310,6 +310,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "telemetry": lambda: render_sections.telemetry(w, plan, arm_rows),
         "children": lambda: ["", *_children(w, summary["children"])],
         "online": lambda: list(online),   # format 5: check_online.report_lines
+        "roofline": lambda: list(roofline),   # format 7: check_roofline.report_lines
         "plot": lambda: ["", w["plot"], ""],
     }
     return "\n".join(one_line(line) for name in w["sections_by_version"][str(version)] for line in sections[name]())

@@ -31,7 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import diagnostics, graph_coverage, natural, telemetry
+from . import diagnostics, graph_coverage, natural, roofline, telemetry
 from . import stats as _stats
 from .fileio import (atomic_write_bytes, atomic_write_json, atomic_write_text, canonical_json,  # noqa: F401
                      sha256_bytes, sha256_file, try_lock)
@@ -352,6 +352,17 @@ def write_natural(bundle: Path, plan: dict, records: list[dict]) -> dict:
     return natural.summary(plan, rows, divs)
 
 
+def write_roofline(bundle: Path, plan: dict, records: list[dict]) -> tuple[list[dict], dict[str, dict]]:
+    """Format 7: ``tables/roofline.parquet`` (harness/roofline.py) from the raw records, the prompts and the
+    sessions' copy ceilings; returns (its rows, the ceilings by session) for the report."""
+    prompts = json.loads((Path(bundle) / plan["prompts"]["file"]).read_text())
+    ceilings = roofline.load_ceilings(bundle)
+    rows = roofline.derive(plan, prompts, records, ceilings)
+    schema = empty_table("roofline").schema
+    write_table(Path(bundle) / "tables" / "roofline.parquet", pa.Table.from_pylist(rows, schema=schema))
+    return rows, ceilings
+
+
 def write_manifest(bundle: Path) -> dict:
     """sha256 and size of every file in the bundle except the manifest itself and the audit verdict, and the
     version of the format contract the bundle follows."""
@@ -391,6 +402,7 @@ def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], envir
     from .online.evidence import publish as publish_online   # the online track's files and report lines
 
     online = publish_online(bundle, plan)
-    atomic_write_text(bundle / "report.md", render_report(plan, summary, tables["arms"], environment, online))
+    roof = write_roofline(bundle, plan, records)
+    atomic_write_text(bundle / "report.md", render_report(plan, summary, tables["arms"], environment, online, roof))
     write_manifest(bundle)
     return summary

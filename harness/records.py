@@ -154,6 +154,7 @@ class ArmRecord:
     measured_end_unix_s: float
     telemetry_samples: list[dict] | None = None   # harness/sampler.py during the measured run; None without NVML
     sampler: dict | None = None                   # Sampler.record(): its rate, sample count and CPU seconds
+    decode_timing: dict | None = None             # loop_timing.DecodeLoopTimer.record() of the measured run
 
     def to_dict(self) -> dict:
         it = self.item
@@ -166,4 +167,5 @@ class ArmRecord:
                 "telemetry": {"start": self.telemetry_start, "end": self.telemetry_end,
                               "samples": self.telemetry_samples, "sampler": self.sampler},
                 "wall_clock": {"measured_start_unix_s": self.measured_start_unix_s,
-                               "measured_end_unix_s": self.measured_end_unix_s}}
+                               "measured_end_unix_s": self.measured_end_unix_s},
+                "decode_timing": self.decode_timing}

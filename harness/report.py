@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import natural, report_sections
+from . import natural, report_sections, roofline
 from .evidence import FORMAT, atomic_write_bytes
 
 _SINCE = re.compile(r"(.+)_since_(\d+)")
@@ -269,9 +269,11 @@ def _as_shown(summary: dict, arms: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
     return summary, arms.assign(device=arms["device"].map(shown_device)) if len(arms) else arms
 
 
-def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict, online: list[str] = ()) -> str:
+def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict, online: list[str] = (),
+                  roof: tuple[list[dict], dict] | None = None) -> str:
     """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms);
-    ``online``: the Online section's lines (harness/online/report.py), none without an online track."""
+    ``online``: the Online section's lines (harness/online/report.py), none without an online track;
+    ``roof``: the roofline rows and the ceilings by session (evidence.write_roofline), none: no section."""
     summary, arms = _as_shown(summary, arms)
     sections = {
         "header": lambda: _header(plan, summary, environment),
@@ -288,6 +290,8 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "telemetry": lambda: report_sections.telemetry(plan, arms),
         "children": lambda: ["", *_children(summary["children"])],
         "online": lambda: list(online),
+        "roofline": lambda: [] if roof is None else roofline.report_lines(
+            plan, *roof, R, table_lines, report_sections.workload_label),
         "plot": lambda: ["", R["plot"], ""],
     }
     return "\n".join(line for name in R["sections"] for line in sections[name]())

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from . import coverage, engines, machine, natural, telemetry
+from . import coverage, engines, loop_timing, machine, natural, telemetry
 from .sampler import Sampler
 from .fileio import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
 from .records import ArmRecord, ArmSpec, OrderItem, PhaseResult
@@ -107,11 +107,14 @@ def build_engine(arm: ArmSpec, model, max_num_seqs: int, max_model_len: int, pol
 
 # --------------------------------------------------------------------------------------- one phase
 
-def run_phase(engine, requests: list, device: dict) -> PhaseResult:
+def run_phase(engine, requests: list, device: dict, timer=None) -> PhaseResult:
     """Submit every request and drain; timed from the first submission to the drained outputs.
 
-    ``engine``: an ``Engine``; ``requests``: runtime ``Request``s; ``device``: ``machine.child_device``.
+    ``engine``: an ``Engine``; ``requests``: runtime ``Request``s; ``device``: ``machine.child_device``;
+    ``timer``: a ``loop_timing.DecodeLoopTimer`` the engine calls around each decode loop of this run.
     """
+    if timer is not None:
+        engine.decode_timer = timer
     before = engine.stats.copy()
     cuda = device["kind"] == "cuda"
     if cuda:
@@ -129,6 +132,8 @@ def run_phase(engine, requests: list, device: dict) -> PhaseResult:
         elapsed_s = time.perf_counter() - t0
     finally:
         gc.enable()
+        if timer is not None:
+            engine.decode_timer = None
     return PhaseResult(elapsed_s=elapsed_s, outputs=outputs, stats=engine.stats.minus(before),
                        peak_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                        peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None,
@@ -246,8 +251,10 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
         eng.reset_run()   # the same request ids again; graphs, buffers and cumulative stats stay
     tele_start = telemetry.sample(s.device["gpu_index"])
     sampler = Sampler(s.device["gpu_index"], s.config.get("telemetry", {}).get("sample_hz", 20.0)).start()
+    # roofline (format 7): each decode loop's device time, where the engine calls a decode_timer
+    timer = loop_timing.DecodeLoopTimer(s.device["kind"]) if hasattr(eng, "decode_timer") else None
     start_unix_s = time.time()
-    meas = run_phase(eng, s.requests[item.point], s.device)
+    meas = run_phase(eng, s.requests[item.point], s.device, timer)
     end_unix_s = time.time()
     samples = sampler.stop()
     tele_end = telemetry.sample(s.device["gpu_index"])
@@ -265,12 +272,14 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
         tokens_per_s=tokens_per_s(pt["num_requests"], output_len, meas.elapsed_s), warmup=warm, measured=meas,
         coverage=covered_here, telemetry_start=tele_start, telemetry_end=tele_end,
         telemetry_samples=samples if sampler.active else None, sampler=sampler.record(),
-        measured_start_unix_s=start_unix_s, measured_end_unix_s=end_unix_s)
+        measured_start_unix_s=start_unix_s, measured_end_unix_s=end_unix_s,
+        decode_timing=None if timer is None else timer.record())
 
 
 def measure(job: dict) -> None:
     """The ``session`` job: every arm of this device's order (or of ``job["seqs"]``), one record each."""
     s = load_session(job)
+    write_ceiling(job, s.device)
     out_dir = Path(job["bundle"]) / "raw" / job["name"]
     covered = arm_coverage(s.frozen, s.config["arms"], s.model)
     kill_after = s.config["fault"]["kill_after_arms"]
@@ -291,6 +300,15 @@ def measure(job: dict) -> None:
     from .online.arms import measure_online   # the online track (harness/online/), when the plan has one
 
     measure_online(job, _log)
+
+
+def write_ceiling(job: dict, device: dict) -> None:
+    """The session's copy ceiling (harness/loop_timing.py), measured before its first arm, into
+    ``ceilings/<session>.json`` (format 7: the roofline's denominator)."""
+    session = job.get("session", job["name"])
+    ceiling = {"session": session, "job": job["name"], "device": device["label"], **loop_timing.copy_ceiling(device)}
+    atomic_write_json(Path(job["bundle"]) / "ceilings" / f"{session}.json", ceiling)
+    _log(f"session {session}: copy ceiling {ceiling['bytes_per_copy'] / min(ceiling['times_s']) / 1e9:.1f} GB/s")
 
 
 def arm_coverage(frozen: dict[str, str], arms: dict, model):

@@ -72,6 +72,9 @@ class LoopEngine:
         # it ran ([] for the first token: prefill runs every loop, no gate decides), "top2": per output
         # token the two largest logits it was sampled from}
         self.loop_trace: dict[str, dict[str, list[list[float]]]] = {}
+        # An object with start() / stop(), called around each decode loop's device work (the harness's
+        # roofline timer, harness/loop_timing.py); it must not synchronise. None: nothing is called.
+        self.decode_timer = None
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -123,7 +126,13 @@ class LoopEngine:
         if plan.prefill:
             self._apply_prefill(plan.prefill, self.runner.prefill(plan.prefill))
         if plan.decode:
-            self._apply_decode(plan, self.runner.decode(plan))
+            timer = self.decode_timer
+            if timer is not None:
+                timer.start()
+            out = self.runner.decode(plan)
+            if timer is not None:
+                timer.stop()
+            self._apply_decode(plan, out)
         self.stats.steps += 1
         self.stats.peak_kv_blocks = self.kv.allocator.peak_used
 
