@@ -119,7 +119,7 @@ def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
     return rec
 
 
-def strip_version_7(bundle: Path) -> None:
+def _reword_as_version_6(bundle: Path) -> None:
     """report.md as formats 4 to 6 worded it: "GPU" and "cpu" for "Device" and "CPU", the result table's
     columns without the arms' roles, the interval's level or "speedup - 1", and counts of one in the plural
     (or "session(s)"); summary.json's verdict reasons with "1 pairs"; the manifest's ``format_version`` is
@@ -178,10 +178,25 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
     (bundle / "report.md").write_text("\n".join(out))
 
 
+def strip_version_7(bundle: Path) -> None:
+    """What format 7 added taken out (the roofline: table, ceilings, records' decode_timing, report section)
+    and report.md / summary.json worded as format 6 (``_reword_as_version_6``); the manifest's
+    ``format_version`` is the caller's to set."""
+    (bundle / "tables" / "roofline.parquet").unlink(missing_ok=True)
+    for path in sorted((bundle / "ceilings").glob("*.json")):
+        path.unlink()
+    if (bundle / "ceilings").is_dir():
+        (bundle / "ceilings").rmdir()
+    for path in sorted((bundle / "raw").glob("*/*.json")):
+        edit_json(path, lambda r: r.pop("decode_timing", None))
+    drop_report_sections(bundle, {evidence.FORMAT["report"]["headings"]["roofline"]})
+    _reword_as_version_6(bundle)
+
+
 def strip_version_5(bundle: Path) -> None:
     """What format 5 added, taken out of summary.json and report.md (graph coverage and telemetry sections,
-    the result table's P / D column), as a format-4 writer would have left it; plan.json's points'
-    ``prompt_len`` / ``output_len`` are the caller's to drop (they change the plan's sha256)."""
+    the result table's P / D column), as a format-4 writer would have left it (and format 7's additions); plan.json's
+    points' ``prompt_len`` / ``output_len`` are the caller's to drop (they change the plan's sha256)."""
     strip_version_7(bundle)
     edit_json(bundle / "summary.json", lambda s: [r.pop("graph_coverage") for r in s["results"]])
     spec = evidence.FORMAT["report"]

@@ -160,6 +160,7 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
     monkeypatch.setattr(session.machine, "child_device", lambda name, device: {
         **CPU, "kind": "cuda", "torch": "cuda:0", "gpu_index": 0, "label": "GPU #0"})
     monkeypatch.setattr(session.telemetry, "sample", lambda index: None)
+    monkeypatch.setattr(session, "write_ceiling", lambda job, device: None)   # a real copy on the fake CUDA device
     monkeypatch.setattr(session.time, "perf_counter", dev.perf_counter)
     monkeypatch.setattr(session.time, "time", dev.wall)
     monkeypatch.setattr(torch.cuda, "synchronize", dev.sync)
