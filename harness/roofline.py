@@ -18,7 +18,7 @@ and V in one layer), and the sums over the run's decode rows (a row = one token 
 - KV write = L kv x (decode rows + ``coverage.fill_token_planes``) (each row's own K / V; the native
   fill's copies) + 4 x decode tokens for alias layouts (one exit-map entry published per exit).
 
-Not counted: embedding rows, activations, descriptors, logits (all O(rows x hidden) or smaller). Per loop
+Not counted: embedding rows, activations, descriptors, logits, split-KV attention partials (all O(rows x hidden) or smaller). Per loop
 = total / loops; the device time is the sum of the record's ``decode_timing.loop_s``
 (harness/loop_timing.py); achieved GB/s = bytes / time; the fraction = achieved / the ceiling
 ``bytes_per_copy / min(times_s)`` of the record's session (``ceilings/<session>.json``). The auditor
