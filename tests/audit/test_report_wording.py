@@ -12,7 +12,7 @@ import pytest
 from loopbench.audit import contract, derive, render
 from loopbench.audit.auditor import audit
 from loopbench.harness import report, stats
-from tests.audit.tamper import REPO, edit_json, failed, rewrite_manifest, strip_version_7
+from tests.audit.tamper import REPO, _reword_as_version_6, edit_json, failed, rewrite_manifest, strip_version_7
 
 OLD = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"   # format 4, one session of 3 pairs, on a CPU
 FIRST_5 = REPO / "results" / "2026-12-01-ouro-1.4b-context-42d529f"   # format 5
@@ -65,14 +65,14 @@ def test_format_7_wording_is_the_same_in_both_renderers(honest_bundle):
 
 
 def test_a_format_7_report_in_the_older_wording_is_named(bundle):
-    strip_version_7(bundle)
+    _reword_as_version_6(bundle)
     rewrite_manifest(bundle)
     assert "| GPU | B / C | P / D | native tokens/s | alias_prefix tokens/s |" in (bundle / "report.md").read_text()
     assert "report.md" in failed(bundle)
 
 
 def test_a_format_7_bundle_worded_as_format_6_audits_as_format_6(bundle):
-    """The wording is all that format 7 adds: the same files with format 6's report.md are a format-6 bundle."""
+    """Without format 7's roofline files and in format 6's wording, the same bundle is a format-6 bundle."""
     strip_version_7(bundle)
     edit_json(bundle / "manifest.json", lambda m: m.update(format_version=6))
     rewrite_manifest(bundle)
