@@ -30,8 +30,8 @@ def test_honest_bundle_has_the_roofline_and_passes(bundle):
     ceiling = json.loads((bundle / "ceilings" / "cpu0.json").read_text())
     assert row["ceiling_gb_per_s"] == pytest.approx(ceiling["bytes_per_copy"] / min(ceiling["times_s"]) / 1e9)
     text = (bundle / "report.md").read_text()
-    assert "## Roofline" in text and "| device | B / C | P / D | arm | runs | ms / loop | MB / loop: weights |" in text
-    assert "| session | device | buffer MiB | copies | best ms | GB/s |" in text
+    assert "## Roofline" in text and "| Device | B / C | P / D | arm | runs | ms / loop | MB / loop: weights |" in text
+    assert "| session | Device | buffer MiB | copies | best ms | GB/s |" in text
 
 
 @pytest.mark.parametrize("column", ["weight_bytes", "lm_head_bytes", "kv_read_bytes", "kv_write_bytes", "context_keys",
