@@ -2,12 +2,15 @@
 (``executor.cpu_devices``) planned and pinned like GPUs, the visibility-mask mapping of a parent started
 with a narrowed ``CUDA_VISIBLE_DEVICES`` (on a scripted fake NVML and a faked torch.cuda), and the card
 claims that keep two runs off one card."""
+import json
+import os
+import subprocess
 import sys
 import types
 
 import pytest
 
-from loopbench.harness import bench, cards, conf, machine
+from loopbench.harness import bench, cards, conf, machine, telemetry
 from loopbench.harness.executors import child_env
 from tests.harness.fake_nvml import FakeNVML
 
@@ -186,3 +189,35 @@ def test_bench_prints_one_line_for_a_card_in_use(monkeypatch, capsys):
     monkeypatch.setattr(controller, "run", busy)
     assert bench.task(conf.compose("cpu-smoke")) == 1
     assert capsys.readouterr().err == "loopbench: GPU 1 (H200 #1) is in use by another loopbench run (pid 7)\n"
+
+
+# ------------------------------------------------------------------------------ on two real GPUs (x2)
+
+_PLAN = ("import json; from loopbench.harness import conf, machine; "
+         "print(json.dumps(machine.planned_devices(conf.validate(conf.compose('cpu-smoke', "
+         "['executor.device=cuda'])).executor)))")
+_CHILD = ("import json, sys; from loopbench.harness import machine; "
+          "print(json.dumps(machine.child_device('g', {'kind': 'cuda', 'gpu_index': int(sys.argv[1])})))")
+
+
+def _python(code: str, env: dict, *args: str):
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [None, "1", "1,0"])
+def test_each_gpu_child_reports_its_own_physical_card(mask):
+    """The x2 machine: a parent with no mask, or narrowed to ``1`` / ``1,0``, plans the physical cards its
+    mask names; each child, pinned the executor's way, reports the UUID NVML gives that card, none twice."""
+    import torch
+
+    if torch.cuda.device_count() < 2 or telemetry.device_info(1) is None:
+        pytest.skip("needs two GPUs and NVML")
+    parent = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    devices = _python(_PLAN, {**parent, **({"CUDA_VISIBLE_DEVICES": mask} if mask else {})})
+    want = [int(g) for g in mask.split(",")] if mask else list(range(torch.cuda.device_count()))
+    assert [d["gpu_index"] for d in devices] == want
+    children = [_python(_CHILD, child_env(d["gpu_index"]), str(d["gpu_index"])) for d in devices]
+    assert [c["uuid"] for c in children] == [telemetry.device_info(g)["uuid"] for g in want]
+    assert len({c["uuid"] for c in children}) == len(want)
