@@ -40,6 +40,20 @@ def check_devices(ctx: Audit, plan: dict, records: list[dict], children: list[di
                                 f"for {r['job']}")
         if session_device.setdefault(r["job"], dev) != dev:
             ctx.fail("devices", f"{where}: device {dev} differs from the session's earlier arms")
+    _one_card_per_device(ctx, devices, session_device)
+
+
+def _one_card_per_device(ctx: Audit, devices: dict[str, dict], session_device: dict[str, dict]) -> None:
+    """Two pinned devices of the plan never report one card (``device.uuid``): two sessions on one card
+    time each other. A Slurm GPU job, which learns its card when it starts, may get a card another had."""
+    owner: dict[str, str] = {}
+    for job, dev in sorted(session_device.items()):
+        d = devices[job]
+        if dev.get("uuid") is None or (d["kind"] == "cuda" and d["gpu_index"] is None):
+            continue
+        if owner.setdefault(dev["uuid"], job) != job:
+            ctx.fail("devices", f"records of {owner[dev['uuid']]} and {job} name one card {dev['uuid']!r}: two "
+                                "planned devices measured on one")
 
 
 def check_child_states(ctx: Audit, children: list[dict]) -> None:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from . import conf, progress, report
+from .cards import CardInUse
 
 _EXIT_CODES: list[int] = []
 _SWEEP = {"jobs": 0, "started": None}    # a multirun's size (cli.py counts it) and start, for the sweep's ETA
@@ -61,7 +62,13 @@ def task(cfg) -> int:
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
-    return show(controller.run(spec))
+    try:
+        result = controller.run(spec)
+    except CardInUse as exc:   # another run holds a card: one clear line, nothing written
+        print(f"loopbench: {exc}", file=sys.stderr)
+        _EXIT_CODES.append(1)
+        return 1
+    return show(result)
 
 
 def show(result) -> int:

@@ -235,6 +235,10 @@ class ExecutorConf:
     device: DeviceKind = DeviceKind.auto
     gpus: Optional[List[int]] = None  # physical GPU indices for local sessions; None = every visible GPU
     cpu_threads: int = 1              # torch intra-op threads of a CPU session (see session.py)
+    # Simulated devices of a CPU run (device=cpu, kind=local): n > 1 plans sessions cpu0..cpu<n-1, run in
+    # parallel, each its own child pinned by LOOPBENCH_CPU_DEVICE as a GPU child is by CUDA_VISIBLE_DEVICES:
+    # the multi-device path (one session per card) tested where there is no second card. 1: one session.
+    cpu_devices: int = 1
     session_timeout_s: float = 3600.0
     reference_timeout_s: float = 1800.0
     poll_s: float = 0.5

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from . import checker, conf, evidence, inputs, machine, natural, progress
+from . import cards, checker, conf, evidence, inputs, machine, natural, progress
 from .executors import REPO_ROOT, ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
@@ -103,7 +103,8 @@ def _log_echo(log: Path, prefix: str):
 def write_job(bundle: Path, kind: str, dev: dict, stem: str | None = None, **extra) -> Path:
     """Write ``jobs/<kind>-<stem>.json`` (stem: the device's name, or a resumed session's id)."""
     job = {"kind": kind, "name": dev["name"], "bundle": str(bundle),
-           "device": {"kind": dev["kind"], "gpu_index": dev["gpu_index"], "cpu_threads": dev["cpu_threads"]},
+           "device": {"kind": dev["kind"], "gpu_index": dev["gpu_index"], "cpu_threads": dev["cpu_threads"],
+                      **({"cpu_index": dev["cpu_index"]} if "cpu_index" in dev else {})},
            **extra}
     path = bundle / "jobs" / f"{kind}-{stem or dev['name']}.json"
     atomic_write_json(path, job)
@@ -148,7 +149,7 @@ def reference_job(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path) -> Chi
         "cache_dir": str(got.cache), "reuse": spec.reuse_references, "key_material": key_material,
         **natural.reference_job_entry(plain, [pt.key for pt in spec.points])})
     return ChildSpec("reference", job, bundle / "logs" / "reference.log", dev["gpu_index"], dev["label"],
-                     spec.executor.reference_timeout_s)
+                     spec.executor.reference_timeout_s, cpu_index=dev.get("cpu_index"))
 
 
 def capture_references(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path, executor,
@@ -192,7 +193,7 @@ def run_sessions(ex: ExecutorSpec, executor, bundle: Path, devices: list[dict], 
         extra = {"session": sid} if seqs is None else {"session": sid, "seqs": seqs[d["name"]]}
         specs.append(ChildSpec(d["name"], write_job(bundle, "session", d, sid, **extra),
                                bundle / "logs" / f"{sid}.log", d["gpu_index"], d["label"], ex.session_timeout_s,
-                               sid, attempt))
+                               sid, attempt, d.get("cpu_index")))
     write_children(bundle, children + [running_result(s).to_dict() for s in specs])
     total = sum(len(v) for v in json.loads((bundle / "plan.json").read_text())["order"].values())
     update, close = _progress(bundle, total)
@@ -293,6 +294,12 @@ def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
 
         return resume(spec)
     got = inputs.gather(spec)
+    with cards.claimed(got.devices):   # a card another run measures on is refused before anything is written
+        return _run_new(spec, got)
+
+
+def _run_new(spec: BenchSpec, got: Inputs) -> RunResult:
+    """A new run's stages, from its bundle to the published summary (:func:`run`)."""
     bundle = open_bundle(spec, got.code)
     lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
     print(f"loopbench: bundle {bundle}", flush=True)

@@ -2,7 +2,8 @@
 
 - :class:`LocalExecutor` starts ``python -m loopbench.harness.session JOB.json`` per job, pinned to one
   GPU with ``CUDA_VISIBLE_DEVICES`` (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so CUDA, NVML and the plan count
-  GPUs alike), or with no GPU visible for a CPU job; output goes to the job's log file.
+  GPUs alike), or with no GPU visible for a CPU job (a simulated CPU device's also pinned by
+  ``LOOPBENCH_CPU_DEVICE``); all of a round's jobs run at once; output goes to the job's log file.
 - :class:`SubmititExecutor` submits the same job function through submitit: to SLURM (``sbatch``; CI
   runs it against a single-node cluster on localhost, ``.ci/slurm``), or to submitit's ``local`` /
   ``debug`` executors.
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import slurm
+from .machine import CPU_DEVICE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SLURM_POLL_S = 2.0   # the least time between two scontrol queries of one job (slurmctld serves everyone)
@@ -52,6 +54,7 @@ class ChildSpec:
     timeout_s: float
     session: str | None = None  # unique id in the bundle (default: ``name``; a resume's are ``<name>.r<k>``)
     attempt: int = 0            # which controller run of the bundle started it: 0 first, k the k-th resume
+    cpu_index: int | None = None  # a simulated CPU device (executor.cpu_devices > 1); None: any other job
 
     @property
     def session_id(self) -> str:
@@ -105,8 +108,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def child_env(gpu_index: int | None) -> dict:
+def child_env(gpu_index: int | None, cpu_index: int | None = None) -> dict:
+    """A child's environment: the repo importable, unbuffered output, pinned to physical GPU ``gpu_index``
+    (PCI bus order) or to none; a simulated CPU device's child also gets its index in ``LOOPBENCH_CPU_DEVICE``."""
     env = dict(os.environ)
+    env.pop(CPU_DEVICE_ENV, None)   # never inherited: only the executor pins a child to a simulated device
+    if cpu_index is not None:
+        env[CPU_DEVICE_ENV] = str(cpu_index)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["PYTHONUNBUFFERED"] = "1"
@@ -138,7 +146,7 @@ class LocalExecutor:
                     continue
                 spec.log_file.parent.mkdir(parents=True, exist_ok=True)
                 log = open(spec.log_file, "ab")
-                env = {**child_env(spec.gpu_index), "LOOPBENCH_CONTROLLER_PID": str(os.getpid())}
+                env = {**child_env(spec.gpu_index, spec.cpu_index), "LOOPBENCH_CONTROLLER_PID": str(os.getpid())}
                 proc = subprocess.Popen([sys.executable, "-m", "loopbench.harness.session", str(spec.job_file)],
                                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
                                         start_new_session=True)

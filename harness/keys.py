@@ -68,6 +68,7 @@ MEANINGS: dict[str, str] = {
     "executor.device": "auto (CUDA when available), cpu or cuda",
     "executor.gpus": "GPU indices of the local sessions; null = every visible GPU",
     "executor.cpu_threads": "torch threads of a CPU session",
+    "executor.cpu_devices": "simulated devices of a CPU run (device=cpu): sessions cpu0..cpu<n-1> in parallel",
     "executor.session_timeout_s": "a measuring session is killed after this many seconds",
     "executor.reference_timeout_s": "the reference capture is killed after this many seconds",
     "executor.poll_s": "how often the controller polls its children, seconds",

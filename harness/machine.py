@@ -2,7 +2,10 @@
 
 Written once for the controller (the planned devices, the environment record) and the session child
 (its own device). GPUs are numbered physically (PCI bus order, as NVML numbers them; the executors set
-``CUDA_DEVICE_ORDER=PCI_BUS_ID``), so ``CUDA_VISIBLE_DEVICES``, NVML and the plan name a GPU alike.
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``), so ``CUDA_VISIBLE_DEVICES``, NVML and the plan name a GPU alike; a
+parent started with a narrowed mask (``1``, ``1,0``, a card's UUID) plans the physical cards it names.
+A CPU run may simulate several devices (``executor.cpu_devices``): sessions ``cpu0``, ``cpu1``..., each
+its own child pinned by :data:`CPU_DEVICE_ENV` as a GPU child is by ``CUDA_VISIBLE_DEVICES``.
 torch is imported inside the functions that need it: importing this module loads no framework.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from . import telemetry
 
 PACKAGES = ("torch", "triton", "numpy", "scipy", "pandas", "pyarrow", "hydra-core", "omegaconf", "submitit",
             "safetensors", "matplotlib", "nvidia-ml-py", "tqdm")
+CPU_DEVICE_ENV = "LOOPBENCH_CPU_DEVICE"   # a simulated CPU device's index, set by the executor per child
 
 
 def gpu_label(name: str | None, index: int | None) -> str:
@@ -31,6 +35,29 @@ def visible_gpus(environ: dict | None = None) -> list[int] | None:
     raw = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
     parts = [x.strip() for x in raw.split(",")] if raw else []
     return [int(x) for x in parts] if parts and all(x.isdigit() for x in parts) else None
+
+
+def physical_gpus(n_gpus: int, environ: dict | None = None) -> list[int]:
+    """The physical indices of CUDA devices 0..n_gpus-1 of this process: ``CUDA_VISIBLE_DEVICES``'s integers
+    (``1,0``: CUDA's 0 is physical 1), or its UUIDs resolved through NVML, or 0..n_gpus-1 without a mask.
+
+    A child is pinned by physical index (``CUDA_VISIBLE_DEVICES=<index>``, PCI bus order), so a mask entry
+    that names no physical index, a MIG instance, a UUID prefix or a UUID without NVML, raises ValueError
+    naming it: falling back to CUDA's own numbering would pin the child to another card."""
+    raw = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if not raw:
+        return list(range(n_gpus))
+    listed = visible_gpus(environ)
+    if listed is not None:
+        return listed[:n_gpus]   # CUDA stops enumerating at the first index it cannot use
+    out = []
+    for entry in [x.strip() for x in raw.split(",")][:n_gpus]:
+        index = telemetry.index_of_uuid(entry) if entry.startswith("GPU-") else None
+        if index is None:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r} names no GPU by its full UUID (NVML) or index: "
+                             "the sessions are pinned by physical index; list indices, e.g. CUDA_VISIBLE_DEVICES=0,1")
+        out.append(index)
+    return out
 
 
 def cpu_name() -> str:
@@ -61,8 +88,8 @@ def planned_devices(executor) -> list[dict]:
     if kind == "cuda" and n_gpus == 0:
         raise ValueError("executor.device = cuda, but no CUDA device is visible")
     if n_gpus == 0:
-        return [{"name": "cpu0", "kind": "cpu", "gpu_index": None, "label": "cpu", "cpu_threads": threads}]
-    physical = visible_gpus() or list(range(n_gpus))
+        return cpu_devices(executor.cpu_devices, threads)
+    physical = physical_gpus(n_gpus)
     gpus = list(executor.gpus) if executor.gpus is not None else physical
     for g in gpus:
         if g not in physical:
@@ -70,6 +97,15 @@ def planned_devices(executor) -> list[dict]:
     return [{"name": f"gpu{g}", "kind": "cuda", "gpu_index": g,
              "label": gpu_label((telemetry.device_info(g) or {}).get("name"), g), "cpu_threads": threads}
             for g in gpus]
+
+
+def cpu_devices(n: int, threads: int) -> list[dict]:
+    """The CPU sessions: one ``cpu0`` (label "cpu"), or ``n`` > 1 simulated devices ``cpu<i>`` with
+    ``cpu_index`` i and label "cpu #i" (``executor.cpu_devices``)."""
+    if n == 1:
+        return [{"name": "cpu0", "kind": "cpu", "gpu_index": None, "label": "cpu", "cpu_threads": threads}]
+    return [{"name": f"cpu{i}", "kind": "cpu", "gpu_index": None, "cpu_index": i, "label": f"cpu #{i}",
+             "cpu_threads": threads} for i in range(n)]
 
 
 def child_device(job_name: str, device: dict) -> dict:
@@ -84,7 +120,8 @@ def child_device(job_name: str, device: dict) -> dict:
 
     if device["kind"] == "cpu":
         torch.set_num_threads(device.get("cpu_threads", 1))
-        return {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": "cpu", "name": cpu_name(), "uuid": None}
+        label, uuid = _cpu_identity(job_name, device.get("cpu_index"))
+        return {"kind": "cpu", "torch": "cpu", "gpu_index": None, "label": label, "name": cpu_name(), "uuid": uuid}
     if not torch.cuda.is_available():
         raise RuntimeError(f"job {job_name} asks for CUDA, but torch.cuda.is_available() is False")
     index = device.get("gpu_index")
@@ -92,8 +129,38 @@ def child_device(job_name: str, device: dict) -> dict:
         index = (visible_gpus() or [None])[0]
     info = (telemetry.device_info(index) if index is not None else None) or {}
     name = info.get("name") or torch.cuda.get_device_name(0)
+    uuid = _cuda_uuid()
+    if uuid is not None and info.get("uuid") not in (None, uuid):
+        raise RuntimeError(f"job {job_name} runs on card {uuid}, but NVML's GPU {index} is {info['uuid']}: "
+                           "CUDA and NVML number the cards differently (CUDA_DEVICE_ORDER="
+                           f"{os.environ.get('CUDA_DEVICE_ORDER')!r}, CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     return {"kind": "cuda", "torch": "cuda:0", "gpu_index": index, "name": name, "label": gpu_label(name, index),
-            "uuid": info.get("uuid")}
+            "uuid": uuid or info.get("uuid")}
+
+
+def _cuda_uuid() -> str | None:
+    """The UUID of the card CUDA runs this process's ``cuda:0`` on, in NVML's spelling ("GPU-<hex>"); None
+    where torch does not tell it. The card's own answer, whatever the NVML numbering."""
+    import torch
+
+    try:
+        raw = str(torch.cuda.get_device_properties(0).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    return raw if raw.startswith("GPU-") else f"GPU-{raw}"
+
+
+def _cpu_identity(job_name: str, index: int | None) -> tuple[str, str | None]:
+    """(label, identity) of a CPU child: ("cpu", None), or for simulated device ``index`` the index its
+    executor pinned it to (:data:`CPU_DEVICE_ENV`): ("cpu #i", "CPU-SIM-i"); RuntimeError when the two differ."""
+    if index is None:
+        return "cpu", None
+    pinned = os.environ.get(CPU_DEVICE_ENV)
+    if pinned != str(index):
+        raise RuntimeError(f"job {job_name} is planned on simulated CPU device {index}, but its "
+                           f"{CPU_DEVICE_ENV} is {pinned!r}")
+    return f"cpu #{pinned}", f"CPU-SIM-{pinned}"
 
 
 def environment(devices: list[dict]) -> dict:

@@ -25,7 +25,7 @@ import json
 import os
 from pathlib import Path
 
-from . import evidence, inputs, machine
+from . import cards, evidence, inputs, machine
 from .controller import RunResult, make_executor, prepare_checkpoint, publish, run_restarts, write_children
 from .executors import StopSignals
 from .fileio import sha256_file, try_lock
@@ -227,7 +227,7 @@ def resume(spec: BenchSpec) -> RunResult:
     bundle = (bundle if bundle.is_absolute() else Path.cwd() / bundle).resolve()
     if not (bundle / "plan.json").is_file():
         raise ValueError(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
-    lock = _claim(bundle)
+    lock, held = _claim(bundle), []
     try:
         plan = json.loads((bundle / "plan.json").read_text())
         if _published_status(bundle) == "complete":
@@ -235,6 +235,7 @@ def resume(spec: BenchSpec) -> RunResult:
                              "resumed (start a new run instead)")
         ours, got, env = _refuse_unlike_plan(spec, bundle, plan)
         todo, discard = _kept_and_todo(bundle, plan)
+        held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
 
         # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions
         children = _mark_lost(bundle, _read_children(bundle))
@@ -258,3 +259,4 @@ def resume(spec: BenchSpec) -> RunResult:
             return publish(bundle, plan, children, env)
     finally:
         os.close(lock)
+        cards.release(held)

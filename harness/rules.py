@@ -214,6 +214,10 @@ def check_executor(exe: dict) -> None:
         raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
     check_slurm(exe["slurm"])
     positive_int("executor.cpu_threads", exe["cpu_threads"])
+    positive_int("executor.cpu_devices", exe["cpu_devices"])
+    if exe["cpu_devices"] > 1 and (exe["device"] != "cpu" or exe["kind"] != "local"):
+        raise ValueError(f"executor.cpu_devices = {exe['cpu_devices']} simulates devices on CPU: it needs "
+                         f"executor.device=cpu and executor.kind=local, got device={exe['device']}, kind={exe['kind']}")
 
 
 def check_slurm(slurm: dict) -> None:

@@ -120,6 +120,7 @@ class ExecutorSpec:
     device: str
     gpus: tuple[int, ...] | None
     cpu_threads: int
+    cpu_devices: int
     session_timeout_s: float
     reference_timeout_s: float
     poll_s: float

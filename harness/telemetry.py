@@ -40,6 +40,15 @@ def handle(index: int) -> tuple[Any, Any] | None:
     return None if h is None else (nv, h)
 
 
+def index_of_uuid(uuid: str) -> int | None:
+    """The physical index of the GPU whose full UUID is ``uuid`` ("GPU-<hex>"); None without NVML or that GPU."""
+    nv = _nvml()
+    if nv is None:
+        return None
+    h = _try(lambda: nv.nvmlDeviceGetHandleByUUID(uuid))
+    return None if h is None else _try(lambda: nv.nvmlDeviceGetIndex(h))
+
+
 def device_info(index: int) -> dict | None:
     """Static facts of physical GPU ``index``: name, UUID, memory, max clocks, driver; None without NVML."""
     found = handle(index)

@@ -32,6 +32,26 @@ class FakeNVML(types.ModuleType):
         self.handles.append(index)
         return ("handle", index)
 
+    @staticmethod
+    def uuid_of(index: int) -> str:
+        """The fake card's UUID: distinct per physical index, in NVML's spelling."""
+        return f"GPU-{index:08x}-0000-4000-8000-00000000fake"
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str):
+        for index in range(self.gpus):
+            if self.uuid_of(index) == uuid:
+                return ("handle", index)
+        raise RuntimeError(f"NVML_ERROR_NOT_FOUND: no GPU {uuid}")
+
+    def nvmlDeviceGetIndex(self, h):
+        return h[1]
+
+    def nvmlDeviceGetName(self, h):
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetUUID(self, h):
+        return self.uuid_of(h[1])
+
     def nvmlDeviceGetClockInfo(self, h, kind):
         return (self.sm if kind == self.NVML_CLOCK_SM else self.mem)(self.readings)
 
