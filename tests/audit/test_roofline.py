@@ -105,7 +105,7 @@ def test_outputs_disagreeing_with_the_work_counters_are_named(bundle):
 
 def test_edited_roofline_line_is_named(bundle):
     def edit(lines):
-        i = next(j for j in range(lines.index("## Roofline"), len(lines)) if lines[j].startswith("| cpu |"))
+        i = next(j for j in range(lines.index("## Roofline"), len(lines)) if lines[j].startswith("| CPU |"))
         cells = lines[i].split(" | ")
         cells[-1] = "99.9% |"
         lines[i] = " | ".join(cells)
