@@ -324,8 +324,7 @@ class OuroModel:
         :func:`linear` (cuBLAS). [N, out] in x's dtype, or with ``partials`` possibly the GEMM's fp32
         split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order)."""
         from loopbench.kernels import gemm
-        ours = self.small_m_gemm and gemm_rows is None and x.dtype in gemm.DTYPES
-        cfg = gemm.config_for(w.shape[0], w.shape[1], x.shape[0]) if ours else None
+        cfg = self._fused_config(gemm.CONFIGS, w, x, gemm_rows)
         if cfg is None:
             return linear(x, w, gemm_rows)
         out = gemm.gemm(x, w, cfg)
