@@ -85,9 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
                     help="EngineConfig.batch_invariant: decode on max_num_seqs rows, prefill projections in "
                          "fixed-size calls (on), or on padded buckets (off)")
-    ap.add_argument("--gemm", default="cublas", choices=["cublas", "ours"],
-                    help="decode projections on cuBLAS, or on our small-M GEMM where it was measured faster "
-                         "(kernels/gemm.py; CUDA)")
+    ap.add_argument("--gemm", default="ours", choices=["cublas", "ours"],
+                    help="decode projections on our small-M GEMM where it was measured faster, cuBLAS for the "
+                         "rest (kernels/gemm.py; CUDA; the runtime's default), or all on cuBLAS")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
@@ -116,7 +116,7 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg, tensors = load_checkpoint(path, dtype=dtype)  # a release may mix dtypes (fp32 norms): cast on load
     return OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len,
-                                  small_m_gemm=getattr(args, "gemm", "cublas") == "ours")
+                                  small_m_gemm=getattr(args, "gemm", "ours") == "ours")
 
 
 def make_requests(vocab_size: int, args: argparse.Namespace) -> list[Request]:

@@ -23,8 +23,8 @@ on Ouro's projections (kernels/results/gemm_h200.md, graph-chain timing on an H2
   Synchronization"). Nothing is read or written before the wait except the weight, which no kernel of
   the loop writes. Under a CUDA graph capture the dependency becomes a programmatic graph edge.
 
-Batch invariance: the configuration is a function of the weight shape ``(N, K)`` only (``config_for``),
-so the K split, the K tile order and the tiles are fixed per weight; M only sets ``BLOCK_M`` (its power
+Batch invariance: the configuration is a function of the weight shape ``(N, K)`` only (``config_for``;
+M only decides whether it runs at all, see ``FASTER_UP_TO``), so the K split, the K tile order and the tiles are fixed per weight; M only sets ``BLOCK_M`` (its power
 of two) and the row mask, and row ``i`` of the result is computed from row ``i`` of ``x`` alone (padding
 rows load as zero and are never stored). The engine also runs every decode step on max_num_seqs rows,
 so within one engine M never changes. tests/kernels/test_gemm.py checks on CUDA that the first M rows of
@@ -74,8 +74,8 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
 
 
-# Measured on an H200 (kernels/results/gemm_h200.md; graph chains over >= 256 MB of distinct weights,
-# M = 16 and 32): the fastest configuration per Ouro-1.4B projection, ``(N, K)`` of the weight. Shapes
+# Measured on an H200 (kernels/results/gemm_sweep_h200_84accc2.md; graph chains over >= 256 MB of distinct
+# weights, M = 16 and 32): the fastest configuration per Ouro-1.4B projection, ``(N, K)`` of the weight. Shapes
 # not listed run on cuBLAS, which is what "use whichever is faster per shape" means for unmeasured ones.
 CONFIGS: dict[tuple[int, int], GemmConfig] = {
     (6144, 2048): GemmConfig(block_n=64, block_k=256, split_k=1, num_stages=4, tma=True, pdl=True),    # qkv
@@ -85,18 +85,33 @@ CONFIGS: dict[tuple[int, int], GemmConfig] = {
     (49152, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),   # lm_head
 }
 
-# gemm_swiglu per gate_up weight shape [2 I, K]; block_n counts gate rows (32: 176 programs for Ouro's
-# I = 5632). Not yet measured (kernels/bench/gemm.py --swiglu times it against the two launches).
-SWIGLU_CONFIGS: dict[tuple[int, int], GemmConfig] = {
-    (11264, 2048): GemmConfig(block_n=32, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),
+# The largest M (of 1, 16, 32, 64, 128) at which each configuration above beat cuBLAS in the M = 1..128
+# table (kernels/results/gemm_h200_1b4ab42.md, H200); at more rows the shape runs on cuBLAS. o_proj and
+# down count their partials' sum, which add_rms_norm reads, as free; their margins (1.07x, 1.19x at 128)
+# exceed what reading them costs there. Under batch invariance an engine's decode runs every step on
+# max_num_seqs rows, so the choice is one per engine and never changes between its steps.
+FASTER_UP_TO: dict[tuple[int, int], int] = {
+    (6144, 2048): 64, (2048, 2048): 128, (11264, 2048): 32, (2048, 5632): 128, (49152, 2048): 32,
 }
 
+# gemm_swiglu per gate_up weight shape [2 I, K]; block_n counts gate rows. Measured (same table): n64 TMA
+# 14.9-15.6 us at M = 16-64 against 16.3-18.7 for n32 and 17.0-18.9 for cuBLAS + silu_mul; even at M 128.
+SWIGLU_CONFIGS: dict[tuple[int, int], GemmConfig] = {
+    (11264, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True),
+}
+SWIGLU_FASTER_UP_TO: dict[tuple[int, int], int] = {(11264, 2048): 64}
 
-def config_for(n: int, k: int, m: int) -> GemmConfig | None:
-    """The measured configuration for an ``[n, k]`` weight at ``m`` rows, or None (use cuBLAS)."""
-    if m > MAX_M:
+
+def config_for(n: int, k: int, m: int, configs: dict | None = None, faster_up_to: dict | None = None
+               ) -> GemmConfig | None:
+    """The measured configuration for an ``[n, k]`` weight at ``m`` rows, or None (use cuBLAS): ``configs``
+    (default :data:`CONFIGS`) holds it if ``m`` is at most ``faster_up_to[(n, k)]`` (default
+    :data:`FASTER_UP_TO`) and :data:`MAX_M`."""
+    configs = CONFIGS if configs is None else configs
+    faster_up_to = FASTER_UP_TO if faster_up_to is None else faster_up_to
+    if m > min(MAX_M, faster_up_to.get((n, k), 0)):
         return None
-    return CONFIGS.get((n, k))
+    return configs.get((n, k))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -277,6 +292,34 @@ def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig) -> t
     return _launch(x, gate_up, config, gate_up.shape[0] // 2, glu=True)
 
 
+def num_stages_that_fit(c: GemmConfig, block_m: int, device: torch.device, weight_tiles: int = 1,
+                        elem_bytes: int = 2) -> int:
+    """``c.num_stages``, lowered until one stage's tiles times the stages fit the device's shared memory.
+
+    One pipeline stage holds ``weight_tiles`` weight tiles ``[block_n, block_k]`` (2 with the GLU's up rows)
+    and the x tile ``[block_m, block_k]``, ``elem_bytes`` each; a configuration measured at M = 16-32 may not
+    fit at M = 128 (qkv's block_k 256: 96 KiB a stage). Stages only pipeline the loads, so this changes no
+    bit of the result. On a CPU (the interpreter) the configured count is returned.
+    """
+    if device.type != "cuda":
+        return c.num_stages
+    per_stage = (weight_tiles * c.block_n + block_m) * c.block_k * elem_bytes
+    return max(1, min(c.num_stages, (_max_shared_bytes(device) - _SHARED_RESERVE) // per_stage))
+
+
+_SHARED_RESERVE = 1024          # bytes kept for barriers and the epilogue's scratch beside the stage buffers
+_SHARED_BYTES: dict[int, int] = {}
+
+
+def _max_shared_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (the opt-in maximum Triton checks a launch against)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_BYTES:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        _SHARED_BYTES[index] = int(props["max_shared_mem"])
+    return _SHARED_BYTES[index]
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: bool) -> torch.Tensor:
     """Run one of the kernels over ``n`` output columns; [M, n] (split_k 1) or fp32 partials [S, M, n]."""
     m, k = x.shape
@@ -287,7 +330,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
     else:
         out = torch.empty((c.split_k, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, c.block_n), c.split_k)
-    launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    stages = num_stages_that_fit(c, block_m, x.device, 2 if glu else 1, x.element_size())
+    launch = {"num_warps": c.num_warps, "num_stages": stages}
     if c.pdl:
         launch["launch_pdl"] = True
     if c.tma:

@@ -27,11 +27,12 @@ from . import gemm as gm
 from .kv_write import _validate_write
 
 # Per qkv weight shape [(H + 2 Hkv) * D, K]: block_n must be D (a tile is one head), so Ouro's qkv has 48
-# programs. Not yet measured against gemm + rope_write_kv_ (the sweep's plain qkv at block_n 128 took
-# 10.4-10.6 us vs 9.2 at block_n 64, kernels/results/gemm_sweep_h200_84accc2.md; rope_write_kv_ 3.1 us).
+# programs. Measured (kernels/results/gemm_h200_1b4ab42.md, H200): 10.7-11.6 us at M = 1-32 against
+# 12.0-12.2 for gemm + rope_write_kv_ and 12.6-13.1 for cuBLAS + rope_write_kv_; slower from M = 64.
 CONFIGS: dict[tuple[int, int], gm.GemmConfig] = {
     (6144, 2048): gm.GemmConfig(block_n=128, block_k=128, split_k=1, num_stages=4, pdl=True),
 }
+FASTER_UP_TO: dict[tuple[int, int], int] = {(6144, 2048): 32}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -126,14 +127,16 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     kv_view = qkv[:, num_heads * d:].view(m, 2, hkv, d)
     _validate_write(k_cache, v_cache, kv_view[:, 0], kv_view[:, 1], block_tables, row_slot, row_depth, row_pos)
     c = config
-    launch = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    block_m = max(16, triton.next_power_of_2(m))
+    launch = {"num_warps": c.num_warps,
+              "num_stages": gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size())}
     if c.pdl:
         launch["launch_pdl"] = True
     _qkv_rope_write_kernel[(num_heads + 2 * hkv,)](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
         BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=c.pdl, PAGE_SIZE=page_size,
         **launch)
     return qkv

@@ -179,13 +179,14 @@ class OuroModel:
 
     def __init__(self, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
                  dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None, fused: bool | None = None,
-                 small_m_gemm: bool = False):
+                 small_m_gemm: bool = True):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         # Fused Triton elementwise kernels (kernels/fused_ops.py) by default on CUDA; plain torch on CPU.
         self.fused = self.device.type == "cuda" if fused is None else fused
-        # Our small-M GEMM (kernels/gemm.py) for the shapes it was measured faster on; CUDA only (TMA, PDL).
-        # Off by default until the engine has run with it on a GPU (kernels/results/README.md says where
-        # that stands); the throughput probe's --gemm ours turns it on.
+        # Our small-M GEMM (kernels/gemm.py) for the shapes and row counts it was measured faster at
+        # (gemm.FASTER_UP_TO), cuBLAS for the rest; CUDA only (TMA, PDL). On by default since the engine
+        # ran with it on an H200 (batch invariance at every bucket, faster decode at B16 and B32:
+        # kernels/results/README.md); small_m_gemm=False (the throughput probe's --gemm cublas) is cuBLAS.
         self.small_m_gemm = self.fused and self.device.type == "cuda" and small_m_gemm
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
@@ -221,7 +222,7 @@ class OuroModel:
     @classmethod
     def from_tensors(cls, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
                      dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None,
-                     fused: bool | None = None, small_m_gemm: bool = False) -> "OuroModel":
+                     fused: bool | None = None, small_m_gemm: bool = True) -> "OuroModel":
         return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len, fused=fused, small_m_gemm=small_m_gemm)
 
     @property
@@ -288,8 +289,9 @@ class OuroModel:
         eps = cfg.rms_norm_eps
         h = fo.rms_norm(x, self.layers[0].ln_in, eps)
         proj = self._project
-        qkv_cfg = self._fused_config(qkv_rope.CONFIGS, self.layers[0].qkv, h, gemm_rows)
-        glu_cfg = self._fused_config(gemm.SWIGLU_CONFIGS, self.layers[0].gate_up, h, gemm_rows)
+        qkv_cfg = self._fused_config(qkv_rope.CONFIGS, qkv_rope.FASTER_UP_TO, self.layers[0].qkv, h, gemm_rows)
+        glu_cfg = self._fused_config(gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO, self.layers[0].gate_up, h,
+                                     gemm_rows)
         for i, w in enumerate(self.layers):
             if qkv_cfg is not None and hasattr(rope_write, "project"):
                 qkv = rope_write.project(i, h, w.qkv, qkv_cfg)
@@ -308,14 +310,16 @@ class OuroModel:
             x, h = fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps)
         return h, self.hazard(h)
 
-    def _fused_config(self, configs: dict, w: torch.Tensor, x: torch.Tensor, gemm_rows: int | None):
-        """The GemmConfig of a fused projection kernel (``configs``: its per-weight-shape table) for weight
-        ``w`` at x's rows, or None: run it unfused (small-M GEMM off, rows in fixed-size calls, too many
-        rows, another dtype, or a shape not measured)."""
+    def _fused_config(self, configs: dict, faster_up_to: dict, w: torch.Tensor, x: torch.Tensor,
+                      gemm_rows: int | None):
+        """The GemmConfig of a fused projection kernel (``configs``: its per-weight-shape table,
+        ``faster_up_to``: the most rows at which it was measured faster) for weight ``w`` at x's rows, or
+        None: run it unfused (small-M GEMM off, rows in fixed-size calls, more rows than it wins at, another
+        dtype, or a shape not measured)."""
         from loopbench.kernels import gemm
-        if not (self.small_m_gemm and gemm_rows is None and x.shape[0] <= gemm.MAX_M and x.dtype in gemm.DTYPES):
+        if not (self.small_m_gemm and gemm_rows is None and x.dtype in gemm.DTYPES):
             return None
-        return configs.get(tuple(w.shape))
+        return gemm.config_for(*w.shape, x.shape[0], configs, faster_up_to)
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None, partials: bool = False
                  ) -> torch.Tensor:
@@ -324,7 +328,7 @@ class OuroModel:
         :func:`linear` (cuBLAS). [N, out] in x's dtype, or with ``partials`` possibly the GEMM's fp32
         split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order)."""
         from loopbench.kernels import gemm
-        cfg = self._fused_config(gemm.CONFIGS, w, x, gemm_rows)
+        cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, w, x, gemm_rows)
         if cfg is None:
             return linear(x, w, gemm_rows)
         out = gemm.gemm(x, w, cfg)
