@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
                     help="EngineConfig.batch_invariant: decode on max_num_seqs rows, prefill projections in "
                          "fixed-size calls (on), or on padded buckets (off)")
+    ap.add_argument("--prefill-gemm-rows", type=_at_least_one, default=None, metavar="ROWS",
+                    help="EngineConfig.prefill_gemm_rows: rows per batch-invariant prefill projection call "
+                         "(default: EngineConfig's, by max_model_len)")
     ap.add_argument("--gemm", default="ours", choices=["cublas", "ours"],
                     help="decode projections on our small-M GEMM where it was measured faster, cuBLAS for the "
                          "rest (kernels/gemm.py; CUDA; the runtime's default), or all on cuBLAS")
@@ -207,9 +210,10 @@ def gpu_index() -> int | None:
 
 def engine_config(arm: ArmSpec, args: argparse.Namespace, max_len: int, policy: str,
                   schedule: Schedule | None = None) -> EngineConfig:
-    """The arm's EngineConfig at the probe's B, with ``--batch-invariant`` applied."""
-    return dataclasses.replace(arm.engine_config(args.max_num_seqs, max_len, policy, schedule),
-                               batch_invariant=args.batch_invariant == "on")
+    """The arm's EngineConfig at the probe's B, with ``--batch-invariant`` and ``--prefill-gemm-rows`` applied."""
+    cfg = arm.engine_config(args.max_num_seqs, max_len, policy, schedule)
+    return dataclasses.replace(cfg, batch_invariant=args.batch_invariant == "on",
+                               prefill_gemm_rows=getattr(args, "prefill_gemm_rows", None) or cfg.prefill_gemm_rows)
 
 
 def capture(model: OuroModel, arm: ArmSpec, args: argparse.Namespace, max_len: int, reqs: list[Request]) -> Schedule:
@@ -279,7 +283,8 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
     wall says how much the profiler itself slowed the profiled run."""
     return {"preset": args.checkpoint or args.preset, "B": args.max_num_seqs, "C": args.num_requests,
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
-            "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant, **_versions(),
+            "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant,
+            "prefill_gemm_rows": getattr(args, "prefill_gemm_rows", None) or "auto",
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),

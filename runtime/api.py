@@ -67,9 +67,13 @@ class EngineConfig:
     # has one shape per engine and a request's tokens do not depend on what it is batched with.
     # False: decode on padded buckets (graphs.BUCKETS) and prefill in one call of its padded row count.
     batch_invariant: bool = True
-    # 256 rows of the Ouro-1.4B shape are compute-bound on an H200, so splitting a long pack into calls of
-    # 256 costs little against one call; a small model (the tiny preset, tests) needs far fewer.
-    prefill_gemm_rows: int = 256
+    # Rows per prefill projection call; None: 256 when max_model_len <= 1024, else 1024 (one value per
+    # engine, so batch invariance holds). Every call reads the whole weight, so long prompts want larger
+    # calls, while a short admission pads up to one call. Measured on an H200, Ouro-1.4B B16 replay
+    # (results/README.md, profiles/2026-12-02-9146d16): P2048/D64 654 tok/s at 256 rows, 707 at 512,
+    # 727 at 1024, 734 at 2048; P128/D128 2,755 at 256 and 2,645 at 1024. A small model (the tiny preset,
+    # tests) needs far fewer.
+    prefill_gemm_rows: int | None = None
     descriptor_mode: str = "h2d"       # a DescriptorMode value: h2d | mapped
     eos_token_id: int | None = None
     keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
@@ -80,9 +84,11 @@ class EngineConfig:
     trace_loops: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size",
-                     "prefill_gemm_rows"):
+        for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
             _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
+        if self.prefill_gemm_rows is None:
+            object.__setattr__(self, "prefill_gemm_rows", 256 if self.max_model_len <= 1024 else 1024)
+        _check_int("EngineConfig.prefill_gemm_rows", self.prefill_gemm_rows, 1)
         if self.num_blocks is not None:
             _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
         for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "keep_logits", "poison_kv", "trace_loops"):

@@ -57,7 +57,8 @@ def test_a_run_that_misses_the_schedule_exits_nonzero(tmp_path, capsys, monkeypa
     assert "FAIL: the natural warmup does not reproduce the captured schedule: request 'r0'" in captured.err
 
 
-@pytest.mark.parametrize("flag", ["--max-num-seqs", "--num-requests", "--prompt-len", "--output-len", "--repeats"])
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--num-requests", "--prompt-len", "--output-len", "--repeats",
+                                  "--prefill-gemm-rows"])
 def test_counts_below_one_are_argparse_errors_naming_the_value(flag, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         throughput.main(["--cache", str(tmp_path / "c"), flag, "0"])
@@ -77,3 +78,13 @@ def test_bad_profile_path_and_non_integer_are_argparse_errors(tmp_path, capsys):
         throughput.parse_args(["--trace", "t.json"])
     assert "--trace 't.json' needs --profile" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_prefill_gemm_rows_reach_the_engine_config():
+    from loopbench.harness.records import ArmSpec
+    arm = ArmSpec(kv_layout="native", attention_backend="torch")
+    given = throughput.parse_args(["--prefill-gemm-rows", "32"])
+    assert throughput.engine_config(arm, given, 64, "ouro_delayed").prefill_gemm_rows == 32
+    default = throughput.parse_args([])
+    assert throughput.engine_config(arm, default, 2112, "ouro_delayed").prefill_gemm_rows == 1024
+

@@ -335,10 +335,17 @@ def test_request_fields_are_type_checked(field, value, error):
 
 
 @pytest.mark.parametrize("field,value", [("num_blocks", 0), ("num_blocks", 2.5), ("prefix_tiles", "yes"),
-                                         ("eos_token_id", -1), ("max_num_seqs", True)])
+                                         ("eos_token_id", -1), ("max_num_seqs", True),
+                                         ("prefill_gemm_rows", 0), ("prefill_gemm_rows", 2.5)])
 def test_engine_config_fields_are_type_checked(field, value):
     with pytest.raises((TypeError, ValueError), match=f"EngineConfig.{field}"):
         EngineConfig(**{field: value})
+
+
+def test_prefill_gemm_rows_follow_max_model_len_unless_given():
+    assert EngineConfig(max_model_len=1024).prefill_gemm_rows == 256
+    assert EngineConfig(max_model_len=1025).prefill_gemm_rows == 1024, "long prompts get larger prefill calls"
+    assert EngineConfig(max_model_len=4096, prefill_gemm_rows=64).prefill_gemm_rows == 64
 
 
 def test_max_model_len_beyond_rotary_positions_is_refused(tiny_ckpt):
