@@ -3,7 +3,7 @@ wide side, split-K partials for fused consumers, and programmatic dependent laun
 
 At decode batch sizes (M = max_num_seqs = 1..128 rows) a projection reads its whole weight once and does
 little arithmetic with it, so it is bound by weight bandwidth. Three choices make it faster than cuBLAS
-on Ouro's projections (kernels/results/gemm_h200.md, graph-chain timing on an H200):
+on Ouro's projections (kernels/results/gemm_h200_1b4ab42.md, graph-chain timing on an H200):
 
 - **Swap AB.** A program computes the transposed tile ``out.T[BLOCK_N, BLOCK_M] = w[BLOCK_N, :] @
   x[BLOCK_M, :].T``: the weight tile (64-128 rows) is the MMA's M side, which Hopper's warpgroup MMA
