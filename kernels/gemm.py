@@ -24,11 +24,12 @@ on Ouro's projections (kernels/results/gemm_h200_1b4ab42.md, graph-chain timing 
   the loop writes. Under a CUDA graph capture the dependency becomes a programmatic graph edge.
 
 Batch invariance: the configuration is a function of the weight shape ``(N, K)`` only (``config_for``;
-M only decides whether it runs at all, see ``FASTER_UP_TO``), so the K split, the K tile order and the tiles are fixed per weight; M only sets ``BLOCK_M`` (its power
-of two) and the row mask, and row ``i`` of the result is computed from row ``i`` of ``x`` alone (padding
-rows load as zero and are never stored). The engine also runs every decode step on max_num_seqs rows,
-so within one engine M never changes. tests/kernels/test_gemm.py checks on CUDA that the first M rows of
-the M=128 result equal the M-row result for every graph bucket.
+M only decides whether it runs at all, see ``FASTER_UP_TO``), so the K split, the K tile order and the
+tiles are fixed per weight; M only sets ``BLOCK_M`` (its power of two) and the row mask, and row ``i``
+of the result is computed from row ``i`` of ``x`` alone (padding rows load as zero and are never
+stored). A batch-invariant engine also runs every decode step on max_num_seqs rows, so within one
+engine M never changes. tests/kernels/test_gemm.py checks on CUDA that the first M rows of the M=128
+result equal the M-row result for every graph bucket.
 
 Interpreter: the Triton interpreter computes a bf16 ``tl.dot`` wrongly (BRIEF section 4), so on CPU
 tensors (``TRITON_INTERPRET=1`` only) ``DOT_FP32`` upcasts both tiles to fp32 with an IEEE dot; TMA and

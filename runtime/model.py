@@ -187,7 +187,10 @@ class OuroModel:
         # (gemm.FASTER_UP_TO), cuBLAS for the rest; CUDA only (TMA, PDL). On by default since the engine
         # ran with it on an H200 (batch invariance at every bucket, faster decode at B16 and B32:
         # kernels/results/README.md); small_m_gemm=False (the throughput probe's --gemm cublas) is cuBLAS.
-        self.small_m_gemm = self.fused and self.device.type == "cuda" and small_m_gemm
+        # The configurations were measured on an H200 (sm_90) and use TMA and PDL (sm_90 features): other
+        # GPUs run cuBLAS until measured.
+        self.small_m_gemm = (small_m_gemm and self.fused and self.device.type == "cuda"
+                             and torch.version.hip is None and torch.cuda.get_device_capability(self.device) == (9, 0))
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
