@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "fixed-size calls (on), or on padded buckets (off)")
     ap.add_argument("--prefill-gemm-rows", type=_at_least_one, default=None, metavar="ROWS",
                     help="EngineConfig.prefill_gemm_rows: rows per batch-invariant prefill projection call "
-                         "(default: EngineConfig's, by max_model_len)")
+                         "(default: EngineConfig.prefill_call_rows, by max_model_len)")
     ap.add_argument("--gemm", default="ours", choices=["cublas", "ours"],
                     help="decode projections on our small-M GEMM where it was measured faster, cuBLAS for the "
                          "rest (kernels/gemm.py; CUDA; the runtime's default), or all on cuBLAS")

@@ -63,12 +63,12 @@ class EngineConfig:
     cuda_graphs: bool = False
     graph_cache_size: int = 16
     # Batch invariance (DESIGN.md "Batch invariance"): every decode step runs on max_num_seqs rows (padding
-    # rows do nothing) and prefill projections in calls of exactly prefill_gemm_rows rows, so every matmul
+    # rows do nothing) and prefill projections in calls of exactly prefill_call_rows rows, so every matmul
     # has one shape per engine and a request's tokens do not depend on what it is batched with.
     # False: decode on padded buckets (graphs.BUCKETS) and prefill in one call of its padded row count.
     batch_invariant: bool = True
-    # Rows per prefill projection call; None: 256 when max_model_len <= 1024, else 1024 (one value per
-    # engine, so batch invariance holds). Every call reads the whole weight, so long prompts want larger
+    # Rows per prefill projection call (``prefill_call_rows`` resolves it); None: 256 when max_model_len
+    # <= 1024, else 1024 (one value per engine, so batch invariance holds). Every call reads the whole weight, so long prompts want larger
     # calls, while a short admission pads up to one call. Measured on an H200, Ouro-1.4B B16 replay
     # (results/README.md, profiles/2026-12-02-9146d16): P2048/D64 654 tok/s at 256 rows, 707 at 512,
     # 727 at 1024, 734 at 2048; P128/D128 2,755 at 256 and 2,645 at 1024. A small model (the tiny preset,
@@ -86,9 +86,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
             _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
-        if self.prefill_gemm_rows is None:
-            object.__setattr__(self, "prefill_gemm_rows", 256 if self.max_model_len <= 1024 else 1024)
-        _check_int("EngineConfig.prefill_gemm_rows", self.prefill_gemm_rows, 1)
+        if self.prefill_gemm_rows is not None:
+            _check_int("EngineConfig.prefill_gemm_rows", self.prefill_gemm_rows, 1)
         if self.num_blocks is not None:
             _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
         for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "keep_logits", "poison_kv", "trace_loops"):
@@ -115,6 +114,14 @@ class EngineConfig:
         if self.schedule is not None and self.schedule.max_num_seqs != self.max_num_seqs:
             raise ValueError(f"schedule was captured at max_num_seqs={self.schedule.max_num_seqs}, "
                              f"engine has max_num_seqs={self.max_num_seqs}: batch composition would differ")
+
+    @property
+    def prefill_call_rows(self) -> int:
+        """Rows of each batch-invariant prefill projection call: ``prefill_gemm_rows``, or by default 256
+        when ``max_model_len <= 1024`` and 1024 above it (the measurements beside the field)."""
+        if self.prefill_gemm_rows is not None:
+            return self.prefill_gemm_rows
+        return 256 if self.max_model_len <= 1024 else 1024
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ class Runner:
     def prefill_rows(self, total: int) -> int:
         """Rows a packed prefill loop of ``total`` prompt rows runs on (graph or eager: the same shape)."""
         if self.config.batch_invariant:
-            return prefill_bucket_for(total, self.config.prefill_gemm_rows)
+            return prefill_bucket_for(total, self.config.prefill_call_rows)
         return prefill_bucket_for(total) if self.graphs is not None else total
 
     def decode_rows(self, n: int) -> int:
@@ -198,7 +198,7 @@ class Runner:
                 be.write_kv(kv.k[layer], kv.v[layer], k, v, kv.block_tables, row_slot, row_depth, positions)
             return packed_prefill_attention(q, k, v, tiles, block_m=PREFILL_BLOCK_M)
 
-        gemm_rows = self.config.prefill_gemm_rows if self.config.batch_invariant else None
+        gemm_rows = self.config.prefill_call_rows if self.config.batch_invariant else None
         rope_write = self._rope_write(row_slot, row_depth, positions) if fused else None
         return (self.model.run_loop(x, positions, attend, gemm_rows=gemm_rows, rope_write=rope_write)[0],)
 

@@ -84,7 +84,7 @@ def test_prefill_gemm_rows_reach_the_engine_config():
     from loopbench.harness.records import ArmSpec
     arm = ArmSpec(kv_layout="native", attention_backend="torch")
     given = throughput.parse_args(["--prefill-gemm-rows", "32"])
-    assert throughput.engine_config(arm, given, 64, "ouro_delayed").prefill_gemm_rows == 32
+    assert throughput.engine_config(arm, given, 64, "ouro_delayed").prefill_call_rows == 32
     default = throughput.parse_args([])
-    assert throughput.engine_config(arm, default, 2112, "ouro_delayed").prefill_gemm_rows == 1024
+    assert throughput.engine_config(arm, default, 2112, "ouro_delayed").prefill_call_rows == 1024
 

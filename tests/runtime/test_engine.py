@@ -343,9 +343,9 @@ def test_engine_config_fields_are_type_checked(field, value):
 
 
 def test_prefill_gemm_rows_follow_max_model_len_unless_given():
-    assert EngineConfig(max_model_len=1024).prefill_gemm_rows == 256
-    assert EngineConfig(max_model_len=1025).prefill_gemm_rows == 1024, "long prompts get larger prefill calls"
-    assert EngineConfig(max_model_len=4096, prefill_gemm_rows=64).prefill_gemm_rows == 64
+    assert EngineConfig(max_model_len=1024).prefill_call_rows == 256
+    assert EngineConfig(max_model_len=1025).prefill_call_rows == 1024, "long prompts get larger prefill calls"
+    assert EngineConfig(max_model_len=4096, prefill_gemm_rows=64).prefill_call_rows == 64
 
 
 def test_max_model_len_beyond_rotary_positions_is_refused(tiny_ckpt):
