@@ -91,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gemm", default="ours", choices=["cublas", "ours"],
                     help="decode projections on our small-M GEMM where it was measured faster, cuBLAS for the "
                          "rest (kernels/gemm.py; CUDA; the runtime's default), or all on cuBLAS")
+    ap.add_argument("--pdl", default="on", choices=["on", "off"],
+                    help="programmatic dependent launch of our Triton kernels (kernels/pdl.py; sm_90+ only)")
+    ap.add_argument("--prefetch-tiles", type=int, default=None, metavar="TILES",
+                    help="GemmConfig.prefetch_tiles of every small-M GEMM configuration: weight K tiles each "
+                         "program prefetches into L2 before its PDL wait (default: as configured)")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
@@ -104,9 +109,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
                     help="keep the profiler's Chrome trace here (with --policy both: PATH's stem + .natural/.replay)")
     args = ap.parse_args(argv)
+    if args.prefetch_tiles is not None and args.prefetch_tiles < 0:
+        ap.error(f"--prefetch-tiles must be >= 0, got {args.prefetch_tiles}")
     if args.trace is not None and args.profile is None:
         ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
     return args
+
+
+def apply_kernel_options(args: argparse.Namespace) -> None:
+    """``--pdl`` and ``--prefetch-tiles``: process-wide kernel switches, set before any kernel is launched or
+    captured (kernels/pdl.ENABLED; the prefetch in the GEMM configuration tables the model reads)."""
+    from loopbench.kernels import gemm, pdl, qkv_rope
+    pdl.ENABLED = getattr(args, "pdl", "on") == "on"
+    tiles = getattr(args, "prefetch_tiles", None)
+    if tiles is not None:
+        for table in (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS):
+            for shape, c in table.items():
+                table[shape] = dataclasses.replace(c, prefetch_tiles=tiles)
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
@@ -285,6 +304,8 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
             "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant,
             "prefill_gemm_rows": getattr(args, "prefill_gemm_rows", None) or "auto",
+            "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
+            "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
@@ -330,6 +351,7 @@ def main(argv=None) -> int:
     identity = code_identity() if args.profile else {}     # a malformed LOOPBENCH_GIT_SHA fails before any run
     device = "cuda" if torch.cuda.is_available() else "cpu"
     max_len = max_model_len(args.prompt_len, args.output_len)
+    apply_kernel_options(args)
     model = load(args, device, max_len)
     reqs = make_requests(model.cfg.vocab_size, args)
     arm = arm_spec(args, device)

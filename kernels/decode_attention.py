@@ -46,6 +46,10 @@ The dot products are fp32 elementwise products reduced with ``tl.sum``: decode h
 there is no matrix product to feed tensor cores, and the Triton interpreter computes bf16 ``tl.dot`` wrongly
 (BRIEF section 4).
 
+On sm_90+ NVIDIA GPUs both kernels launch with programmatic dependent launch (kernels/pdl.py): they wait
+for the previous kernel before their first load and release the next one before their stores. The layout
+flags never touch that, so native, alias and alias+prefix keep the same schedule around the loop.
+
 The kernels know nothing about exit policies or the scheduler; they read the metadata tensors as given.
 """
 from __future__ import annotations
@@ -55,6 +59,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from . import pdl
 
 LAYOUTS = ("native", "alias")
 
@@ -179,13 +185,15 @@ def _decode_attention_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // GROUP
 
+    if PDL:                          # every input here (q, the cache, the metadata) is another kernel's output
+        tl.extra.cuda.gdc_wait()
     slot = tl.load(row_slot_ptr + row)
     depth = tl.load(row_depth_ptr + row)
     pos = tl.load(row_pos_ptr + row)
@@ -302,6 +310,8 @@ def _decode_attention_split_kernel(
             m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
                                                  BLOCK_N)
 
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)                            # an empty split
     w = tl.exp2(m_i - m_safe)
@@ -328,7 +338,7 @@ def _decode_attention_merge_kernel(
     stride_on, stride_oh, stride_od,
     # meta
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -336,10 +346,14 @@ def _decode_attention_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_s = offs_s < NUM_SPLITS
     part = row * stride_pn + head * stride_ph + offs_s * stride_ps
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     m_s = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                     mask=mask_s[:, None], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.max(m_s, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)     # a row without keys: all weights are zero
     w = tl.exp2(m_s - m)
@@ -490,6 +504,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     alias = layout == "alias"
     prefix = alias and bool(prefix_tiles)
+    use_pdl = pdl.active(q)
+    cfg = pdl.launch_options(use_pdl, **cfg)
     _decode_attention_split_kernel[(h, n, num_splits)](
         q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         exit_map, row_first_alias, out, part_m, part_l, part_acc,
@@ -499,13 +515,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
-        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, **cfg)
+        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=use_pdl, **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,
             h * num_splits, num_splits, 1, *out.stride(),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, PDL=use_pdl, **pdl.launch_options(use_pdl, num_warps=4))
     return out
 
 

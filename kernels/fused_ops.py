@@ -11,6 +11,10 @@ of the fp32 mean-of-squares reduction.
 Formulas: RMSNorm ``y = w * x / sqrt(mean(x^2) + eps)`` in fp32 (Zhang & Sennrich 2019, as in the HF
 Ouro/Qwen2 RMSNorm); rotary embedding, rotate-half form (RoFormer, arXiv 2104.09864); SwiGLU
 ``silu(g) * u`` (Shazeer 2020).
+
+On sm_90+ NVIDIA GPUs the two norm kernels launch with programmatic dependent launch (kernels/pdl.py): they
+load their weights, wait for the previous kernel, load their inputs and release the next kernel before
+they compute and store.
 """
 from __future__ import annotations
 
@@ -19,40 +23,51 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)     # a weight: no kernel writes it
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hidden,
                          stride_x, stride_y, stride_ys, stride_xo, stride_ho, eps, BLOCK: tl.constexpr,
-                         SPLIT: tl.constexpr):
+                         SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # weights: no kernel writes them
+    w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     if SPLIT > 1:       # fp32 split-K partials of a projection: their sum in split order, rounded once
         for s in tl.static_range(1, SPLIT):
             y += tl.load(y_ptr + s * stride_ys + row * stride_y + offs, mask=mask, other=0.0)
         y = y.to(x_out_ptr.dtype.element_ty)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = y.to(tl.float32)
     inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / hidden + eps)
-    w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = (w1 * (y * inv_y)).to(x_out_ptr.dtype.element_ty).to(tl.float32)   # rounded like the ref
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     x_new = (x + normed).to(x_out_ptr.dtype.element_ty)
     tl.store(x_out_ptr + row * stride_xo + offs, x_new, mask=mask)
     xf = x_new.to(tl.float32)
     inv_x = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(h_out_ptr + row * stride_ho + offs, (w2 * (xf * inv_x)).to(h_out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -107,8 +122,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_rows("x", x, hidden)
     out = torch.empty_like(x)
     if x.shape[0]:
+        use_pdl = pdl.active(x)
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, hidden, x.stride(0), out.stride(0), eps,
-                                        BLOCK=triton.next_power_of_2(hidden), num_warps=4)
+                                        BLOCK=triton.next_power_of_2(hidden), PDL=use_pdl,
+                                        **pdl.launch_options(use_pdl, num_warps=4))
     return out
 
 
@@ -136,9 +153,11 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.T
     _check_rows("y", y2, hidden)
     x_new, h = torch.empty_like(x), torch.empty_like(x)
     if x.shape[0]:
+        use_pdl = pdl.active(x)
         _add_rms_norm_kernel[(x.shape[0],)](x, y2, w1, w2, x_new, h, hidden, x.stride(0), y2.stride(0), stride_ys,
                                             x_new.stride(0), h.stride(0), eps,
-                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split, num_warps=8)
+                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split, PDL=use_pdl,
+                                            **pdl.launch_options(use_pdl, num_warps=8))
     return x_new, h
 
 

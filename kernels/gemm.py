@@ -21,7 +21,8 @@ on Ouro's projections (kernels/results/gemm_h200_1b4ab42.md, graph-chain timing 
   dependents (``griddepcontrol.launch_dependents``) after it, so a launch and the next kernel's start
   overlap the previous kernel's tail (CUDA C++ Programming Guide, "Programmatic Dependent Launch and
   Synchronization"). Nothing is read or written before the wait except the weight, which no kernel of
-  the loop writes. Under a CUDA graph capture the dependency becomes a programmatic graph edge.
+  the loop writes. Under a CUDA graph capture the dependency becomes a programmatic graph edge. A config's
+  ``pdl`` is honoured where kernels/pdl.py's ``active`` allows it (its switch, sm_90+ NVIDIA).
 
 Batch invariance: the configuration is a function of the weight shape ``(N, K)`` only (``config_for``;
 M only decides whether it runs at all, see ``FASTER_UP_TO``), so the K split, the K tile order and the
@@ -43,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_M = 128                     # largest batch measured; more rows go to cuBLAS (config_for returns None)
 
@@ -54,7 +57,9 @@ class GemmConfig:
     ``block_n`` / ``block_k``: weight rows and K elements per tile (powers of two; ``block_n`` >= 64 for
     Hopper's warpgroup MMA); ``split_k``: contiguous K ranges with their own fp32 partials; ``num_stages``
     / ``num_warps``: software pipelining and warps (change no bit); ``tma``: descriptor loads (CUDA);
-    ``pdl``: programmatic dependent launch (CUDA).
+    ``pdl``: programmatic dependent launch (CUDA); ``prefetch_tiles``: with PDL, how many of a program's
+    first K tiles of weight it prefetches into L2 before it waits for the previous kernel (none, or fewer
+    where its K range is shorter; changes no bit).
     """
     block_n: int = 64
     block_k: int = 128
@@ -63,6 +68,7 @@ class GemmConfig:
     num_warps: int = 4
     tma: bool = False
     pdl: bool = False
+    prefetch_tiles: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -73,6 +79,8 @@ class GemmConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.prefetch_tiles, int) or isinstance(self.prefetch_tiles, bool) or self.prefetch_tiles < 0:
+            raise ValueError(f"GemmConfig.prefetch_tiles must be an int >= 0, got {self.prefetch_tiles!r}")
 
 
 # Measured on an H200 (kernels/results/gemm_sweep_h200_84accc2.md; graph chains over >= 256 MB of distinct
@@ -118,9 +126,11 @@ def config_for(n: int, k: int, m: int, configs: dict | None = None, faster_up_to
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn, stride_om, stride_os,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                 DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False):
+                 DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False,
+                 PREFETCH_K: tl.constexpr = 0):
     """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k].
-    GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`)."""
+    GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`).
+    PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,6 +143,10 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]     # [BK, BM]
     mask_m = offs_m[None, :] < M
     mask_n = offs_n[:, None] < N
+    if PREFETCH_K:
+        _prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
+        if GLU:
+            _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc, acc_up = _k_loop(w_ptrs, w_ptrs + N.to(tl.int64) * stride_wn, x_ptrs, mask_n, mask_m, offs_k, k0, K,
@@ -182,6 +196,20 @@ def _k_loop(w_ptrs, up_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, B
 
 
 @triton.jit
+def _prefetch_l2(w_ptr, row0, k0, N, K, stride_wn, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Ask L2 for weight rows ``row0 .. row0 + ROWS - 1`` and elements ``k0 .. k0 + COLS - 1`` (clamped into
+    ``[N, K]``): one ``prefetch.global.L2`` per 128-byte line of 2-byte elements (PTX ISA, "prefetch").
+    Loads nothing into registers and touches no result. CUDA only (inline PTX)."""
+    LINE: tl.constexpr = 64
+    rows = row0 + tl.arange(0, ROWS)
+    cols = k0 + tl.arange(0, COLS // LINE) * LINE
+    ptrs = w_ptr + tl.where(rows < N, rows, row0)[:, None].to(tl.int64) * stride_wn \
+        + tl.where(cols < K, cols, k0)[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _swiglu(gate, up, dtype: tl.constexpr):
     """silu(gate) * up from fp32 accumulators, rounding where gemm + fused_ops.silu_mul round: the
     projection's output, then silu's."""
@@ -191,11 +219,11 @@ def _swiglu(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_tma_kernel(x_desc, w_desc, out_ptr, M, N, K, tiles_per_split, stride_om, stride_os,
+def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, stride_om, stride_os, stride_wn,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     GLU: tl.constexpr = False):
+                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0):
     """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel` (GLU: the up rows
-    start at row N of the descriptor)."""
+    start at row N of the descriptor). ``w_ptr`` / ``stride_wn``: the weight again, for PREFETCH_K only."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     lo = split * tiles_per_split
@@ -203,6 +231,10 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, M, N, K, tiles_per_split, stride_o
     k = lo * BLOCK_K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PREFETCH_K:
+        _prefetch_l2(w_ptr, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
+        if GLU:
+            _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for _ in range(0, num_tiles):
@@ -332,21 +364,34 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
         out = torch.empty((c.split_k, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, c.block_n), c.split_k)
     stages = num_stages_that_fit(c, block_m, x.device, 2 if glu else 1, x.element_size())
-    launch = {"num_warps": c.num_warps, "num_stages": stages}
-    if c.pdl:
-        launch["launch_pdl"] = True
+    use_pdl = c.pdl and pdl.active(x)
+    launch = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=stages)
+    prefetch_k = prefetch_elements(c, k, use_pdl, x.element_size())
     if c.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
-        _gemm_tma_kernel[grid](x_desc, w_desc, out, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
-                               BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, PDL=c.pdl, GLU=glu, **launch)
+        _gemm_tma_kernel[grid](x_desc, w_desc, out, weight, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
+                               weight.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, PDL=use_pdl,
+                               GLU=glu, PREFETCH_K=prefetch_k, **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
                            out.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
-                           DOT_FP32=not x.is_cuda, PDL=c.pdl, GLU=glu, **launch)
+                           DOT_FP32=not x.is_cuda, PDL=use_pdl, GLU=glu, PREFETCH_K=prefetch_k, **launch)
     return out[0] if c.split_k == 1 else out
+
+
+def prefetch_elements(c: GemmConfig, k: int, use_pdl: bool, elem_bytes: int = 2) -> int:
+    """Weight elements per row a program prefetches before its PDL wait (the kernels' ``PREFETCH_K``):
+    ``c.prefetch_tiles`` K tiles, at most the K range of one split, in whole 128-byte lines; 0 without PDL
+    (nothing to overlap), on the CPU (inline PTX) or for other than 2-byte elements (64 per line), and a
+    power of two (a Triton range)."""
+    if not (use_pdl and c.prefetch_tiles) or elem_bytes != 2:
+        return 0
+    per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k) * c.block_k
+    cols = min(c.prefetch_tiles * c.block_k, per_split, k)
+    return 0 if cols < 64 else 1 << (cols.bit_length() - 1)
 
 
 _REDUCE_BLOCK = 1024

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import gemm as gm
+from . import pdl
 from .kv_write import _validate_write
 
 # Per qkv weight shape [(H + 2 Hkv) * D, K]: block_n must be D (a tile is one head), so Ouro's qkv has 48
@@ -45,7 +46,7 @@ def _qkv_rope_write_kernel(
     stride_bts, stride_btp, stride_btj,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0,
 ):
     head = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -56,6 +57,9 @@ def _qkv_rope_write_kernel(
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
     live = offs_m < M
     mask_n = offs_n[:, None] >= 0
+    if PREFETCH_K:          # the head's weight rows: no kernel writes them (gemm.GemmConfig.prefetch_tiles)
+        gm._prefetch_l2(w_ptr, head * HEAD_DIM, 0, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, K, stride_wn,
+                        HEAD_DIM, PREFETCH_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc, _ = gm._k_loop(w_ptrs, w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K),
@@ -130,13 +134,14 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     block_m = max(16, triton.next_power_of_2(m))
     launch = {"num_warps": c.num_warps,
               "num_stages": gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size())}
-    if c.pdl:
-        launch["launch_pdl"] = True
+    use_pdl = c.pdl and pdl.active(x)
+    launch = pdl.launch_options(use_pdl, **launch)
     _qkv_rope_write_kernel[(num_heads + 2 * hkv,)](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
-        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=c.pdl, PAGE_SIZE=page_size,
+        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=use_pdl, PAGE_SIZE=page_size,
+        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()),
         **launch)
     return qkv

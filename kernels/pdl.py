@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (PDL) for the decode loop's Triton kernels: one switch, one capability test.
+
+A kernel launched with CUDA's programmatic stream serialization (Triton's ``launch_pdl=True``) may start
+while the kernel before it on the stream is still running, as soon as every program of that kernel has
+executed ``griddepcontrol.launch_dependents`` (or exited). It must then execute ``griddepcontrol.wait``
+before it touches memory the earlier kernel writes: the wait returns once the earlier grid has completed
+and its memory operations are visible (PTX ISA, "griddepcontrol"; CUDA C++ Programming Guide,
+"Programmatic Dependent Launch and Synchronization"). Under a CUDA graph capture the stream order
+becomes a programmatic graph edge, so replays overlap the same way.
+
+Every PDL kernel of this package follows one pattern, which keeps chains of them safe: ``gdc_wait`` before
+its first load of anything another kernel writes, ``gdc_launch_dependents`` only after that wait and
+before its stores. Since each kernel waits for its predecessor's completion before it completes, a
+kernel's wait also covers every kernel before the predecessor. Kernels launched without PDL (torch's)
+wait for full completion as usual and break nothing.
+
+What PDL buys: the next kernel's launch, its programs' start-up and their address arithmetic overlap the
+previous kernel's tail, which is most of the gap between two short kernels in a graph.
+"""
+from __future__ import annotations
+
+import torch
+
+# The process-wide switch (the throughput probe's ``--pdl off``): read when a kernel is launched or
+# captured, so a graph captured with PDL keeps it until it is captured again.
+ENABLED = True
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether a kernel on ``t``'s device launches with PDL: :data:`ENABLED`, a CUDA tensor, an NVIDIA GPU of
+    compute capability 9.0 or newer (griddepcontrol needs sm_90; ROCm has no PDL). Never on the CPU, so the
+    Triton interpreter never sees the ``griddepcontrol`` instructions."""
+    if not (ENABLED and t.is_cuda) or torch.version.hip is not None:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _SM90[index]
+
+
+_SM90: dict[int, bool] = {}
+
+
+def launch_options(use_pdl: bool, **options) -> dict:
+    """Triton launch keyword arguments: ``options`` plus ``launch_pdl=True`` when ``use_pdl``."""
+    if use_pdl:
+        options["launch_pdl"] = True
+    return options

@@ -1,0 +1,147 @@
+"""Programmatic dependent launch (kernels/pdl.py) and the GEMMs' L2 weight prefetch change no bit.
+
+On CUDA one Ouro-shaped layer's chain of our kernels (norm, qkv projection, paged decode attention with its
+split merge, o_proj partials into the residual norm, gate_up + SwiGLU, down, the fused qkv + RoPE + KV
+write, lm_head) runs with PDL off, with PDL on, with PDL and the prefetch, and as a CUDA graph captured with
+both; every output and the written KV cache must be bitwise the same. PDL and the prefetch only move when a
+kernel starts and what sits in L2, so any difference is a race. On the CPU: the switch, the launch options,
+the prefetch arithmetic, and the probe's options.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from loopbench.kernels import gemm as gm
+from loopbench.kernels import pdl
+
+from .test_decode_attention import make_case
+
+
+def test_pdl_is_never_active_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert not pdl.active(torch.zeros(1))
+    assert pdl.launch_options(False, num_warps=4) == {"num_warps": 4}
+    assert pdl.launch_options(True, num_warps=4) == {"num_warps": 4, "launch_pdl": True}
+
+
+@pytest.mark.parametrize("cfg,k,use_pdl,elem_bytes,want", [
+    (gm.GemmConfig(block_k=256, prefetch_tiles=2), 2048, True, 2, 512),           # qkv: two tiles
+    (gm.GemmConfig(block_k=128, split_k=4, prefetch_tiles=8), 2048, True, 2, 512),  # at most one split's range
+    (gm.GemmConfig(block_k=128, split_k=4, prefetch_tiles=20), 5632, True, 2, 1024),  # 1408 -> a power of two
+    (gm.GemmConfig(block_k=128, prefetch_tiles=2), 2048, False, 2, 0),           # nothing to overlap
+    (gm.GemmConfig(block_k=128, prefetch_tiles=2), 2048, True, 4, 0),            # lines of 2-byte elements only
+    (gm.GemmConfig(block_k=32, prefetch_tiles=1), 2048, True, 2, 0),             # less than one line
+    (gm.GemmConfig(block_k=128), 2048, True, 2, 0),                              # not configured
+])
+def test_prefetch_elements(cfg, k, use_pdl, elem_bytes, want):
+    assert gm.prefetch_elements(cfg, k, use_pdl, elem_bytes) == want
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_prefetch_tiles_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="prefetch_tiles"):
+        gm.GemmConfig(prefetch_tiles=bad)
+
+
+def test_probe_options_set_the_switch_and_the_tables(monkeypatch):
+    from loopbench.harness import throughput
+    from loopbench.kernels import qkv_rope
+    saved = [dict(t) for t in (gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)]
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    try:
+        throughput.apply_kernel_options(argparse.Namespace(pdl="off", prefetch_tiles=3))
+        assert pdl.ENABLED is False
+        for table in (gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS):
+            assert table and all(c.prefetch_tiles == 3 for c in table.values())
+    finally:
+        for table, old in zip((gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS), saved):
+            table.clear()
+            table.update(old)
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--prefetch-tiles", "-1"])
+
+
+def _layer_case(seed=0):
+    """Ouro-1.4B shapes on CUDA: weights, a paged alias cache long enough for two attention splits, 18 rows."""
+    g = torch.Generator().manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    w = lambda *s: (0.02 * torch.randn(*s, generator=g)).to(dev, dt)        # noqa: E731
+    ln = lambda: (1 + 0.1 * torch.randn(2048, generator=g)).to(dev, dt)     # noqa: E731
+    case = make_case(seed, dev, dt, [100 + 37 * i for i in range(8)], "boundary", heads=16, kv_heads=16,
+                     head_dim=128)
+    n = case["q"].shape[0]
+    weights = dict(qkv=w(6144, 2048), o=w(2048, 2048), gate_up=w(11264, 2048), down=w(2048, 5632),
+                   lm_head=w(49152, 2048), ln=[ln() for _ in range(5)])
+    x = torch.randn(n, 2048, generator=g).to(dev, dt)
+    return x, weights, case
+
+
+def _layer(x, wt, case, kv_out, configs):
+    """The decode loop's kernel chain on one layer (kernels as the fused model calls them)."""
+    from loopbench.kernels import fused_ops as fo
+    from loopbench.kernels.decode_attention import decode_attention
+    from loopbench.kernels.qkv_rope import qkv_rope_write_kv
+    from loopbench.runtime.model import OuroConfig, rope_tables
+    n, eps = x.shape[0], 1e-6
+    h = fo.rms_norm(x, wt["ln"][0], eps)
+    qkv = gm.gemm(h, wt["qkv"], configs["qkv"])
+    a = decode_attention(qkv[:, :2048].reshape(n, 16, 128), *case["alias"], **case["meta"], layout="alias",
+                         prefix_tiles=True)
+    x1, h1 = fo.add_rms_norm(x, gm.gemm(a.reshape(n, 2048), wt["o"], configs["o"]), wt["ln"][1], wt["ln"][2], eps)
+    act = gm.gemm_swiglu(h1, wt["gate_up"], configs["glu"])
+    x2, h2 = fo.add_rms_norm(x1, gm.gemm(act, wt["down"], configs["down"]), wt["ln"][3], wt["ln"][4], eps)
+    cos, sin = rope_tables(OuroConfig(), 512, x.device)
+    meta = case["meta"]       # the next position of each row: a cell no earlier kernel of the chain reads
+    qkv2 = qkv_rope_write_kv(h2, wt["qkv"], configs["qkv_rope"], cos, sin, *kv_out, meta["block_tables"],
+                             meta["row_slot"], meta["row_depth"], meta["row_pos"] + 1, 16)
+    return [h, qkv, a, x1, h1, act, x2, h2, qkv2, gm.gemm(h2, wt["lm_head"], configs["lm_head"])]
+
+
+def _configs(prefetch_tiles):
+    from loopbench.kernels import qkv_rope
+    c = {"qkv": gm.CONFIGS[(6144, 2048)], "o": gm.CONFIGS[(2048, 2048)], "down": gm.CONFIGS[(2048, 5632)],
+         "lm_head": gm.CONFIGS[(49152, 2048)], "glu": gm.SWIGLU_CONFIGS[(11264, 2048)],
+         "qkv_rope": qkv_rope.CONFIGS[(6144, 2048)]}
+    return {k: dataclasses.replace(v, prefetch_tiles=prefetch_tiles) for k, v in c.items()}
+
+
+@pytest.mark.gpu
+def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90")
+    x, wt, case = _layer_case()
+    kv0 = [t.clone() for t in case["alias"]]
+
+    def run(enabled, prefetch):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        kv = [t.clone() for t in kv0]
+        return _layer(x, wt, case, kv, _configs(prefetch)) + kv
+
+    want = run(False, 0)
+    torch.cuda.synchronize()
+    variants = {"pdl": run(True, 0), "pdl+prefetch": run(True, 2)}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    kv = [t.clone() for t in kv0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _layer(x, wt, case, kv, _configs(2))                    # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _layer(x, wt, case, kv, _configs(2))
+    for replay in range(3):
+        for t, t0 in zip(kv, kv0):
+            t.copy_(t0)
+        graph.replay()
+        torch.cuda.synchronize()
+        variants[f"graph replay {replay}"] = [o.clone() for o in outs] + [t.clone() for t in kv]
+    names = ["h", "qkv", "attention", "x1", "h1", "act", "x2", "h2", "qkv_rope", "lm_head", "k cache", "v cache"]
+    for label, got in variants.items():
+        for name, a, b in zip(names, got, want):
+            assert torch.equal(a, b), (f"{label}: {name} differs from PDL off in "
+                                       f"{int((a != b).sum())} elements")
