@@ -31,7 +31,7 @@ from .kv_write import _validate_write
 # programs. Measured (kernels/results/gemm_h200_1b4ab42.md, H200): 10.7-11.6 us at M = 1-32 against
 # 12.0-12.2 for gemm + rope_write_kv_ and 12.6-13.1 for cuBLAS + rope_write_kv_; slower from M = 64.
 CONFIGS: dict[tuple[int, int], gm.GemmConfig] = {
-    (6144, 2048): gm.GemmConfig(block_n=128, block_k=128, split_k=1, num_stages=4, pdl=True),
+    (6144, 2048): gm.GemmConfig(block_n=128, block_k=128, split_k=1, num_stages=4, pdl=True, prefetch_tiles=1),
 }
 FASTER_UP_TO: dict[tuple[int, int], int] = {(6144, 2048): 32}
 

@@ -95,9 +95,12 @@ def _layer(x, wt, case, kv_out, configs):
     act = gm.gemm_swiglu(h1, wt["gate_up"], configs["glu"])
     x2, h2 = fo.add_rms_norm(x1, gm.gemm(act, wt["down"], configs["down"]), wt["ln"][3], wt["ln"][4], eps)
     cos, sin = rope_tables(OuroConfig(), 512, x.device)
-    meta = case["meta"]       # the next position of each row: a cell no earlier kernel of the chain reads
+    # the next position of each row (a cell no earlier kernel of the chain reads); padding rows at 0, since
+    # every row's position indexes the rotary tables
+    meta = case["meta"]
+    pos = torch.where(meta["row_slot"] >= 0, meta["row_pos"] + 1, 0)
     qkv2 = qkv_rope_write_kv(h2, wt["qkv"], configs["qkv_rope"], cos, sin, *kv_out, meta["block_tables"],
-                             meta["row_slot"], meta["row_depth"], meta["row_pos"] + 1, 16)
+                             meta["row_slot"], meta["row_depth"], pos, 16)
     return [h, qkv, a, x1, h1, act, x2, h2, qkv2, gm.gemm(h2, wt["lm_head"], configs["lm_head"])]
 
 
