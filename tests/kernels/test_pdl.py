@@ -67,6 +67,7 @@ def test_probe_options_set_the_switch_and_the_tables(monkeypatch):
 
 def _layer_case(seed=0):
     """Ouro-1.4B shapes on CUDA: weights, a paged alias cache long enough for two attention splits, 18 rows."""
+    from loopbench.runtime.model import OuroConfig, rope_tables
     g = torch.Generator().manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
     w = lambda *s: (0.02 * torch.randn(*s, generator=g)).to(dev, dt)        # noqa: E731
@@ -75,7 +76,7 @@ def _layer_case(seed=0):
                      head_dim=128)
     n = case["q"].shape[0]
     weights = dict(qkv=w(6144, 2048), o=w(2048, 2048), gate_up=w(11264, 2048), down=w(2048, 5632),
-                   lm_head=w(49152, 2048), ln=[ln() for _ in range(5)])
+                   lm_head=w(49152, 2048), ln=[ln() for _ in range(5)], rope=rope_tables(OuroConfig(), 512, dev))
     x = torch.randn(n, 2048, generator=g).to(dev, dt)
     return x, weights, case
 
@@ -85,7 +86,6 @@ def _layer(x, wt, case, kv_out, configs):
     from loopbench.kernels import fused_ops as fo
     from loopbench.kernels.decode_attention import decode_attention
     from loopbench.kernels.qkv_rope import qkv_rope_write_kv
-    from loopbench.runtime.model import OuroConfig, rope_tables
     n, eps = x.shape[0], 1e-6
     h = fo.rms_norm(x, wt["ln"][0], eps)
     qkv = gm.gemm(h, wt["qkv"], configs["qkv"])
@@ -94,7 +94,7 @@ def _layer(x, wt, case, kv_out, configs):
     x1, h1 = fo.add_rms_norm(x, gm.gemm(a.reshape(n, 2048), wt["o"], configs["o"]), wt["ln"][1], wt["ln"][2], eps)
     act = gm.gemm_swiglu(h1, wt["gate_up"], configs["glu"])
     x2, h2 = fo.add_rms_norm(x1, gm.gemm(act, wt["down"], configs["down"]), wt["ln"][3], wt["ln"][4], eps)
-    cos, sin = rope_tables(OuroConfig(), 512, x.device)
+    cos, sin = wt["rope"]
     # the next position of each row (a cell no earlier kernel of the chain reads); padding rows at 0, since
     # every row's position indexes the rotary tables
     meta = case["meta"]
