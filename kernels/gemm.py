@@ -89,7 +89,7 @@ class GemmConfig:
 CONFIGS: dict[tuple[int, int], GemmConfig] = {
     # prefetch_tiles=1 for every shape: one K tile of weight per program into L2 before the PDL wait, measured
     # in the decode loop (throughput probe, H200: B16 2,963 -> 3,017 tok/s, B32 4,602 -> 4,661; 2 and 4 tiles
-    # no faster; kernels/results/README.md).
+    # no faster; results/README.md, profiles 2026-12-02-be3b017).
     (6144, 2048): GemmConfig(block_n=64, block_k=256, split_k=1, num_stages=4, tma=True, pdl=True,    # qkv
                              prefetch_tiles=1),
     (2048, 2048): GemmConfig(block_n=64, block_k=128, split_k=4, num_stages=4, pdl=True,              # o_proj

@@ -146,5 +146,5 @@ def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
     names = ["h", "qkv", "attention", "x1", "h1", "act", "x2", "h2", "qkv_rope", "lm_head", "k cache", "v cache"]
     for label, got in variants.items():
         for name, a, b in zip(names, got, want):
-            assert torch.equal(a, b), (f"{label}: {name} differs from PDL off in "
-                                       f"{int((a != b).sum())} elements")
+            a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)   # bits: the caches hold NaN
+            assert torch.equal(a, b), f"{label}: {name} differs from PDL off in {int((a != b).sum())} bytes"
