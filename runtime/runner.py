@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from loopbench.kernels import step_state
 from loopbench.kernels.prefill_attention import DEFAULT_BLOCK_M as PREFILL_BLOCK_M
 from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefill_attention, prefill_tiles
 
@@ -85,6 +86,10 @@ class Runner:
         self.backend = get_backend(config.attention_backend)
         # RoPE and the KV write in one launch per layer where both are Triton kernels (the fused loop).
         self.fused_kv_write = model.fused and config.attention_backend == "triton"
+        # The slot state around each loop in one Triton launch per side where the loop runs on Triton kernels
+        # (kernels/step_state.py), else the same moves in torch (its *_ref functions).
+        self._gather_rows, self._apply_rows = ((step_state.gather_rows, step_state.apply_rows) if self.fused_kv_write
+                                               else (step_state.gather_rows_ref, step_state.apply_rows_ref))
         self.hidden = torch.zeros((S + 1, cfg.hidden_size), device=dev, dtype=model.dtype)
         self.last_token = torch.zeros(S + 1, dtype=torch.long, device=dev)
         self.out_tokens = torch.zeros((S + 1, config.max_model_len), dtype=torch.long, device=dev)
@@ -233,11 +238,8 @@ class Runner:
         test held at this loop or an earlier one of the token, what ``ouro_delayed`` consumes next loop).
         """
         kv, be, cfg = self.kv, self.backend, self.config
-        valid = row_slot >= 0
-        sl = torch.where(valid, row_slot, cfg.max_num_seqs).long()
-        first = row_depth == 1
-        x = torch.where(first[:, None], self.model.embed[self.last_token[sl]], self.hidden[sl])
-
+        sl, x, s_prev, t_prev = self._gather_rows(row_slot, row_depth, self.last_token, self.model.embed,
+                                                  self.hidden, self.survival, self.triggered)
         fused = self.fused_kv_write
 
         def attend(layer, q, k, v):
@@ -249,20 +251,11 @@ class Runner:
 
         rope_write = self._rope_write(row_slot, row_depth, row_pos) if fused else None
         x_out, hazard = self.model.run_loop(x, row_pos, attend, rope_write=rope_write)
-        s_prev = torch.where(first, torch.ones_like(hazard), self.survival[sl])
-        t_prev = self.triggered[sl] & ~first
         exit_now, s, trig = self.policy.device_step(hazard, row_depth, s_prev, t_prev, row_forced, self, sl)
-        exit_now = exit_now & valid
         logits = self.model.logits(x_out)
-        tok = sample_greedy(logits)
-        self.hidden.index_copy_(0, sl, x_out)
-        self.survival.index_copy_(0, sl, s)
-        self.triggered.index_copy_(0, sl, trig)
-        n = self.n_out[sl]
-        self.out_tokens[sl, n] = torch.where(exit_now, tok, self.out_tokens[sl, n])
-        self.last_token.index_copy_(0, sl, torch.where(exit_now, tok, self.last_token[sl]))
-        self.n_out.index_copy_(0, sl, n + exit_now.long())
-        exit_slot = torch.where(exit_now, row_slot, -1).to(torch.int32)
+        exit_now, exit_slot, tok = self._apply_rows(exit_now, logits, x_out, s, trig, sl, row_slot, self.hidden,
+                                                    self.survival, self.triggered, self.out_tokens, self.n_out,
+                                                    self.last_token)
         if cfg.kv_layout == KVLayout.ALIAS:
             be.publish_exits(kv.exit_map, exit_slot, row_pos, row_depth)
         else:

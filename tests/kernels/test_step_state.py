@@ -1,0 +1,80 @@
+"""The decode step's slot-state kernels (kernels/step_state.py) == the runner's torch code, exactly.
+
+Rows mix depth 1 (input from the embedding of the slot's last token) and deeper rows (input from the slot's
+hidden state), exiting and staying rows, and one padding row (the scratch slot); slots come in shuffled
+order. Both sides start from the same state, and every output and every updated slot must be bitwise
+equal. Interpreter on the CPU, the same cases on CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopbench.kernels import step_state as ss
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _state(device, dtype, acc, S=6, hidden=48, vocab=40, max_len=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    st = dict(last_token=torch.randint(0, vocab, (S + 1,), generator=g),
+              embed=torch.randn(vocab, hidden, generator=g).to(dtype),
+              hidden=torch.randn(S + 1, hidden, generator=g).to(dtype),
+              survival=torch.rand(S + 1, generator=g).to(acc),
+              triggered=torch.rand(S + 1, generator=g) < 0.5,
+              out_tokens=torch.randint(0, vocab, (S + 1, max_len), generator=g),
+              n_out=torch.randint(0, max_len - 1, (S + 1,), generator=g))
+    return {k: v.to(device) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,acc", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                       (torch.float64, torch.float64)])
+def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
+    state = _state(device, dtype, acc)
+    i32 = dict(dtype=torch.int32, device=device)
+    row_slot = torch.tensor([4, 0, 2, -1, 5, 1], **i32)                 # one padding row
+    row_depth = torch.tensor([1, 3, 2, 1, 1, 4], **i32)
+    gather_args = (row_slot, row_depth, state["last_token"], state["embed"], state["hidden"], state["survival"],
+                   state["triggered"])
+    got, want = ss.gather_rows(*gather_args), ss.gather_rows_ref(*gather_args)
+    for name, a, b in zip(("sl", "x", "s_prev", "t_prev"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"gather_rows {name}: {a} != {b}"
+
+    sl, x_in = want[0], want[1]
+    g = torch.Generator().manual_seed(1)
+    n = row_slot.shape[0]
+    exit_now = torch.tensor([True, False, True, True, False, True], device=device)   # the padding row says exit
+    # greedy ties: rows 0 and 2 hold their max twice (the first index must win), row 5 is all -inf
+    logits = torch.randn(n, 3000, generator=g)            # two argmax chunks and a short third
+    logits[0, [700, 2500]] = 9.0
+    logits[2, [2100, 2047]] = 9.0
+    logits[4, 2999] = 9.0
+    logits[5] = float("-inf")
+    logits = logits.to(device, dtype)
+    x = (x_in.float() + 1).to(dtype)
+    s = torch.rand(n, generator=g).to(device, acc)
+    trig = torch.tensor([False, True, True, False, True, False], device=device)
+    results = []
+    for fn in (ss.apply_rows, ss.apply_rows_ref):
+        st = {k: v.clone() for k, v in state.items()}
+        out = fn(exit_now, logits, x, s, trig, sl, row_slot, st["hidden"], st["survival"], st["triggered"],
+                 st["out_tokens"], st["n_out"], st["last_token"])
+        results.append((out, st))
+    (got_out, got_st), (want_out, want_st) = results
+    for name, a, b in zip(("exit", "exit_slot", "token"), got_out, want_out):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"apply_rows {name}: {a} != {b}"
+    assert want_out[1].tolist() == [4, -1, 2, -1, -1, 1]
+    assert [want_out[2][i].item() for i in (0, 2, 4, 5)] == [700, 2047, 2999, 0]
+    for name in state:
+        a, b = got_st[name], want_st[name]
+        assert torch.equal(a, b), f"apply_rows left {name} different: {a} vs {b}"
+    # the reference really did something: exiting rows appended their token
+    assert want_st["n_out"][4] == state["n_out"][4] + 1 and want_st["n_out"][0] == state["n_out"][0]
+
+
+def test_rejects_rows_of_different_lengths():
+    state = _state("cpu", torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="row_depth has 2 rows"):
+        ss.gather_rows(torch.zeros(3, dtype=torch.int32), torch.ones(2, dtype=torch.int32), state["last_token"],
+                       state["embed"], state["hidden"], state["survival"], state["triggered"])
