@@ -14,7 +14,8 @@ Ouro/Qwen2 RMSNorm); rotary embedding, rotate-half form (RoFormer, arXiv 2104.09
 
 On sm_90+ NVIDIA GPUs the two norm kernels launch with programmatic dependent launch (kernels/pdl.py): they
 load their weights, wait for the previous kernel, load their inputs and release the next kernel before
-they compute and store.
+they compute and store. So their norm weights must not be the output of the kernel just before them (the
+decode loop passes model parameters, which no kernel writes); x and y may be.
 """
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def _check_rows(name: str, t: torch.Tensor, hidden: int) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each row. x: [N, hidden] (bf16/fp16/fp32); weight: [hidden]. Returns [N, hidden] x.dtype."""
+    """RMSNorm of each row. x: [N, hidden] (bf16/fp16/fp32); weight: [hidden], read before the PDL wait (see
+    the module docstring: a parameter, not the previous kernel's output). Returns [N, hidden] x.dtype."""
     hidden = weight.shape[0]
     _check_rows("x", x, hidden)
     out = torch.empty_like(x)
@@ -133,7 +135,8 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.T
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sandwich-norm residual step and the next pre-norm in one pass.
 
-    x_new = x + RMSNorm(y; w1); h = RMSNorm(x_new; w2). x: [N, hidden]; w1, w2: [hidden]; y: [N, hidden],
+    x_new = x + RMSNorm(y; w1); h = RMSNorm(x_new; w2). x: [N, hidden]; w1, w2: [hidden] (read before the PDL
+    wait, as rms_norm's weight); y: [N, hidden],
     or fp32 split-K partials [S, N, hidden] of the projection that made it (kernels/gemm.py), which are
     summed in order s = 0, 1, ... and rounded to x.dtype first, as ``gemm.reduce_partials`` does.
     Returns (x_new, h), both [N, hidden] in x.dtype. Raises ValueError for a y of another shape.

@@ -206,14 +206,15 @@ def _k_loop(w_ptrs, up_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, B
 
 @triton.jit
 def _prefetch_l2(w_ptr, row0, k0, N, K, stride_wn, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Ask L2 for weight rows ``row0 .. row0 + ROWS - 1`` and elements ``k0 .. k0 + COLS - 1`` (clamped into
-    ``[N, K]``): one ``prefetch.global.L2`` per 128-byte line of 2-byte elements (PTX ISA, "prefetch").
-    Loads nothing into registers and touches no result. CUDA only (inline PTX)."""
+    """Ask L2 for weight rows ``row0 .. row0 + ROWS - 1`` and elements ``k0 .. k0 + COLS - 1``, each index
+    clamped into ``[N, K]`` (an empty last split, ``k0 >= K``, asks for the row's last element): one
+    ``prefetch.global.L2`` per 128-byte line of 2-byte elements (PTX ISA, "prefetch"). Loads nothing into
+    registers and touches no result. CUDA only (inline PTX)."""
     LINE: tl.constexpr = 64
     rows = row0 + tl.arange(0, ROWS)
     cols = k0 + tl.arange(0, COLS // LINE) * LINE
     ptrs = w_ptr + tl.where(rows < N, rows, row0)[:, None].to(tl.int64) * stride_wn \
-        + tl.where(cols < K, cols, k0)[None, :]
+        + tl.minimum(cols, K - 1)[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 

@@ -58,15 +58,16 @@ def _gather_rows_kernel(row_slot_ptr, row_depth_ptr, last_token_ptr, embed_ptr, 
 
 
 @triton.jit
-def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr):
+def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
     """Index of the largest of ``vocab`` logits at ``row_ptr``, the first one on ties (torch.argmax's rule);
-    NaN counts as larger than any number. Chunks in order, strictly-greater updates: first index wins."""
+    NaN counts as larger than any number. Compared in ``ACC`` (fp32, which holds bf16/fp16/fp32 exactly; fp64
+    for fp64 logits). Chunks in order, strictly-greater updates: the first index wins."""
     offs = tl.arange(0, BLOCK_V)
-    best = tl.full((), float("-inf"), tl.float32)
+    best = tl.full((), float("-inf"), ACC)
     best_i = tl.full((), 0, tl.int64)
     for start in range(0, vocab, BLOCK_V):
         idx = start + offs
-        v = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        v = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC)
         v = tl.where(v != v, float("inf"), v)
         m = tl.max(v, axis=0)
         i = tl.min(tl.where(v == m, idx, vocab), axis=0).to(tl.int64)
@@ -81,13 +82,13 @@ def _apply_rows_kernel(exit_ptr, logits_ptr, x_ptr, s_ptr, trig_ptr, sl_ptr, row
                        hidden_ptr, survival_ptr, triggered_ptr, out_tokens_ptr, n_out_ptr, last_token_ptr,
                        exit_out_ptr, exit_slot_ptr, token_ptr,
                        hidden_size, vocab, stride_l, stride_x, stride_h, stride_ot,
-                       BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
     if PDL:
         tl.extra.cuda.gdc_wait()
-    token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK_V)
+    token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK_V, ACC)
     sl = tl.load(sl_ptr + row)
     slot = tl.load(row_slot_ptr + row)
     exit_now = tl.load(exit_ptr + row) & (slot >= 0)
@@ -120,6 +121,19 @@ def _check_rows(**tensors) -> int:
     return n
 
 
+def _check_slots(hidden: torch.Tensor, **state) -> None:
+    """The slot state: hidden [S + 1, hidden] with unit last stride, the named per-slot vectors contiguous
+    [S + 1] of the dtype given beside each (None: any)."""
+    if hidden.dim() != 2 or hidden.stride(1) != 1:
+        raise ValueError(f"hidden must be [S + 1, hidden] with unit last stride, got {tuple(hidden.shape)}")
+    for name, (t, dtype) in state.items():
+        if t.shape[0] != hidden.shape[0] or (t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1) or \
+                (t.dim() == 2 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be contiguous with {hidden.shape[0]} slots, got shape {tuple(t.shape)}")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
 def gather_rows(row_slot: torch.Tensor, row_depth: torch.Tensor, last_token: torch.Tensor, embed: torch.Tensor,
                 hidden: torch.Tensor, survival: torch.Tensor, triggered: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,12 +146,15 @@ def gather_rows(row_slot: torch.Tensor, row_depth: torch.Tensor, last_token: tor
 
     Returns:
         (sl ``[N] int64``, x ``[N, hidden]``, s_prev ``[N]`` survival's dtype, t_prev ``[N] bool``), exactly
-        :func:`gather_rows_ref`'s. Raises ValueError for rows of different lengths or another hidden size.
+        :func:`gather_rows_ref`'s. Raises ValueError naming the argument for rows of different lengths, another
+        hidden size or dtype, a slot vector of another length, dtype or stride.
     """
     n = _check_rows(row_slot=row_slot, row_depth=row_depth)
-    if embed.shape[1] != hidden.shape[1] or embed.stride(1) != 1 or hidden.stride(1) != 1:
-        raise ValueError(f"embed {tuple(embed.shape)} and hidden {tuple(hidden.shape)} must share a unit-stride "
-                         f"hidden size")
+    if embed.shape[1] != hidden.shape[1] or embed.stride(1) != 1 or embed.dtype != hidden.dtype:
+        raise ValueError(f"embed {tuple(embed.shape)} {embed.dtype} and hidden {tuple(hidden.shape)} {hidden.dtype} "
+                         f"must share dtype and a unit-stride hidden size")
+    _check_slots(hidden, last_token=(last_token, torch.int64), survival=(survival, None),
+                 triggered=(triggered, torch.bool))
     dev = row_slot.device
     sl = torch.empty(n, dtype=torch.int64, device=dev)
     x = torch.empty((n, hidden.shape[1]), dtype=hidden.dtype, device=dev)
@@ -170,11 +187,16 @@ def apply_rows(exit_now: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, s:
 
     Returns:
         (exit ``[N] bool``: exit_now on real rows, exit_slot ``[N] int32``: the slot of an exiting row, else
-        -1, token ``[N] int64``), exactly :func:`apply_rows_ref`'s, with the same in-place updates.
+        -1, token ``[N] int64``), exactly :func:`apply_rows_ref`'s, with the same in-place updates. Raises
+        ValueError naming the argument for a wrong shape, stride or dtype (``s`` must be survival's dtype).
     """
     n = _check_rows(exit_now=exit_now, s=s, trig=trig, sl=sl, row_slot=row_slot)
     if logits.dim() != 2 or logits.shape[0] != n or logits.stride(1) != 1:
         raise ValueError(f"logits must be [{n}, vocab] with unit last stride, got {tuple(logits.shape)}")
+    _check_slots(hidden, survival=(survival, s.dtype), triggered=(triggered, torch.bool),
+                 out_tokens=(out_tokens, torch.int64), n_out=(n_out, torch.int64), last_token=(last_token, torch.int64))
+    if sl.dtype != torch.int64 or exit_now.dtype != torch.bool or trig.dtype != torch.bool:
+        raise ValueError(f"sl must be int64 and exit_now, trig bool, got {sl.dtype}, {exit_now.dtype}, {trig.dtype}")
     if x.shape != (n, hidden.shape[1]) or x.stride(1) != 1 or x.dtype != hidden.dtype:
         raise ValueError(f"x must be [{n}, {hidden.shape[1]}] {hidden.dtype} with unit last stride, got "
                          f"{tuple(x.shape)} {x.dtype}")
@@ -186,7 +208,8 @@ def apply_rows(exit_now: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, s:
         _apply_rows_kernel[(n,)](exit_now, logits, x, s, trig, sl, row_slot, hidden, survival, triggered, out_tokens,
                                  n_out, last_token, exit_out, exit_slot, token, hidden.shape[1], logits.shape[1],
                                  logits.stride(0), x.stride(0), hidden.stride(0), out_tokens.stride(0),
-                                 BLOCK=triton.next_power_of_2(hidden.shape[1]), BLOCK_V=_BLOCK_V, PDL=use_pdl,
+                                 BLOCK=triton.next_power_of_2(hidden.shape[1]), BLOCK_V=_BLOCK_V,
+                                 ACC=tl.float64 if logits.dtype == torch.float64 else tl.float32, PDL=use_pdl,
                                  **pdl.launch_options(use_pdl, num_warps=4))
     return exit_out, exit_slot, token
 

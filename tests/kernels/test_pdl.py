@@ -36,6 +36,7 @@ def test_pdl_is_never_active_on_the_cpu(monkeypatch):
     (gm.GemmConfig(block_k=128, prefetch_tiles=2), 2048, True, 4, 0),            # lines of 2-byte elements only
     (gm.GemmConfig(block_k=32, prefetch_tiles=1), 2048, True, 2, 0),             # less than one line
     (gm.GemmConfig(block_k=128), 2048, True, 2, 0),                              # not configured
+    (gm.GemmConfig(block_k=128, split_k=5, prefetch_tiles=1), 2048, True, 2, 128),  # an empty last split
 ])
 def test_prefetch_elements(cfg, k, use_pdl, elem_bytes, want):
     assert gm.prefetch_elements(cfg, k, use_pdl, elem_bytes) == want
@@ -118,6 +119,8 @@ def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
         pytest.skip("PDL needs sm_90")
     x, wt, case = _layer_case()
     kv0 = [t.clone() for t in case["alias"]]
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.active(x), "PDL must be on for this test to compare anything"
 
     def run(enabled, prefetch):
         monkeypatch.setattr(pdl, "ENABLED", enabled)

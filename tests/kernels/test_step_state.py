@@ -23,7 +23,7 @@ def _state(device, dtype, acc, S=6, hidden=48, vocab=40, max_len=9, seed=0):
               survival=torch.rand(S + 1, generator=g).to(acc),
               triggered=torch.rand(S + 1, generator=g) < 0.5,
               out_tokens=torch.randint(0, vocab, (S + 1, max_len), generator=g),
-              n_out=torch.randint(0, max_len - 1, (S + 1,), generator=g))
+              n_out=torch.randint(0, max_len, (S + 1,), generator=g))     # up to the last column
     return {k: v.to(device) for k, v in st.items()}
 
 
@@ -33,8 +33,8 @@ def _state(device, dtype, acc, S=6, hidden=48, vocab=40, max_len=9, seed=0):
 def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
     state = _state(device, dtype, acc)
     i32 = dict(dtype=torch.int32, device=device)
-    row_slot = torch.tensor([4, 0, 2, -1, 5, 1], **i32)                 # one padding row
-    row_depth = torch.tensor([1, 3, 2, 1, 1, 4], **i32)
+    row_slot = torch.tensor([4, 0, 2, -1, 5, 1, -1, -1], **i32)         # three padding rows, depths 1 and 2
+    row_depth = torch.tensor([1, 3, 2, 1, 1, 4, 2, 1], **i32)
     gather_args = (row_slot, row_depth, state["last_token"], state["embed"], state["hidden"], state["survival"],
                    state["triggered"])
     got, want = ss.gather_rows(*gather_args), ss.gather_rows_ref(*gather_args)
@@ -44,17 +44,21 @@ def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
     sl, x_in = want[0], want[1]
     g = torch.Generator().manual_seed(1)
     n = row_slot.shape[0]
-    exit_now = torch.tensor([True, False, True, True, False, True], device=device)   # the padding row says exit
-    # greedy ties: rows 0 and 2 hold their max twice (the first index must win), row 5 is all -inf
+    exit_now = torch.tensor([True, False, True, True, False, True, True, False], device=device)  # padding "exits"
+    # greedy ties: row 0 holds its max twice in different chunks, row 1 twice in one chunk, row 2 on both sides
+    # of a chunk edge (the first index must win); row 4 at the last logit, row 5 all -inf, row 6 NaN (torch
+    # takes the first NaN)
     logits = torch.randn(n, 3000, generator=g)            # two argmax chunks and a short third
     logits[0, [700, 2500]] = 9.0
+    logits[1, [301, 17]] = 9.0
     logits[2, [2100, 2047]] = 9.0
     logits[4, 2999] = 9.0
     logits[5] = float("-inf")
+    logits[6, [2200, 40]] = float("nan")
     logits = logits.to(device, dtype)
     x = (x_in.float() + 1).to(dtype)
     s = torch.rand(n, generator=g).to(device, acc)
-    trig = torch.tensor([False, True, True, False, True, False], device=device)
+    trig = torch.tensor([False, True, True, False, True, False, True, False], device=device)
     results = []
     for fn in (ss.apply_rows, ss.apply_rows_ref):
         st = {k: v.clone() for k, v in state.items()}
@@ -64,10 +68,11 @@ def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
     (got_out, got_st), (want_out, want_st) = results
     for name, a, b in zip(("exit", "exit_slot", "token"), got_out, want_out):
         assert a.dtype == b.dtype and torch.equal(a, b), f"apply_rows {name}: {a} != {b}"
-    assert want_out[1].tolist() == [4, -1, 2, -1, -1, 1]
-    assert [want_out[2][i].item() for i in (0, 2, 4, 5)] == [700, 2047, 2999, 0]
+    assert want_out[1].tolist() == [4, -1, 2, -1, -1, 1, -1, -1]
+    assert [want_out[2][i].item() for i in (0, 1, 2, 4, 5, 6)] == [700, 17, 2047, 2999, 0, 40]
+    # every real slot exactly; the scratch slot S is written by several padding rows, in an unspecified order
     for name in state:
-        a, b = got_st[name], want_st[name]
+        a, b = got_st[name][:-1], want_st[name][:-1]
         assert torch.equal(a, b), f"apply_rows left {name} different: {a} vs {b}"
     # the reference really did something: exiting rows appended their token
     assert want_st["n_out"][4] == state["n_out"][4] + 1 and want_st["n_out"][0] == state["n_out"][0]
@@ -78,3 +83,34 @@ def test_rejects_rows_of_different_lengths():
     with pytest.raises(ValueError, match="row_depth has 2 rows"):
         ss.gather_rows(torch.zeros(3, dtype=torch.int32), torch.ones(2, dtype=torch.int32), state["last_token"],
                        state["embed"], state["hidden"], state["survival"], state["triggered"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp64_argmax_separates_what_fp32_cannot(device):
+    """An fp64 model's logits are compared in fp64: 1 + 1e-12 beats an earlier 1.0 (in fp32 they would tie)."""
+    state = _state(device, torch.float64, torch.float64)
+    n = 2
+    logits = torch.zeros(n, 100, dtype=torch.float64)
+    logits[:, 10] = 1.0
+    logits[:, 20] = 1.0 + 1e-12
+    args = (torch.ones(n, dtype=torch.bool), logits, state["hidden"][:n].clone(), torch.ones(n, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.bool), torch.tensor([0, 1]), torch.tensor([0, 1], dtype=torch.int32))
+    args = tuple(a.to(device) for a in args)
+    for fn in (ss.apply_rows, ss.apply_rows_ref):
+        st = {k: v.clone() for k, v in state.items()}
+        _, _, token = fn(*args, st["hidden"], st["survival"], st["triggered"], st["out_tokens"], st["n_out"],
+                         st["last_token"])
+        assert token.tolist() == [20, 20], f"{fn.__name__}: {token.tolist()}"
+
+
+def test_rejects_mismatched_state():
+    state = _state("cpu", torch.float32, torch.float32)
+    rows = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="embed"):
+        ss.gather_rows(rows, rows, state["last_token"], state["embed"].double(), state["hidden"], state["survival"],
+                       state["triggered"])
+    with pytest.raises(ValueError, match="survival must be torch.float64"):
+        ss.apply_rows(torch.ones(2, dtype=torch.bool), torch.zeros(2, 5), state["hidden"][:2].clone(),
+                      torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.bool), torch.zeros(2).long(), rows,
+                      state["hidden"], state["survival"], state["triggered"], state["out_tokens"], state["n_out"],
+                      state["last_token"])
