@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -116,16 +117,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def apply_kernel_options(args: argparse.Namespace) -> None:
+def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
     """``--pdl`` and ``--prefetch-tiles``: process-wide kernel switches, set before any kernel is launched or
-    captured (kernels/pdl.ENABLED; the prefetch in the GEMM configuration tables the model reads)."""
+    captured (kernels/pdl.ENABLED; the prefetch in the GEMM configuration tables the model reads). Returns
+    the function that puts the previous values back (:func:`main` calls it when it ends, so a later probe in
+    the same process starts from the defaults)."""
     from loopbench.kernels import gemm, pdl, qkv_rope
+    tables = (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)
+    saved_enabled, saved_tables = pdl.ENABLED, [dict(t) for t in tables]
+
+    def restore() -> None:
+        pdl.ENABLED = saved_enabled
+        for table, old in zip(tables, saved_tables):
+            table.clear()
+            table.update(old)
+
     pdl.ENABLED = getattr(args, "pdl", "on") == "on"
     tiles = getattr(args, "prefetch_tiles", None)
     if tiles is not None:
-        for table in (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS):
+        for table in tables:
             for shape, c in table.items():
                 table[shape] = dataclasses.replace(c, prefetch_tiles=tiles)
+    return restore
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
@@ -351,7 +364,15 @@ def main(argv=None) -> int:
     identity = code_identity() if args.profile else {}     # a malformed LOOPBENCH_GIT_SHA fails before any run
     device = "cuda" if torch.cuda.is_available() else "cpu"
     max_len = max_model_len(args.prompt_len, args.output_len)
-    apply_kernel_options(args)
+    restore_kernel_options = apply_kernel_options(args)
+    try:
+        return _run(args, identity, device, max_len)
+    finally:
+        restore_kernel_options()
+
+
+def _run(args: argparse.Namespace, identity: dict, device: str, max_len: int) -> int:
+    """:func:`main` after the options are parsed and the kernel switches set."""
     model = load(args, device, max_len)
     reqs = make_requests(model.cfg.vocab_size, args)
     arm = arm_spec(args, device)

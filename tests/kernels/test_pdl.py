@@ -51,17 +51,17 @@ def test_prefetch_tiles_must_be_a_count(bad):
 def test_probe_options_set_the_switch_and_the_tables(monkeypatch):
     from loopbench.harness import throughput
     from loopbench.kernels import qkv_rope
-    saved = [dict(t) for t in (gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)]
+    tables = (gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)
+    saved = [dict(t) for t in tables]
     monkeypatch.setattr(pdl, "ENABLED", True)
+    restore = throughput.apply_kernel_options(argparse.Namespace(pdl="off", prefetch_tiles=3))
     try:
-        throughput.apply_kernel_options(argparse.Namespace(pdl="off", prefetch_tiles=3))
         assert pdl.ENABLED is False
-        for table in (gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS):
+        for table in tables:
             assert table and all(c.prefetch_tiles == 3 for c in table.values())
     finally:
-        for table, old in zip((gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS), saved):
-            table.clear()
-            table.update(old)
+        restore()
+    assert pdl.ENABLED is True and [dict(t) for t in tables] == saved
     with pytest.raises(SystemExit):
         throughput.parse_args(["--prefetch-tiles", "-1"])
 
