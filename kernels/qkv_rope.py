@@ -132,10 +132,9 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     _validate_write(k_cache, v_cache, kv_view[:, 0], kv_view[:, 1], block_tables, row_slot, row_depth, row_pos)
     c = config
     block_m = max(16, triton.next_power_of_2(m))
-    launch = {"num_warps": c.num_warps,
-              "num_stages": gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size())}
     use_pdl = c.pdl and pdl.active(x)
-    launch = pdl.launch_options(use_pdl, **launch)
+    launch = pdl.launch_options(use_pdl, num_warps=c.num_warps,
+                                num_stages=gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size()))
     _qkv_rope_write_kernel[(num_heads + 2 * hkv,)](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),

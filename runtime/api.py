@@ -68,8 +68,8 @@ class EngineConfig:
     # False: decode on padded buckets (graphs.BUCKETS) and prefill in one call of its padded row count.
     batch_invariant: bool = True
     # Rows per prefill projection call (``prefill_call_rows`` resolves it); None: 256 when max_model_len
-    # <= 1024, else 1024 (one value per engine, so batch invariance holds). Every call reads the whole weight, so long prompts want larger
-    # calls, while a short admission pads up to one call. Measured on an H200, Ouro-1.4B B16 replay
+    # <= 1024, else 1024 (one value per engine, so batch invariance holds). Every call reads the whole
+    # weight, so long prompts want larger calls, while a short admission pads up to one call. Measured on an H200, Ouro-1.4B B16 replay
     # (results/README.md, profiles/2026-12-02-9146d16): P2048/D64 654 tok/s at 256 rows, 707 at 512,
     # 727 at 1024, 734 at 2048; P128/D128 2,755 at 256 and 2,645 at 1024. A small model (the tiny preset,
     # tests) needs far fewer.
