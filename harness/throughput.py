@@ -92,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gemm", default="ours", choices=["cublas", "ours"],
                     help="decode projections on our small-M GEMM where it was measured faster, cuBLAS for the "
                          "rest (kernels/gemm.py; CUDA; the runtime's default), or all on cuBLAS")
-    ap.add_argument("--pdl", default="on", choices=["on", "off"],
-                    help="programmatic dependent launch of our Triton kernels (kernels/pdl.py; sm_90+ only)")
+    ap.add_argument("--pdl", default="on", choices=["on", "off", "late", "early"],
+                    help="programmatic dependent launch of our Triton kernels (kernels/pdl.py; sm_90+ only): on "
+                         "(with the default trigger), off, or on with the trigger late or early (pdl.TRIGGER)")
     ap.add_argument("--prefetch-tiles", type=int, default=None, metavar="TILES",
                     help="GemmConfig.prefetch_tiles of every small-M GEMM configuration: weight K tiles each "
                          "program prefetches into L2 before its PDL wait (default: as configured)")
@@ -119,20 +120,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
     """``--pdl`` and ``--prefetch-tiles``: process-wide kernel switches, set before any kernel is launched or
-    captured (kernels/pdl.ENABLED; the prefetch in the GEMM configuration tables the model reads). Returns
-    the function that puts the previous values back (:func:`main` calls it when it ends, so a later probe in
+    captured (kernels/pdl.ENABLED and TRIGGER; the prefetch in the GEMM configuration tables the model reads).
+    Returns the function that puts the previous values back (:func:`main` calls it when it ends, so a later probe in
     the same process starts from the defaults)."""
     from loopbench.kernels import gemm, pdl, qkv_rope
     tables = (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)
-    saved_enabled, saved_tables = pdl.ENABLED, [dict(t) for t in tables]
+    saved_enabled, saved_trigger, saved_tables = pdl.ENABLED, pdl.TRIGGER, [dict(t) for t in tables]
 
     def restore() -> None:
-        pdl.ENABLED = saved_enabled
+        pdl.ENABLED, pdl.TRIGGER = saved_enabled, saved_trigger
         for table, old in zip(tables, saved_tables):
             table.clear()
             table.update(old)
 
-    pdl.ENABLED = getattr(args, "pdl", "on") == "on"
+    mode = getattr(args, "pdl", "on")
+    pdl.ENABLED = mode != "off"
+    if mode in pdl.TRIGGERS:
+        pdl.TRIGGER = mode
     tiles = getattr(args, "prefetch_tiles", None)
     if tiles is not None:
         for table in tables:
@@ -313,11 +317,13 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
                timed: list[TimedRun]) -> dict[str, object]:
     """The report's parameter table for one profiled run; ``timed`` are its policy's unprofiled runs, whose median
     wall says how much the profiler itself slowed the profiled run."""
+    from loopbench.kernels import pdl
     return {"preset": args.checkpoint or args.preset, "B": args.max_num_seqs, "C": args.num_requests,
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
             "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant,
             "prefill_gemm_rows": getattr(args, "prefill_gemm_rows", None) or "auto",
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
+            "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),

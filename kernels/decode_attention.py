@@ -47,7 +47,8 @@ there is no matrix product to feed tensor cores, and the Triton interpreter comp
 (BRIEF section 4).
 
 On sm_90+ NVIDIA GPUs both kernels launch with programmatic dependent launch (kernels/pdl.py): they wait
-for the previous kernel before their first load and release the next one before their stores. The layout
+for the previous kernel before their first load and release the next one before their stores (or
+right after the wait, per ``pdl.TRIGGER``). The layout
 flags never touch that, so native, alias and alias+prefix keep the same schedule around the loop.
 
 The kernels know nothing about exit policies or the scheduler; they read the metadata tensors as given.
@@ -185,7 +186,7 @@ def _decode_attention_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False,
+    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
@@ -194,6 +195,8 @@ def _decode_attention_split_kernel(
 
     if PDL:                          # every input here (q, the cache, the metadata) is another kernel's output
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(row_slot_ptr + row)
     depth = tl.load(row_depth_ptr + row)
     pos = tl.load(row_pos_ptr + row)
@@ -300,6 +303,15 @@ def _decode_attention_split_kernel(
                                       BLOCK_N, PAGE_SIZE)
             m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
                                                  BLOCK_N)
+    elif PIPE_STAGES > 0:
+        # The plain loop, software-pipelined by the compiler (cp.async into PIPE_STAGES shared buffers);
+        # the hand-pipelined prologue's loads above are unused here.
+        for tile in tl.range(tile_lo, tile_hi, num_stages=PIPE_STAGES):
+            block = _direct_pages(bt_plane, tile, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+            k, v = _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb,
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k.to(tl.float32), v.to(tl.float32), tile, split_end,
+                                                 offs_t, m_i, l_i, acc, BLOCK_N)
     else:
         for tile in range(tile_lo, tile_hi):
             k_cur = k.to(tl.float32)
@@ -310,7 +322,7 @@ def _decode_attention_split_kernel(
             m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
                                                  BLOCK_N)
 
-    if PDL:
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)                            # an empty split
@@ -348,11 +360,13 @@ def _decode_attention_merge_kernel(
     part = row * stride_pn + head * stride_ph + offs_s * stride_ps
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     m_s = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                     mask=mask_s[:, None], other=0.0)
-    if PDL:
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.max(m_s, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)     # a row without keys: all weights are zero
@@ -439,7 +453,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float | None = None, *, block_n: int = DEFAULT_BLOCK_N,
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     maxnreg: int | None = None, exit_ahead: bool = True) -> torch.Tensor:
+                     maxnreg: int | None = None, exit_ahead: bool = True,
+                     pipe_stages: int = 0) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -461,6 +476,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             knobs, and ``num_stages`` and ``maxnreg`` change no result at all.
         exit_ahead: alias layout only: read the exit map one tile ahead of the block-table lookup that
             uses it (default) instead of in the same iteration. Changes no value, only the schedule.
+        pipe_stages: native layout only (ignored for ``alias``): ``0`` (default) runs the hand-pipelined
+            loop, one K/V tile loaded ahead; ``n >= 1`` the plain loop, software-pipelined by Triton over
+            ``n`` stages. Changes no value, only the schedule.
+
+    Raises:
+        ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
+            layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``pipe_stages``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -475,6 +497,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if min_split_tokens < block_n or max_splits < 1:
         raise ValueError(f"need min_split_tokens >= block_n and max_splits >= 1, got "
                          f"{min_split_tokens}, {max_splits}")
+    if not isinstance(pipe_stages, int) or pipe_stages < 0:
+        raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv
@@ -515,13 +539,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
-        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=use_pdl, **cfg)
+        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl),
+        PIPE_STAGES=pipe_stages, **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,
             h * num_splits, num_splits, 1, *out.stride(),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, PDL=use_pdl, **pdl.launch_options(use_pdl, num_warps=4))
+            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, PDL=pdl.mode(use_pdl), **pdl.launch_options(use_pdl, num_warps=4))
     return out
 
 

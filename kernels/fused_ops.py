@@ -36,8 +36,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, B
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)     # a weight: no kernel writes it
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     tl.store(out_ptr + row * stride_out + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=mask)
@@ -54,13 +56,15 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hid
     w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     if SPLIT > 1:       # fp32 split-K partials of a projection: their sum in split order, rounded once
         for s in tl.static_range(1, SPLIT):
             y += tl.load(y_ptr + s * stride_ys + row * stride_y + offs, mask=mask, other=0.0)
         y = y.to(x_out_ptr.dtype.element_ty)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     y = y.to(tl.float32)
     inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / hidden + eps)
@@ -126,7 +130,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0]:
         use_pdl = pdl.active(x)
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, hidden, x.stride(0), out.stride(0), eps,
-                                        BLOCK=triton.next_power_of_2(hidden), PDL=use_pdl,
+                                        BLOCK=triton.next_power_of_2(hidden), PDL=pdl.mode(use_pdl),
                                         **pdl.launch_options(use_pdl, num_warps=4))
     return out
 
@@ -159,7 +163,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.T
         use_pdl = pdl.active(x)
         _add_rms_norm_kernel[(x.shape[0],)](x, y2, w1, w2, x_new, h, hidden, x.stride(0), y2.stride(0), stride_ys,
                                             x_new.stride(0), h.stride(0), eps,
-                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split, PDL=use_pdl,
+                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split, PDL=pdl.mode(use_pdl),
                                             **pdl.launch_options(use_pdl, num_warps=8))
     return x_new, h
 

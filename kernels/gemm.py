@@ -18,11 +18,12 @@ on Ouro's projections (kernels/results/gemm_h200_1b4ab42.md, graph-chain timing 
   ``TensorDescriptor`` s, fewer instructions per byte than per-thread pointer loads.
 - **PDL** (``pdl``): the kernel is launched with CUDA's programmatic stream serialization, waits for the
   previous kernel's results with ``griddepcontrol.wait`` right before its K loop and releases its own
-  dependents (``griddepcontrol.launch_dependents``) after it, so a launch and the next kernel's start
-  overlap the previous kernel's tail (CUDA C++ Programming Guide, "Programmatic Dependent Launch and
-  Synchronization"). Nothing is read or written before the wait except the weight, which no kernel of
-  the loop writes. Under a CUDA graph capture the dependency becomes a programmatic graph edge. A config's
-  ``pdl`` is honoured where kernels/pdl.py's ``active`` allows it (its switch, sm_90+ NVIDIA).
+  dependents (``griddepcontrol.launch_dependents``) after it (or right after the wait: ``pdl.TRIGGER``), so
+  a launch and the next kernel's start overlap the previous kernel's tail (CUDA C++ Programming Guide,
+  "Programmatic Dependent Launch and Synchronization"). Nothing is read or written before the wait except
+  the weight, which no kernel of the loop writes. Under a CUDA graph capture the dependency becomes a
+  programmatic graph edge. A config's ``pdl`` is honoured where kernels/pdl.py's ``active`` allows it (its
+  switch, sm_90+ NVIDIA).
 
 Batch invariance: the configuration is a function of the weight shape ``(N, K)`` only (``config_for``;
 M only decides whether it runs at all, see ``FASTER_UP_TO``), so the K split, the K tile order and the
@@ -158,9 +159,11 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     acc, acc_up = _k_loop(w_ptrs, w_ptrs + N.to(tl.int64) * stride_wn, x_ptrs, mask_n, mask_m, offs_k, k0, K,
                           num_tiles, BLOCK_N, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, GLU)
-    if PDL:
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     if GLU:
         acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
@@ -247,13 +250,15 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, s
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     for _ in range(0, num_tiles):
         x = x_desc.load([0, k])
         acc = tl.dot(w_desc.load([pid_n * BLOCK_N, k]), x.T, acc)
         if GLU:
             acc_up = tl.dot(w_desc.load([N + pid_n * BLOCK_N, k]), x.T, acc_up)
         k += BLOCK_K
-    if PDL:
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     if GLU:
         acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
@@ -382,13 +387,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
         _gemm_tma_kernel[grid](x_desc, w_desc, out, weight, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
-                               weight.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, PDL=use_pdl,
-                               GLU=glu, PREFETCH_K=prefetch_k, **launch)
+                               weight.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
+                               PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k, **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
                            out.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
-                           DOT_FP32=not x.is_cuda, PDL=use_pdl, GLU=glu, PREFETCH_K=prefetch_k, **launch)
+                           DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k, **launch)
     return out[0] if c.split_k == 1 else out
 
 

@@ -9,10 +9,14 @@ and its memory operations are visible (PTX ISA, "griddepcontrol"; CUDA C++ Progr
 becomes a programmatic graph edge, so replays overlap the same way.
 
 Every PDL kernel of this package follows one pattern, which keeps chains of them safe: ``gdc_wait`` before
-its first load of anything another kernel writes, ``gdc_launch_dependents`` only after that wait and
-before its stores. Since each kernel waits for its predecessor's completion before it completes, a
-kernel's wait also covers every kernel before the predecessor. Kernels launched without PDL (torch's)
-wait for full completion as usual and break nothing.
+its first load of anything another kernel writes, ``gdc_launch_dependents`` only after that wait. Since
+each kernel waits for its predecessor's completion before it completes, a kernel's wait also covers every
+kernel before the predecessor. Kernels launched without PDL (torch's) wait for full completion as usual
+and break nothing. Where the trigger sits is a schedule choice that changes no value (:data:`TRIGGER`):
+``"late"`` after the main loop, before the stores; ``"early"`` right after the wait, so the next kernel's
+programs launch, and run the part before their own wait (a GEMM's L2 weight prefetch), while this kernel's
+last wave runs. The next kernel launches only once every program of this one has triggered, so its
+waiting programs never hold resources that this kernel's later programs need.
 
 What PDL buys: the next kernel's launch, its programs' start-up and their address arithmetic overlap the
 previous kernel's tail, which is most of the gap between two short kernels in a graph.
@@ -20,10 +24,18 @@ previous kernel's tail, which is most of the gap between two short kernels in a 
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 
 # The process-wide switch (the throughput probe's ``--pdl off``): read when a kernel is launched or
 # captured, so a graph captured with PDL keeps it until it is captured again.
 ENABLED = True
+# Where kernels execute griddepcontrol.launch_dependents: "late" (after their main loop) or "early" (right
+# after their wait). Read at launch, like ENABLED (the probe's ``--pdl early|late``).
+TRIGGER = "late"
+TRIGGERS = ("late", "early")
+# The kernels' ``PDL`` constexpr: 0 without PDL, else where the trigger sits.
+LATE = tl.constexpr(1)
+EARLY = tl.constexpr(2)
 
 
 def active(t: torch.Tensor) -> bool:
@@ -39,6 +51,16 @@ def active(t: torch.Tensor) -> bool:
 
 
 _SM90: dict[int, bool] = {}
+
+
+def mode(use_pdl: bool) -> int:
+    """The ``PDL`` constexpr of a launch: 0 without PDL, else :data:`LATE` or :data:`EARLY` per
+    :data:`TRIGGER`. Raises ValueError for a ``TRIGGER`` outside :data:`TRIGGERS`."""
+    if not use_pdl:
+        return 0
+    if TRIGGER not in TRIGGERS:
+        raise ValueError(f"pdl.TRIGGER must be one of {TRIGGERS}, got {TRIGGER!r}")
+    return int(EARLY.value if TRIGGER == "early" else LATE.value)
 
 
 def launch_options(use_pdl: bool, **options) -> dict:

@@ -1,9 +1,11 @@
 """The qkv projection with RoPE and the KV write in its epilogue (Triton): one launch where the decode
 loop runs three (projection, ``kv_write.rope_write_kv_``) today.
 
-A program owns one head: the ``head_dim`` weight rows of q head ``h`` (``h < H``), k head ``h - H`` or v
-head ``h - H - Hkv``, against all M rows (the swap-AB tile of kernels/gemm.py, ``block_n = head_dim``, the
-same K loop ``gemm._k_loop``). After the loop it rounds the projection to the model dtype, as
+A program owns ``block_n`` weight rows of one head (q head ``h`` for ``h < H``, k head ``h - H`` or v head
+``h - H - Hkv``) against all M rows (the swap-AB tile of kernels/gemm.py, the same K loop ``gemm._k_loop``):
+with ``block_n = head_dim`` the whole head, with ``head_dim / parts`` a ``1/parts`` share of its rotary pairs,
+dims ``d`` and ``d + head_dim / 2`` together, so the rotation stays inside the program and a head spreads over
+``parts`` programs. After the loop it rounds the projection to the model dtype, as
 :func:`gemm.gemm` would store it, and then does what ``rope_write_kv_`` does to that head, with the same
 formula and the same roundings (rotate-half RoPE, RoFormer arXiv 2104.09864, in the tables' dtype):
 
@@ -27,11 +29,14 @@ from . import gemm as gm
 from . import pdl
 from .kv_write import _validate_write
 
-# Per qkv weight shape [(H + 2 Hkv) * D, K]: block_n must be D (a tile is one head), so Ouro's qkv has 48
-# programs. Measured (kernels/results/gemm_h200_1b4ab42.md, H200): 10.7-11.6 us at M = 1-32 against
-# 12.0-12.2 for gemm + rope_write_kv_ and 12.6-13.1 for cuBLAS + rope_write_kv_; slower from M = 64.
+# Per qkv weight shape [(H + 2 Hkv) * D, K]: block_n must divide D (a program holds whole rotary pairs).
+# block_n = D = 128 (48 programs for Ouro's qkv) measured (kernels/results/gemm_h200_1b4ab42.md, H200)
+# 10.7-11.6 us at M = 1-32 against 12.0-12.2 for gemm + rope_write_kv_ and 12.6-13.1 for cuBLAS +
+# rope_write_kv_, slower from M = 64; block_n = 64 (96 programs, two per head) raised the throughput probe
+# from 3,125 to 3,181 tok/s at B16/C32 and from 4,806 to 4,912 at B32/C64 (H200, 2026-12-03, median of 2).
+# FASTER_UP_TO stays as measured with block_n = 128.
 CONFIGS: dict[tuple[int, int], gm.GemmConfig] = {
-    (6144, 2048): gm.GemmConfig(block_n=128, block_k=128, split_k=1, num_stages=4, pdl=True, prefetch_tiles=1),
+    (6144, 2048): gm.GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, pdl=True, prefetch_tiles=1),
 }
 FASTER_UP_TO: dict[tuple[int, int], int] = {(6144, 2048): 32}
 
@@ -46,30 +51,37 @@ def _qkv_rope_write_kernel(
     stride_bts, stride_btp, stride_btj,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0,
+    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PARTS: tl.constexpr = 1,
 ):
-    head = tl.program_id(0)
+    head = tl.program_id(0) // PARTS
+    part = tl.program_id(0) % PARTS
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_n = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    Q: tl.constexpr = HALF // PARTS                               # rotary pairs per program
+    # The program's weight rows: dims part*Q .. part*Q + Q - 1 of the head and their rotary partners HALF on.
+    r = tl.arange(0, 2 * Q)
+    offs_n = head * HEAD_DIM + (r // Q) * HALF + part * Q + r % Q
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
     live = offs_m < M
     mask_n = offs_n[:, None] >= 0
-    if PREFETCH_K:          # the head's weight rows: no kernel writes them (gemm.GemmConfig.prefetch_tiles)
-        gm._prefetch_l2(w_ptr, head * HEAD_DIM, 0, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, K, stride_wn,
-                        HEAD_DIM, PREFETCH_K)
+    if PREFETCH_K:          # the program's weight rows: no kernel writes them (gemm.GemmConfig.prefetch_tiles)
+        n_rows = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+        gm._prefetch_l2(w_ptr, head * HEAD_DIM + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
+        gm._prefetch_l2(w_ptr, head * HEAD_DIM + HALF + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == pdl.EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     acc, _ = gm._k_loop(w_ptrs, w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K),
-                        HEAD_DIM, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, False)
-    if PDL:
+                        2 * Q, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, False)
+    if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = qkv_ptr.dtype.element_ty
-    halves = tl.permute(tl.reshape(acc.to(dtype), (2, HALF, BLOCK_M)), (1, 2, 0))
-    x1, x2 = tl.split(halves)                                     # [HALF, BLOCK_M]: d and d + HALF
-    offs_d = tl.arange(0, HALF)
+    halves = tl.permute(tl.reshape(acc.to(dtype), (2, Q, BLOCK_M)), (1, 2, 0))
+    x1, x2 = tl.split(halves)                                     # [Q, BLOCK_M]: dims d and d + HALF
+    offs_d = part * Q + tl.arange(0, Q)
     pos = tl.load(row_pos_ptr + offs_m, mask=live, other=0)
     if head < NUM_HEADS + NUM_KV_HEADS:                           # q or k: rotate (fused_ops.rotate_head_)
         c = tl.load(cos_ptr + pos[None, :].to(tl.int64) * stride_cos + offs_d[:, None], mask=live[None, :], other=0.0)
@@ -110,7 +122,7 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     Args:
         x: ``[M, K]`` bf16/fp16 (1 <= M <= 128), unit stride along K. w_qkv: ``[(H + 2 Hkv) * D, K]`` (q, k,
             v heads; the model's fused ``qkv`` weight), x's dtype. config: a :class:`gemm.GemmConfig` with
-            ``block_n == D``, ``split_k == 1`` and no ``tma``.
+            ``block_n`` dividing D (``D / block_n`` programs per head), ``split_k == 1`` and no ``tma``.
         cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, num_heads: as for
             ``kv_write.rope_write_kv_`` (one layer's cache ``[num_blocks, block_size, Hkv, D]``; int32 rows).
 
@@ -120,8 +132,9 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     """
     gm._validate(x, w_qkv, config)
     _, page_size, hkv, d = k_cache.shape
-    if config.block_n != d or config.split_k != 1 or config.tma:
-        raise ValueError(f"qkv_rope_write_kv needs block_n == head_dim ({d}), split_k 1 and no tma, got {config}")
+    if d % config.block_n or config.split_k != 1 or config.tma:
+        raise ValueError(f"qkv_rope_write_kv needs block_n dividing head_dim ({d}), split_k 1 and no tma, got "
+                         f"{config}")
     m, k = x.shape
     if w_qkv.shape[0] != (num_heads + 2 * hkv) * d:
         raise ValueError(f"w_qkv must have (H + 2 Hkv) * D = {(num_heads + 2 * hkv) * d} rows, got {w_qkv.shape[0]}")
@@ -135,12 +148,13 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     use_pdl = c.pdl and pdl.active(x)
     launch = pdl.launch_options(use_pdl, num_warps=c.num_warps,
                                 num_stages=gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size()))
-    _qkv_rope_write_kernel[(num_heads + 2 * hkv,)](
+    parts = d // c.block_n
+    _qkv_rope_write_kernel[((num_heads + 2 * hkv) * parts,)](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
-        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=use_pdl, PAGE_SIZE=page_size,
-        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()),
+        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), PAGE_SIZE=page_size,
+        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts,
         **launch)
     return qkv

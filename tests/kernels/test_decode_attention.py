@@ -289,7 +289,7 @@ def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("kw", [dict(maxnreg=128), dict(exit_ahead=False)])
+@pytest.mark.parametrize("kw", [dict(maxnreg=128), dict(exit_ahead=False), dict(pipe_stages=3)])
 def test_schedule_knobs_change_no_bit(kw):
     # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
     case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,

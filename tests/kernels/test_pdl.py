@@ -28,6 +28,17 @@ def test_pdl_is_never_active_on_the_cpu(monkeypatch):
     assert pdl.launch_options(True, num_warps=4) == {"num_warps": 4, "launch_pdl": True}
 
 
+def test_mode_follows_the_trigger(monkeypatch):
+    assert pdl.mode(False) == 0
+    monkeypatch.setattr(pdl, "TRIGGER", "late")
+    assert pdl.mode(True) == pdl.LATE
+    monkeypatch.setattr(pdl, "TRIGGER", "early")
+    assert pdl.mode(True) == pdl.EARLY != pdl.LATE
+    monkeypatch.setattr(pdl, "TRIGGER", "soon")
+    with pytest.raises(ValueError, match="soon"):
+        pdl.mode(True)
+
+
 @pytest.mark.parametrize("cfg,k,use_pdl,elem_bytes,want", [
     (gm.GemmConfig(block_k=256, prefetch_tiles=2), 2048, True, 2, 512),           # qkv: two tiles
     (gm.GemmConfig(block_k=128, split_k=4, prefetch_tiles=8), 2048, True, 2, 512),  # at most one split's range
@@ -54,6 +65,7 @@ def test_probe_options_set_the_switch_and_the_tables(monkeypatch):
     tables = (gm.CONFIGS, gm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)
     saved = [dict(t) for t in tables]
     monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "TRIGGER", "late")
     restore = throughput.apply_kernel_options(argparse.Namespace(pdl="off", prefetch_tiles=3))
     try:
         assert pdl.ENABLED is False
@@ -62,6 +74,12 @@ def test_probe_options_set_the_switch_and_the_tables(monkeypatch):
     finally:
         restore()
     assert pdl.ENABLED is True and [dict(t) for t in tables] == saved
+    restore = throughput.apply_kernel_options(argparse.Namespace(pdl="early", prefetch_tiles=None))
+    try:
+        assert pdl.ENABLED is True and pdl.TRIGGER == "early"
+    finally:
+        restore()
+    assert pdl.TRIGGER == "late"
     with pytest.raises(SystemExit):
         throughput.parse_args(["--prefetch-tiles", "-1"])
 
@@ -122,15 +140,18 @@ def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.active(x), "PDL must be on for this test to compare anything"
 
-    def run(enabled, prefetch):
+    def run(enabled, prefetch, trigger="late"):
         monkeypatch.setattr(pdl, "ENABLED", enabled)
+        monkeypatch.setattr(pdl, "TRIGGER", trigger)
         kv = [t.clone() for t in kv0]
         return _layer(x, wt, case, kv, _configs(prefetch)) + kv
 
     want = run(False, 0)
     torch.cuda.synchronize()
-    variants = {"pdl": run(True, 0), "pdl+prefetch": run(True, 2)}
+    variants = {"pdl": run(True, 0), "pdl+prefetch": run(True, 2), "pdl early": run(True, 0, "early"),
+                "pdl early+prefetch": run(True, 4, "early")}
     monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "TRIGGER", "early")     # the graph: the schedule with the most overlap
     kv = [t.clone() for t in kv0]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

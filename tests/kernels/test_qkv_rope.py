@@ -35,13 +35,16 @@ def _case(device, heads, kv_heads, head_dim, hidden, seed=0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,hidden,block_k", [(4, 2, 16, 96, 32), (2, 2, 32, 64, 64),
-                                                                    (16, 16, 128, 256, 128)])
-def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, head_dim, hidden, block_k):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,hidden,block_k,parts", [
+    (4, 2, 16, 96, 32, 1), (2, 2, 32, 64, 64, 1), (2, 1, 64, 80, 32, 2), (2, 1, 64, 80, 32, 4),
+    (16, 16, 128, 256, 128, 1), (16, 16, 128, 256, 128, 2), (16, 16, 128, 256, 128, 4)])
+def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, head_dim, hidden, block_k, parts):
+    # parts > 1: a head's rotary pairs over several programs (block_n = head_dim / parts), against the gemm
+    # of the same block_n: the same K tiles and order, so the same bits
     if device == "cpu" and head_dim == 128:
         pytest.skip("the Ouro head in the interpreter is slow; CUDA covers it")
     x, w, cos, sin, (k_cache, v_cache), meta = _case(device, heads, kv_heads, head_dim, hidden)
-    cfg = gm.GemmConfig(block_n=head_dim, block_k=block_k)
+    cfg = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k)
     fused_k, fused_v = k_cache.clone(), v_cache.clone()
     fused = qkv_rope_write_kv(x, w, cfg, cos, sin, fused_k, fused_v, *meta, heads)
     two_k, two_v = k_cache.clone(), v_cache.clone()
@@ -53,9 +56,9 @@ def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, h
     assert 0 < written <= 7, f"{written} cache cells changed; the 7 valid rows write one cell each"
 
 
-def test_fused_qkv_rope_write_rejects_a_tile_that_is_not_one_head():
+def test_fused_qkv_rope_write_rejects_a_tile_that_does_not_divide_a_head():
     x, w, cos, sin, (k_cache, v_cache), meta = _case("cpu", 4, 2, 16, 96)
-    with pytest.raises(ValueError, match="block_n == head_dim"):
+    with pytest.raises(ValueError, match="block_n dividing head_dim"):
         qkv_rope_write_kv(x, w, gm.GemmConfig(block_n=32, block_k=32), cos, sin, k_cache, v_cache, *meta, 4)
     with pytest.raises(ValueError, match="rows"):
         qkv_rope_write_kv(x, w[:-16], gm.GemmConfig(block_n=16, block_k=32), cos, sin, k_cache, v_cache, *meta, 4)

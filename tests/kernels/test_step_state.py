@@ -30,7 +30,10 @@ def _state(device, dtype, acc, S=6, hidden=48, vocab=40, max_len=9, seed=0):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,acc", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                        (torch.float64, torch.float64)])
-def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
+@pytest.mark.parametrize("block_v", [1024, None])      # chunk edges inside the case; the module's own chunk
+def test_gather_and_apply_equal_the_torch_code(device, dtype, acc, block_v, monkeypatch):
+    if block_v is not None:
+        monkeypatch.setattr(ss, "_BLOCK_V", block_v)
     state = _state(device, dtype, acc)
     i32 = dict(dtype=torch.int32, device=device)
     row_slot = torch.tensor([4, 0, 2, -1, 5, 1, -1, -1], **i32)         # three padding rows, depths 1 and 2
@@ -48,7 +51,7 @@ def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
     # greedy ties: row 0 holds its max twice in different chunks, row 1 twice in one chunk, row 2 on both sides
     # of a chunk edge (the first index must win); row 4 at the last logit, row 5 all -inf, row 6 NaN (torch
     # takes the first NaN)
-    logits = torch.randn(n, 3000, generator=g)            # two argmax chunks and a short third
+    logits = torch.randn(n, 3000, generator=g)            # 1024-element chunks: two and a short third
     logits[0, [700, 2500]] = 9.0
     logits[1, [301, 17]] = 9.0
     logits[2, [2100, 2047]] = 9.0
@@ -76,6 +79,30 @@ def test_gather_and_apply_equal_the_torch_code(device, dtype, acc):
         assert torch.equal(a, b), f"apply_rows left {name} different: {a} vs {b}"
     # the reference really did something: exiting rows appended their token
     assert want_st["n_out"][4] == state["n_out"][4] + 1 and want_st["n_out"][0] == state["n_out"][0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_across_the_module_chunks(device):
+    """At a vocabulary of three module-sized chunks (Ouro's is 49,152): maxima tied across the chunk edges,
+    within a chunk, two chunks apart and at the last logit; the first index wins, as in torch.argmax."""
+    state = _state(device, torch.float32, torch.float32)
+    vocab, c = 40_000, ss._BLOCK_V
+    assert 2 * c < vocab <= 3 * c
+    ties = [[c - 1, c], [c + 5, c + 3], [2 * c + 1, 7], [2 * c, 2 * c - 1], [vocab - 1]]
+    n = len(ties)
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(n, vocab, generator=g)
+    for row, cols in enumerate(ties):
+        logits[row, cols] = 9.0
+    args = (torch.ones(n, dtype=torch.bool), logits, state["hidden"][:n].clone(), torch.ones(n),
+            torch.zeros(n, dtype=torch.bool), torch.arange(n), torch.arange(n, dtype=torch.int32))
+    args = tuple(a.to(device) for a in args)
+    tokens = []
+    for fn in (ss.apply_rows, ss.apply_rows_ref):
+        st = {k: v.clone() for k, v in state.items()}
+        tokens.append(fn(*args, st["hidden"], st["survival"], st["triggered"], st["out_tokens"], st["n_out"],
+                         st["last_token"])[2].tolist())
+    assert tokens[0] == tokens[1] == [min(cols) for cols in ties], tokens
 
 
 def test_rejects_rows_of_different_lengths():
