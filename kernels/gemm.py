@@ -114,6 +114,9 @@ FASTER_UP_TO: dict[tuple[int, int], int] = {
 
 # gemm_swiglu per gate_up weight shape [2 I, K]; block_n counts gate rows. Measured (same table): n64 TMA
 # 14.9-15.6 us at M = 16-64 against 16.3-18.7 for n32 and 17.0-18.9 for cuBLAS + silu_mul; even at M 128.
+# The pointer kernel with gate and up rows in one tile (176 programs at n32, 352 at n16) did not beat it in
+# the decode loop (throughput probe, H200, 2026-12-03, median of 2, B16 / B32 tok/s: n64 TMA 3,190 / 4,920,
+# n32 3,171 / 4,897, n16 3,087 / 4,693).
 SWIGLU_CONFIGS: dict[tuple[int, int], GemmConfig] = {
     (11264, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True,
                               prefetch_tiles=1),
@@ -139,7 +142,9 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
                  DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False,
                  PREFETCH_K: tl.constexpr = 0):
     """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k].
-    GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`).
+    GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`); a
+    tile holds the program's BLOCK_N gate rows and their BLOCK_N up rows, one 2 BLOCK_N-row product per K tile
+    (so BLOCK_N 32 still feeds Hopper's 64-row warpgroup MMA).
     PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -149,10 +154,17 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     lo = split * tiles_per_split
     num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
     k0 = lo * BLOCK_K
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]     # [BN, BK]
+    if GLU:
+        r = tl.arange(0, 2 * BLOCK_N)
+        cols = pid_n * BLOCK_N + r % BLOCK_N
+        rows = (r // BLOCK_N) * N + cols                                 # gate rows, then the same up rows
+        mask_n = cols[:, None] < N
+    else:
+        rows = offs_n
+        mask_n = offs_n[:, None] < N
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]       # [rows, BK]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]     # [BK, BM]
     mask_m = offs_m[None, :] < M
-    mask_n = offs_n[:, None] < N
     if PREFETCH_K:
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
@@ -161,24 +173,23 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
         tl.extra.cuda.gdc_wait()
     if PDL == pdl.EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    acc, acc_up = _k_loop(w_ptrs, w_ptrs + N.to(tl.int64) * stride_wn, x_ptrs, mask_n, mask_m, offs_k, k0, K,
-                          num_tiles, BLOCK_N, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, GLU)
+    acc = _k_loop(w_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, (1 + GLU) * BLOCK_N, BLOCK_M,
+                  BLOCK_K, EVEN, DOT_FP32)
     if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     if GLU:
-        acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        acc = _swiglu(gate, up, out_ptr.dtype.element_ty)
     out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & (offs_n[:, None] < N))
 
 
 @triton.jit
-def _k_loop(w_ptrs, up_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, BLOCK_N: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr,
-            GLU: tl.constexpr):
-    """The K loop of the pointer kernels: fp32 accumulators [BLOCK_N, BLOCK_M] of w_ptrs' rows (and, with
-    GLU, of up_ptrs' rows) against x, over ``num_tiles`` K tiles from ``k0``. Returns (acc, acc_up)."""
+def _k_loop(w_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, BLOCK_N: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The K loop of the pointer kernels: the fp32 accumulator [BLOCK_N, BLOCK_M] of w_ptrs' BLOCK_N rows
+    against x, over ``num_tiles`` K tiles from ``k0``."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for t in range(0, num_tiles):
         if EVEN:
             w = tl.load(w_ptrs)
@@ -192,19 +203,9 @@ def _k_loop(w_ptrs, up_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, B
             acc = tl.dot(w.to(tl.float32), x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-        if GLU:
-            if EVEN:
-                wu = tl.load(up_ptrs)
-            else:
-                wu = tl.load(up_ptrs, mask=mask_n & mask_k[None, :], other=0.0)
-            if DOT_FP32:
-                acc_up = tl.dot(wu.to(tl.float32), x, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(wu, x, acc_up)
-            up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    return acc, acc_up
+    return acc
 
 
 @triton.jit

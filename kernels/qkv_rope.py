@@ -74,8 +74,8 @@ def _qkv_rope_write_kernel(
         tl.extra.cuda.gdc_wait()
     if PDL == pdl.EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    acc, _ = gm._k_loop(w_ptrs, w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K),
-                        2 * Q, BLOCK_M, BLOCK_K, EVEN, DOT_FP32, False)
+    acc = gm._k_loop(w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K), 2 * Q, BLOCK_M,
+                     BLOCK_K, EVEN, DOT_FP32)
     if PDL == pdl.LATE:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = qkv_ptr.dtype.element_ty

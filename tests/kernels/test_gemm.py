@@ -159,7 +159,8 @@ def test_ouro_shapes_batch_invariant_and_graph_safe_cuda(shape):
     assert torch.equal(out, eager), f"{shape}: graph replay differs from eager"
 
 
-@pytest.mark.parametrize("m,inter,k,bn,bk", [(3, 64, 64, 64, 64), (17, 100, 200, 64, 64), (33, 128, 96, 64, 32)])
+@pytest.mark.parametrize("m,inter,k,bn,bk", [(3, 64, 64, 64, 64), (17, 100, 200, 64, 64), (33, 128, 96, 64, 32),
+                                             (9, 70, 96, 16, 32)])     # 5 tiles of 16 gate + 16 up rows
 def test_gemm_swiglu_is_gemm_then_silu_mul_cpu(m, inter, k, bn, bk):
     x, w = _inputs(m, 2 * inter, k, "cpu")
     cfg = gm.GemmConfig(block_n=bn, block_k=bk)
@@ -177,7 +178,8 @@ def test_gemm_swiglu_is_gemm_then_silu_mul_cpu(m, inter, k, bn, bk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [c for c in GPU_VARIANTS if c.split_k == 1] + [gm.CONFIGS[(11264, 2048)]], ids=str)
+@pytest.mark.parametrize("cfg", [c for c in GPU_VARIANTS if c.split_k == 1] + [gm.CONFIGS[(11264, 2048)]]
+                         + [gm.GemmConfig(block_n=bn, block_k=128, pdl=True) for bn in (16, 32)], ids=str)
 @pytest.mark.parametrize("m,inter,k", [(5, 200, 328), (16, 5632, 2048), (128, 5632, 2048)])
 def test_gemm_swiglu_bitwise_equals_two_launches_cuda(cfg, m, inter, k):
     x, w = _inputs(m, 2 * inter, k, "cuda")
