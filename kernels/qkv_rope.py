@@ -34,11 +34,13 @@ from .kv_write import _validate_write
 # 10.7-11.6 us at M = 1-32 against 12.0-12.2 for gemm + rope_write_kv_ and 12.6-13.1 for cuBLAS +
 # rope_write_kv_, slower from M = 64; block_n = 64 (96 programs, two per head) raised the throughput probe
 # from 3,125 to 3,181 tok/s at B16/C32 and from 4,806 to 4,912 at B32/C64 (H200, 2026-12-03, median of 2).
-# FASTER_UP_TO stays as measured with block_n = 128.
+# At block_n 64 (kernels/results/gemm_h200_6f19577.md) it beats gemm + rope_write_kv_ up to M = 64 (10.60 vs
+# 13.12 us; 14.91 vs 13.92 for cuBLAS + rope_write_kv_ at 128), hence FASTER_UP_TO 64: B64/C128 6,791 -> 7,026
+# tok/s in the probe (same day, two alternating pairs).
 CONFIGS: dict[tuple[int, int], gm.GemmConfig] = {
     (6144, 2048): gm.GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, pdl=True, prefetch_tiles=1),
 }
-FASTER_UP_TO: dict[tuple[int, int], int] = {(6144, 2048): 32}
+FASTER_UP_TO: dict[tuple[int, int], int] = {(6144, 2048): 64}
 
 
 @triton.jit(do_not_specialize=["M"])
