@@ -497,7 +497,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if min_split_tokens < block_n or max_splits < 1:
         raise ValueError(f"need min_split_tokens >= block_n and max_splits >= 1, got "
                          f"{min_split_tokens}, {max_splits}")
-    if not isinstance(pipe_stages, int) or pipe_stages < 0:
+    if not isinstance(pipe_stages, int) or isinstance(pipe_stages, bool) or pipe_stages < 0:
         raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape

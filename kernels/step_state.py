@@ -195,8 +195,8 @@ def apply_rows(exit_now: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, s:
         ValueError naming the argument for a wrong shape, stride or dtype (``s`` must be survival's dtype).
     """
     n = _check_rows(exit_now=exit_now, s=s, trig=trig, sl=sl, row_slot=row_slot)
-    if logits.dim() != 2 or logits.shape[0] != n or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [{n}, vocab] with unit last stride, got {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < 1 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [{n}, vocab >= 1] with unit last stride, got {tuple(logits.shape)}")
     _check_slots(hidden, survival=(survival, s.dtype), triggered=(triggered, torch.bool),
                  out_tokens=(out_tokens, torch.int64), n_out=(n_out, torch.int64), last_token=(last_token, torch.int64))
     if sl.dtype != torch.int64 or exit_now.dtype != torch.bool or trig.dtype != torch.bool:

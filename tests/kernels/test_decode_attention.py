@@ -248,6 +248,9 @@ def test_rejects_bad_arguments():
         decode_attention(case["q"], k, v, **dict(case["meta"], row_pos=case["meta"]["row_pos"][:0]))
     with pytest.raises(ValueError, match="tile_size"):
         decode_attention(case["q"], k, v, **case["meta"], tile_size=0)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="pipe_stages"):
+            decode_attention(case["q"], k, v, **case["meta"], pipe_stages=bad)
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
     with pytest.raises(ValueError, match="contiguous"):
         decode_attention(many["q"], *many["native"],

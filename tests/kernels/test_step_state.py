@@ -136,6 +136,11 @@ def test_rejects_mismatched_state():
     with pytest.raises(ValueError, match="embed"):
         ss.gather_rows(rows, rows, state["last_token"], state["embed"].double(), state["hidden"], state["survival"],
                        state["triggered"])
+    with pytest.raises(ValueError, match="vocab >= 1"):
+        ss.apply_rows(torch.ones(2, dtype=torch.bool), torch.zeros(2, 0), state["hidden"][:2].clone(),
+                      torch.ones(2), torch.zeros(2, dtype=torch.bool), torch.zeros(2).long(), rows,
+                      state["hidden"], state["survival"], state["triggered"], state["out_tokens"], state["n_out"],
+                      state["last_token"])
     with pytest.raises(ValueError, match="survival must be torch.float64"):
         ss.apply_rows(torch.ones(2, dtype=torch.bool), torch.zeros(2, 5), state["hidden"][:2].clone(),
                       torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.bool), torch.zeros(2).long(), rows,
