@@ -193,10 +193,7 @@ def _decode_attention_split_kernel(
     split = tl.program_id(2)
     kv_head = head // GROUP
 
-    if PDL:                          # every input here (q, the cache, the metadata) is another kernel's output
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)                          # every input here (q, the cache, the metadata) is another kernel's output
     slot = tl.load(row_slot_ptr + row)
     depth = tl.load(row_depth_ptr + row)
     pos = tl.load(row_pos_ptr + row)
@@ -322,8 +319,7 @@ def _decode_attention_split_kernel(
             m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
                                                  BLOCK_N)
 
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)                            # an empty split
     w = tl.exp2(m_i - m_safe)
@@ -358,16 +354,12 @@ def _decode_attention_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_s = offs_s < NUM_SPLITS
     part = row * stride_pn + head * stride_ph + offs_s * stride_ps
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     m_s = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                     mask=mask_s[:, None], other=0.0)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     m = tl.max(m_s, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)     # a row without keys: all weights are zero
     w = tl.exp2(m_s - m)

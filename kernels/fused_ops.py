@@ -34,13 +34,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, B
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)     # a weight: no kernel writes it
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     tl.store(out_ptr + row * stride_out + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -54,18 +50,14 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hid
     mask = offs < hidden
     w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # weights: no kernel writes them
     w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     if SPLIT > 1:       # fp32 split-K partials of a projection: their sum in split order, rounded once
         for s in tl.static_range(1, SPLIT):
             y += tl.load(y_ptr + s * stride_ys + row * stride_y + offs, mask=mask, other=0.0)
         y = y.to(x_out_ptr.dtype.element_ty)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     y = y.to(tl.float32)
     inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / hidden + eps)
     normed = (w1 * (y * inv_y)).to(x_out_ptr.dtype.element_ty).to(tl.float32)   # rounded like the ref

@@ -169,14 +169,10 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     acc = _k_loop(w_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, (1 + GLU) * BLOCK_N, BLOCK_M,
                   BLOCK_K, EVEN, DOT_FP32)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         acc = _swiglu(gate, up, out_ptr.dtype.element_ty)
@@ -249,18 +245,14 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, s
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     for _ in range(0, num_tiles):
         x = x_desc.load([0, k])
         acc = tl.dot(w_desc.load([pid_n * BLOCK_N, k]), x.T, acc)
         if GLU:
             acc_up = tl.dot(w_desc.load([N + pid_n * BLOCK_N, k]), x.T, acc_up)
         k += BLOCK_K
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     if GLU:
         acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

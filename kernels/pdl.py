@@ -24,6 +24,7 @@ previous kernel's tail, which is most of the gap between two short kernels in a 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 # The process-wide switch (the throughput probe's ``--pdl off``): read when a kernel is launched or
@@ -61,6 +62,23 @@ def mode(use_pdl: bool) -> int:
     if TRIGGER not in TRIGGERS:
         raise ValueError(f"pdl.TRIGGER must be one of {TRIGGERS}, got {TRIGGER!r}")
     return int(EARLY.value if TRIGGER == "early" else LATE.value)
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """In a kernel with a ``PDL`` constexpr (:func:`mode`): ``griddepcontrol.wait`` before its first load of
+    another kernel's output, then, under the early trigger, the release of its dependents."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """The late trigger's release of a kernel's dependents, after its main loop and before its stores."""
+    if PDL == LATE:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def launch_options(use_pdl: bool, **options) -> dict:

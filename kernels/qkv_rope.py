@@ -72,14 +72,10 @@ def _qkv_rope_write_kernel(
         n_rows = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + HALF + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     acc = gm._k_loop(w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K), 2 * Q, BLOCK_M,
                      BLOCK_K, EVEN, DOT_FP32)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     dtype = qkv_ptr.dtype.element_ty
     halves = tl.permute(tl.reshape(acc.to(dtype), (2, Q, BLOCK_M)), (1, 2, 0))
     x1, x2 = tl.split(halves)                                     # [Q, BLOCK_M]: dims d and d + HALF

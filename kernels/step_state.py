@@ -37,10 +37,7 @@ def _gather_rows_kernel(row_slot_ptr, row_depth_ptr, last_token_ptr, embed_ptr, 
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     slot = tl.load(row_slot_ptr + row)
     first = tl.load(row_depth_ptr + row) == 1
     sl = tl.where(slot >= 0, slot, scratch).to(tl.int64)
@@ -51,8 +48,7 @@ def _gather_rows_kernel(row_slot_ptr, row_depth_ptr, last_token_ptr, embed_ptr, 
     x = tl.load(src + offs, mask=mask)
     survival = tl.load(survival_ptr + sl)
     triggered = tl.load(triggered_ptr + sl)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     tl.store(sl_ptr + row, sl)
     tl.store(s_prev_ptr + row, tl.where(first, 1.0, survival).to(s_prev_ptr.dtype.element_ty))
@@ -88,10 +84,7 @@ def _apply_rows_kernel(exit_ptr, logits_ptr, x_ptr, s_ptr, trig_ptr, sl_ptr, row
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == pdl.EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK_V, ACC)
     sl = tl.load(sl_ptr + row)
     slot = tl.load(row_slot_ptr + row)
@@ -100,8 +93,7 @@ def _apply_rows_kernel(exit_ptr, logits_ptr, x_ptr, s_ptr, trig_ptr, sl_ptr, row
     s = tl.load(s_ptr + row)
     trig = tl.load(trig_ptr + row)
     n = tl.load(n_out_ptr + sl)
-    if PDL == pdl.LATE:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.release(PDL)
     tl.store(hidden_ptr + sl * stride_h + offs, x, mask=mask)
     tl.store(survival_ptr + sl, s)
     tl.store(triggered_ptr + sl, trig)
