@@ -55,6 +55,7 @@ The kernels know nothing about exit policies or the scheduler; they read the met
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -149,6 +150,18 @@ def _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb, 
     k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
     v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
     return k, v
+
+
+@triton.jit
+def _widen(x):
+    """``x`` in fp32, the same values as ``x.to(tl.float32)``. A bf16 value is the upper half of its fp32
+    value, so bf16 tiles widen by an integer shift: Triton 3.6 then keeps a K/V tile carried across loop
+    iterations as packed 32-bit words (the cast made LLVM carry one tile as 32 scalar 16-bit values, one
+    register each), which is what puts every layout at or under 128 registers per thread."""
+    if x.dtype == tl.bfloat16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -253,8 +266,8 @@ def _decode_attention_split_kernel(
     block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 1, split_end, depth, direct_end, direct_tiles,
                         num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
                         PREFIX)
-    if LAYOUT_ALIAS:
-        if EXIT_AHEAD:      # e_p of the first tile the routed loop looks up
+    if LAYOUT_ALIAS and not PREFIX:
+        if EXIT_AHEAD:      # e_p of the first tile the routed loop looks up (alias+prefix: after its direct loop)
             exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
                                    BLOCK_N, PREFIX)
 
@@ -267,8 +280,8 @@ def _decode_attention_split_kernel(
         if PREFIX:
             # Direct prefix: the native loop, tile for tile.
             for tile in range(tile_lo, routed_from):
-                k_cur = k.to(tl.float32)
-                v_cur = v.to(tl.float32)
+                k_cur = _widen(k)
+                v_cur = _widen(v)
                 k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
                                 stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
                 block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
@@ -276,16 +289,27 @@ def _decode_attention_split_kernel(
                                                      BLOCK_N)
             # The routed loop's first K/V pages, looked up afresh (an L1 hit) instead of taken from the loop
             # above: same values, but carrying them across made Triton 3.6 move the routed loop's lookups to
-            # another register layout, with a shared-memory exchange and two barriers per tile.
+            # another register layout, with a shared-memory exchange and two barriers per tile. Its first
+            # K/V tile is loaded afresh too (an L1/L2 hit; the direct loop's last prefetch goes unused), and
+            # its first exit-map tile read only here: carried across the direct loop, the tile and the exit
+            # map cost alias+prefix 20-40 registers more than either loop needs (ptxas, sm_90).
+            block = _tile_pages(bt_row, bt_plane, exit_row, routed_from, split_end, depth, direct_end,
+                                direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE,
+                                LAYOUT_ALIAS, PREFIX)
+            k, v = _load_kv(k_head, v_head, block, routed_from, split_end, offs_t, mask_d, stride_kb, stride_kt,
+                            stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
             block = _tile_pages(bt_row, bt_plane, exit_row, routed_from + 1, split_end, depth, direct_end,
                                 direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE,
                                 LAYOUT_ALIAS, PREFIX)
+            if EXIT_AHEAD:
+                exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
+                                       BLOCK_N, PREFIX)
         # Routed tiles: key p from plane min(d, e_p). Of the tiles looked up here only the first, tile
         # direct_tiles, can hold keys before direct_end (when that is not a multiple of BLOCK_N); with
         # EXIT_AHEAD its exit map was read above, masked, so the loop needs no such mask (MASK_ROUTED).
         for tile in range(routed_from, tile_hi):
-            k_cur = k.to(tl.float32)
-            v_cur = v.to(tl.float32)
+            k_cur = _widen(k)
+            v_cur = _widen(v)
             k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
                             stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
             if EXIT_AHEAD:
@@ -307,12 +331,12 @@ def _decode_attention_split_kernel(
             block = _direct_pages(bt_plane, tile, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
             k, v = _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb,
                             stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _online_softmax_step(q, k.to(tl.float32), v.to(tl.float32), tile, split_end,
+            m_i, l_i, acc = _online_softmax_step(q, _widen(k), _widen(v), tile, split_end,
                                                  offs_t, m_i, l_i, acc, BLOCK_N)
     else:
         for tile in range(tile_lo, tile_hi):
-            k_cur = k.to(tl.float32)
-            v_cur = v.to(tl.float32)
+            k_cur = _widen(k)
+            v_cur = _widen(v)
             k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
                             stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
             block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
@@ -418,8 +442,12 @@ def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, e
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N) -> dict:
-    """Launch meta-parameters for the split kernel: a pure function of the tile shape.
+UNCAPPED_PROGRAMS_PER_SM = 3    # split programs of 4 warps resident per SM without a register cap (alias: 151-161 regs)
+REGISTER_CAP = 128              # registers per thread under the cap: 4 programs of 4 warps per SM
+
+
+def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int = 0, sm_count: int = 0) -> dict:
+    """Launch meta-parameters for the split kernel: a pure function of the tile shape and the grid size.
 
     Identical for every layout so native, alias and alias+prefix compile the same arithmetic. One warp
     per 1024 tile elements (4 for Ouro's 32 x 128); one stage, since the loop pipelines itself (2 stages
@@ -428,14 +456,35 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N) -> dict:
     6-10% faster and brought alias+prefix from 6-10% to about 3% over native (measured on the previous
     kernel, results/decode_attention_h200_991a154.md).
 
-    No register cap: native needs 134-136 registers per thread (3 programs of 4 warps per SM); with
-    ``maxnreg=128`` it fits without spilling, 4 programs per SM, and ran 2.5-18% faster on the H200 (most
-    at B32, context 128-256: one wave instead of two), but alias and alias+prefix (151-161 registers)
-    spill at 128 and got slower. A cap for native alone would change the native-vs-alias comparison, so it
-    is left to the engine's owners; results/decode_attention_h200.md has the numbers (``*_r128``).
+    Register cap: ``maxnreg=REGISTER_CAP`` when the grid (``programs``, split programs of the launch) is
+    more than ``UNCAPPED_PROGRAMS_PER_SM * sm_count``, i.e. when the uncapped alias kernels would need a
+    second wave; else none. Since bf16 K/V tiles widen by a shift (``_widen``) and alias+prefix reloads the
+    routed loop's first tile, every layout fits 128 registers without spilling (ptxas, Triton 3.6, sm_90;
+    uncapped, alias and alias+prefix take 151-161). On the H200 (kernels/results/
+    decode_attention_h200_ce805f8.md) the cap brought alias+prefix at B32, context 128-256 (512 programs,
+    two waves uncapped) from 1.22-1.23x native to 1.03-1.04x, and plain alias at B16-B64, context 1024
+    from 1.09-1.11x to 1.02-1.05x; at B16, context 128-256 (256 programs, one wave either way) it cost
+    alias+prefix 3-5% and alias up to 1.3%; native moved under 2% either way. The rule depends on the launch shape only, never on
+    the layout, so the native-vs-alias comparison stays about the layouts; the cap changes no bit.
+    ``sm_count`` 0 (a CPU tensor, the interpreter) means no cap.
     """
     tile = block_n * triton.next_power_of_2(head_dim)
-    return {"num_warps": max(1, min(8, tile // 1024)), "num_stages": 1}
+    cfg = {"num_warps": max(1, min(8, tile // 1024)), "num_stages": 1}
+    if sm_count and programs > UNCAPPED_PROGRAMS_PER_SM * sm_count:
+        cfg["maxnreg"] = REGISTER_CAP
+    return cfg
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 for any other device)."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -464,7 +513,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tile_size: granularity (positions) of the prefix switch.
         scale: softmax scale, default ``1/sqrt(D)``.
         block_n, min_split_tokens, max_splits, num_warps, num_stages, maxnreg: tuning knobs (benchmarks
-            only; ``maxnreg`` caps registers per thread); bitwise equality between layouts holds for equal
+            only; ``maxnreg`` caps registers per thread, default ``launch_config``'s rule, ``0`` for no
+            cap); bitwise equality between layouts holds for equal
             knobs, and ``num_stages`` and ``maxnreg`` change no result at all.
         exit_ahead: alias layout only: read the exit map one tile ahead of the block-table lookup that
             uses it (default) instead of in the same iteration. Changes no value, only the schedule.
@@ -474,7 +524,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
-            layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``pipe_stages``).
+            layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``maxnreg``,
+            ``pipe_stages``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -489,6 +540,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if min_split_tokens < block_n or max_splits < 1:
         raise ValueError(f"need min_split_tokens >= block_n and max_splits >= 1, got "
                          f"{min_split_tokens}, {max_splits}")
+    if maxnreg is not None and (not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or maxnreg < 0):
+        raise ValueError(f"maxnreg must be None or an int >= 0 (0: no cap), got {maxnreg!r}")
     if not isinstance(pipe_stages, int) or isinstance(pipe_stages, bool) or pipe_stages < 0:
         raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
     n, h, d = q.shape
@@ -510,13 +563,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = torch.empty((n, h, num_splits, head_dim_pad), device=q.device, dtype=torch.float32)
     else:
         part_m = part_l = part_acc = out     # unused by the DIRECT_OUT variant
-    cfg = launch_config(d, block_n)
+    cfg = launch_config(d, block_n, programs=h * n * num_splits, sm_count=_sm_count(q.device))
     if num_warps is not None:
         cfg["num_warps"] = num_warps
     if num_stages is not None:
         cfg["num_stages"] = num_stages
     if maxnreg is not None:
-        cfg["maxnreg"] = maxnreg
+        cfg["maxnreg"] = maxnreg or None
 
     alias = layout == "alias"
     prefix = alias and bool(prefix_tiles)

@@ -15,7 +15,8 @@ For Ouro-1.4B's attention shape (16 heads, head_dim 128, bf16, block_size 16) an
 - whether the three layouts gave bitwise-identical outputs.
 
 Extra variants (``--variants``) time the same workload with a scheduling knob changed (``noahead``: the
-routed loop reads the exit map in the iteration that uses it; ``r128``: at most 128 registers per thread)
+routed loop reads the exit map in the iteration that uses it; ``nocap`` / ``cap``: no register cap / always
+128 registers, where the default caps only a grid of more than 3 programs per SM)
 or, with ``--baseline FILE``, with another version of the kernel module (``base_*``: e.g. the previous
 commit's ``decode_attention.py``, timed in the same process for a like-for-like before/after). Their
 times relative to this kernel's native go into extra columns; every variant must give native's bits.
@@ -127,9 +128,12 @@ def calls(work: dict, layout: str, prefix: bool, fn=decode_attention, **kw) -> l
 VARIANTS = {
     "alias_noahead": ("new", "alias", False, dict(exit_ahead=False)),
     "prefix_noahead": ("new", "alias", True, dict(exit_ahead=False)),
-    "native_r128": ("new", "native", False, dict(maxnreg=128)),
-    "alias_r128": ("new", "alias", False, dict(maxnreg=128)),
-    "prefix_r128": ("new", "alias", True, dict(maxnreg=128)),
+    "native_nocap": ("new", "native", False, dict(maxnreg=0)),
+    "alias_nocap": ("new", "alias", False, dict(maxnreg=0)),
+    "prefix_nocap": ("new", "alias", True, dict(maxnreg=0)),
+    "native_cap": ("new", "native", False, dict(maxnreg=128)),
+    "alias_cap": ("new", "alias", False, dict(maxnreg=128)),
+    "prefix_cap": ("new", "alias", True, dict(maxnreg=128)),
     "native_pipe2": ("new", "native", False, dict(pipe_stages=2)),
     "native_pipe3": ("new", "native", False, dict(pipe_stages=3)),
     "native_pipe4": ("new", "native", False, dict(pipe_stages=4)),

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loopbench.kernels.decode_attention import decode_attention, decode_attention_ref
+from loopbench.kernels.decode_attention import (REGISTER_CAP, UNCAPPED_PROGRAMS_PER_SM, decode_attention,
+                                                decode_attention_ref, launch_config)
 from loopbench.kernels.kv_write import native_fill, native_fill_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -251,6 +252,9 @@ def test_rejects_bad_arguments():
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="pipe_stages"):
             decode_attention(case["q"], k, v, **case["meta"], pipe_stages=bad)
+    for bad in (-1, True, 128.0):
+        with pytest.raises(ValueError, match="maxnreg"):
+            decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
     with pytest.raises(ValueError, match="contiguous"):
         decode_attention(many["q"], *many["native"],
@@ -290,9 +294,21 @@ def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size,
     assert not torch.equal(before, plain), "the tampered exit map should change the per-key reader"
 
 
+def test_register_cap_follows_the_grid_not_the_layout():
+    # The cap is chosen from the launch shape alone: on at a grid beyond one uncapped wave, off at or
+    # below it and without an SM count (CPU / interpreter); the warps follow the tile only.
+    sms = 132
+    wave = UNCAPPED_PROGRAMS_PER_SM * sms
+    assert launch_config(128, 32, programs=wave + 1, sm_count=sms)["maxnreg"] == REGISTER_CAP
+    assert "maxnreg" not in launch_config(128, 32, programs=wave, sm_count=sms)
+    assert "maxnreg" not in launch_config(128, 32, programs=10 * wave, sm_count=0)
+    assert launch_config(128, 32)["num_warps"] == 4 and launch_config(128, 16)["num_warps"] == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("kw", [dict(maxnreg=128), dict(exit_ahead=False), dict(pipe_stages=3)])
+@pytest.mark.parametrize("kw", [dict(maxnreg=0), dict(maxnreg=128), dict(exit_ahead=False),
+                                dict(pipe_stages=3)])
 def test_schedule_knobs_change_no_bit(kw):
     # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
     case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,
