@@ -31,15 +31,19 @@ pipelined by hand: the next tile's K/V loads and the page lookups two tiles ahea
 current tile is reduced, and the routed loop reads the exit map three tiles ahead, so no lookup waits on a
 load issued in the same iteration.
 
-Measured on an H200 (kernels/results/decode_attention_h200.md, Ouro shape, bf16, B 16-128, context
-128-4096, first alias at 60% of the context): native reads K/V at 68-92% of the device-to-device copy
-ceiling for B >= 32 and context >= 1024, within 1.15-1.2x of dense cuDNN SDPA over contiguous K/V, and is
-unchanged (bitwise and in time) by the split loops. alias+prefix takes 0.98-1.03x native's time and plain
-alias 0.98-1.04x (the previous kernel, with a masked exit-map load on every tile, took 1.04-1.11x); 0.98-1.00x
-at B16/32 with context 256, 1.02-1.03x at context 128, where half of the four tiles are routed. Reading the
-exit map a tile ahead is worth 2.5-6.5% of that. Per tile (ptxas, sm_90), the direct loop is native's
-instruction for instruction; the routed loop has about 8% more instructions (an exit-map load, the plane
-and the block-table address per key), which is what remains of the gap at long contexts.
+Measured on an H200 (kernels/results/decode_attention_h200_dd8c0a3.md, Ouro shape, bf16, B 1-128, context
+128-4096, first alias at 60% of the context): native reads K/V at 55-100% of the device-to-device copy
+ceiling for B >= 32 (73-100% at context >= 1024), 0.94-1.18x the time of dense cuDNN SDPA over contiguous
+K/V for B >= 16.
+Plain alias takes 1.04-1.08x native's time for B >= 16 and alias+prefix 1.02-1.06x at context 128-256 but
+1.09-1.15x at 1024-4096. The bf16 widening by a shift (``_widen``), the routed loop's fresh start and the
+register cap did that: against ce805f8's kernel timed in the same process
+(kernels/results/decode_attention_h200_ce805f8.md), at context 1024 native took 5-6% less time and
+alias+prefix 0-5% more (the kernels/results/decode_attention_h200.md table of an earlier kernel had
+alias+prefix at 0.98-1.03x native); at B32, context 128-256 every layout took 16-19% less time (one wave
+instead of two), the case the engine's bench points run. Reading the exit map a tile ahead
+is worth 2.5-6.5%. Per tile (ptxas, sm_90), the routed loop has about 8% more instructions than the direct
+one (an exit-map load, the plane and the block-table address per key).
 
 Scores use ``exp2`` with ``scale * log2(e)`` folded into the query (the FlashAttention-2 formulation).
 The dot products are fp32 elementwise products reduced with ``tl.sum``: decode has one query per head, so
