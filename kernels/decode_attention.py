@@ -183,7 +183,9 @@ def _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc
     return m_new, l_i, acc
 
 
-# Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles.
+# Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles,
+# except once where its grid crosses launch_config's register-cap threshold (a second compiled variant;
+# the engine meets it in its eager warm-up before graph capture).
 @triton.jit(do_not_specialize=["num_slots", "num_planes", "max_ctx", "tile_size"])
 def _decode_attention_split_kernel(
     # pointers
@@ -470,7 +472,8 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int =
     from 1.09-1.11x to 1.02-1.05x; at B16, context 128-256 (256 programs, one wave either way) it cost
     alias+prefix 3-5% and alias up to 1.3%; native moved under 2% either way. The rule depends on the launch shape only, never on
     the layout, so the native-vs-alias comparison stays about the layouts; the cap changes no bit.
-    ``sm_count`` 0 (a CPU tensor, the interpreter) means no cap.
+    ``sm_count`` 0 (a CPU tensor, the interpreter) means no cap. The threshold counts every program of the
+    grid (padding rows and splits past a row's context included) and assumes the default 4 warps.
     """
     tile = block_n * triton.next_power_of_2(head_dim)
     cfg = {"num_warps": max(1, min(8, tile // 1024)), "num_stages": 1}
