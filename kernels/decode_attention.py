@@ -34,16 +34,15 @@ load issued in the same iteration.
 Measured on an H200 (kernels/results/decode_attention_h200_dd8c0a3.md, Ouro shape, bf16, B 1-128, context
 128-4096, first alias at 60% of the context): native reads K/V at 55-100% of the device-to-device copy
 ceiling for B >= 32 (73-100% at context >= 1024), 0.94-1.18x the time of dense cuDNN SDPA over contiguous
-K/V for B >= 16.
-Plain alias takes 1.04-1.08x native's time for B >= 16 and alias+prefix 1.02-1.06x at context 128-256 but
-1.09-1.15x at 1024-4096. The bf16 widening by a shift (``_widen``), the routed loop's fresh start and the
-register cap did that: against ce805f8's kernel timed in the same process
-(kernels/results/decode_attention_h200_ce805f8.md), at context 1024 native took 5-6% less time and
-alias+prefix 0-5% more (the kernels/results/decode_attention_h200.md table of an earlier kernel had
-alias+prefix at 0.98-1.03x native); at B32, context 128-256 every layout took 16-19% less time (one wave
-instead of two), the case the engine's bench points run. Reading the exit map a tile ahead
-is worth 2.5-6.5%. Per tile (ptxas, sm_90), the routed loop has about 8% more instructions than the direct
-one (an exit-map load, the plane and the block-table address per key).
+K/V for B >= 16. Plain alias takes 1.04-1.08x native's time for B >= 16; alias+prefix 1.02-1.06x at context
+128-256 but 1.09-1.15x at 1024-4096. Against ce805f8's kernel timed in the same process
+(kernels/results/decode_attention_h200_ce805f8.md), the bf16 widening by a shift (``_widen``), the routed
+loop's fresh start and the register cap took 16-19% off every layout's time at B32, context 128-256 (one
+wave instead of two; the engine's bench points) and 5-6% off native's at context 1024, but added 0-5% to
+alias+prefix's there (the kernels/results/decode_attention_h200.md table of an earlier kernel had
+alias+prefix at 0.98-1.03x native). Reading the exit map a tile ahead is worth 2.5-6.5%. Per tile (ptxas,
+sm_90), the routed loop has about 8% more instructions than the direct one (an exit-map load, the plane and
+the block-table address per key).
 
 Scores use ``exp2`` with ``scale * log2(e)`` folded into the query (the FlashAttention-2 formulation).
 The dot products are fp32 elementwise products reduced with ``tl.sum``: decode has one query per head, so
@@ -161,7 +160,8 @@ def _widen(x):
     """``x`` in fp32, the same values as ``x.to(tl.float32)``. A bf16 value is the upper half of its fp32
     value, so bf16 tiles widen by an integer shift: Triton 3.6 then keeps a K/V tile carried across loop
     iterations as packed 32-bit words (the cast made LLVM carry one tile as 32 scalar 16-bit values, one
-    register each), which is what puts every layout at or under 128 registers per thread."""
+    register each), which is what lets every layout fit the 128-register cap without spilling (uncapped,
+    ptxas still gives alias and alias+prefix more than 128)."""
     if x.dtype == tl.bfloat16:
         bits = x.to(tl.int16, bitcast=True).to(tl.uint16, bitcast=True).to(tl.uint32)
         return (bits << 16).to(tl.float32, bitcast=True)
@@ -448,7 +448,7 @@ def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, e
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-UNCAPPED_PROGRAMS_PER_SM = 3    # split programs of 4 warps resident per SM without a register cap (alias: 151-161 regs)
+UNCAPPED_PROGRAMS_PER_SM = 3    # split programs of 4 warps resident per SM uncapped (alias: 151-161 regs)
 REGISTER_CAP = 128              # registers per thread under the cap: 4 programs of 4 warps per SM
 
 
@@ -470,8 +470,9 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int =
     decode_attention_h200_ce805f8.md) the cap brought alias+prefix at B32, context 128-256 (512 programs,
     two waves uncapped) from 1.22-1.23x native to 1.03-1.04x, and plain alias at B16-B64, context 1024
     from 1.09-1.11x to 1.02-1.05x; at B16, context 128-256 (256 programs, one wave either way) it cost
-    alias+prefix 3-5% and alias up to 1.3%; native moved under 2% either way. The rule depends on the launch shape only, never on
-    the layout, so the native-vs-alias comparison stays about the layouts; the cap changes no bit.
+    alias+prefix 3-5% and alias up to 1.3%; native moved under 2% either way. The rule depends on the
+    launch shape only, never on the layout, so the native-vs-alias comparison stays about the layouts;
+    the cap changes no bit.
     ``sm_count`` 0 (a CPU tensor, the interpreter) means no cap. The threshold counts every program of the
     grid (padding rows and splits past a row's context included) and assumes the default 4 warps.
     """
@@ -521,8 +522,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale: softmax scale, default ``1/sqrt(D)``.
         block_n, min_split_tokens, max_splits, num_warps, num_stages, maxnreg: tuning knobs (benchmarks
             only; ``maxnreg`` caps registers per thread, default ``launch_config``'s rule, ``0`` for no
-            cap); bitwise equality between layouts holds for equal
-            knobs, and ``num_stages`` and ``maxnreg`` change no result at all.
+            cap); bitwise equality between layouts holds for equal knobs, and ``num_stages`` and
+            ``maxnreg`` change no result at all.
         exit_ahead: alias layout only: read the exit map one tile ahead of the block-table lookup that
             uses it (default) instead of in the same iteration. Changes no value, only the schedule.
         pipe_stages: native layout only (ignored for ``alias``): ``0`` (default) runs the hand-pipelined
