@@ -13,6 +13,12 @@ machine without CUDA it runs the torch backend on the CPU (slowly).
     python -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs 16 --num-requests 32
     python -m loopbench.harness.throughput --preset ouro-1.4b --policy both --profile /tmp/profile-b16.md
 
+``--gemm-config ROLE.FIELD=VALUE`` (repeatable) changes one field of one projection's small-M GEMM configuration
+(kernels/gemm.py, kernels/qkv_rope.py) for the probe's process, so that configurations are compared in the
+decode loop itself rather than in an isolated microbenchmark, e.g.
+``--gemm-config gate_up.num_stages=3 --gemm-config swiglu.prefetch_tiles=4``; ``ROLE.faster_up_to=0`` sends that
+role to cuBLAS. The profile report records the overrides.
+
 ``--telemetry on`` runs the NVML sampler of the measured arms (harness/sampler.py) around every timed run;
 ``--telemetry ab`` measures what it costs: each repeat times the replay twice, sampler off and on in
 alternating order, and prints the median tokens/s ratio on / off and the sampler thread's CPU time per
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -34,9 +41,9 @@ from typing import Callable
 import torch
 
 from loopbench.runtime.api import EngineConfig, EngineStats, Request
-from loopbench.runtime.checkpoint import load_checkpoint
+from loopbench.runtime.checkpoint import CONFIG_NAME, config_from_hf_dict, load_checkpoint
 from loopbench.runtime.engine import LoopEngine
-from loopbench.runtime.model import OuroModel
+from loopbench.runtime.model import PRESETS, OuroConfig, OuroModel
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import write_calibrated_checkpoint
@@ -65,6 +72,45 @@ def _markdown_path(text: str) -> Path:
     if not text.endswith(".md"):
         raise argparse.ArgumentTypeError(f"{text!r} does not end in .md (the JSON goes beside it)")
     return Path(text)
+
+
+# --gemm-config's roles: the projection a GEMM configuration table entry serves, and the table it lives in
+# (kernels/gemm.py CONFIGS / SWIGLU_CONFIGS, kernels/qkv_rope.py CONFIGS; each keyed by the weight's [N, K]).
+# The fused loop (runtime/model.py) runs qkv_rope and swiglu where they have a configuration for the rows, and
+# the plain qkv / gate_up entries (then RoPE or SwiGLU as separate launches) only where they do not.
+GEMM_ROLES = ("qkv", "o_proj", "gate_up", "down", "lm_head", "swiglu", "qkv_rope")
+
+
+def gemm_fields() -> dict[str, bool]:
+    """The GemmConfig fields ``--gemm-config`` may set, name -> whether it is a bool (kernels are imported
+    lazily, as everywhere in the probe)."""
+    from loopbench.kernels.gemm import GemmConfig
+    return {f.name: f.type in ("bool", bool) for f in dataclasses.fields(GemmConfig)}
+
+
+def _gemm_override(text: str) -> tuple[str, str, int | bool]:
+    """``ROLE.FIELD=VALUE`` -> (role, field, value); an argparse error names the bad part."""
+    key, sep, raw = text.partition("=")
+    role, dot, field = key.partition(".")
+    if not (sep and dot):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROLE.FIELD=VALUE (e.g. gate_up.num_stages=3)")
+    if role not in GEMM_ROLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown role {role!r} (one of {', '.join(GEMM_ROLES)})")
+    fields = gemm_fields()
+    if field not in fields and field != "faster_up_to":
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown field {field!r} (one of {', '.join(fields)}, faster_up_to)")
+    if fields.get(field):
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise argparse.ArgumentTypeError(f"{text!r}: {field} must be true or false, got {raw!r}")
+        return role, field, raw.lower() in ("true", "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {field} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: {field} must be >= 0, got {value}")
+    return role, field, value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,6 +144,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefetch-tiles", type=int, default=None, metavar="TILES",
                     help="GemmConfig.prefetch_tiles of every small-M GEMM configuration: weight K tiles each "
                          "program prefetches into L2 before its PDL wait (default: as configured)")
+    ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[], metavar="ROLE.FIELD=VALUE",
+                    help="override one field of one projection's small-M GEMM configuration for this probe, e.g. "
+                         "gate_up.num_stages=3 or qkv_rope.faster_up_to=128 (repeatable; applied after "
+                         "--prefetch-tiles). ROLE: " + ", ".join(GEMM_ROLES) + "; FIELD: a GemmConfig field ("
+                         + ", ".join(gemm_fields()) + ") or faster_up_to (the most rows it runs at)")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
@@ -124,7 +175,8 @@ def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
     Returns the function that puts the previous values back (:func:`main` calls it when it ends, so a later probe in
     the same process starts from the defaults)."""
     from loopbench.kernels import gemm, pdl, qkv_rope
-    tables = (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)
+    tables = (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS,
+              gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO)
     saved_enabled, saved_trigger, saved_tables = pdl.ENABLED, pdl.TRIGGER, [dict(t) for t in tables]
 
     def restore() -> None:
@@ -139,10 +191,58 @@ def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
         pdl.TRIGGER = mode
     tiles = getattr(args, "prefetch_tiles", None)
     if tiles is not None:
-        for table in tables:
+        for table in tables[:3]:
             for shape, c in table.items():
                 table[shape] = dataclasses.replace(c, prefetch_tiles=tiles)
     return restore
+
+
+def gemm_tables(cfg: OuroConfig) -> dict[str, tuple[dict, dict, tuple[int, int]]]:
+    """Per ``--gemm-config`` role: (its configuration table, that table's FASTER_UP_TO, the weight shape
+    [N, K] of ``cfg``'s projection that keys both; runtime/model.py's fused LayerWeights and lm_head)."""
+    from loopbench.kernels import gemm, qkv_rope
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h)
+    shapes = {"qkv": qkv, "o_proj": (h, cfg.num_attention_heads * d), "gate_up": (2 * i, h), "down": (h, i),
+              "lm_head": (cfg.vocab_size, h)}
+    plain = {role: (gemm.CONFIGS, gemm.FASTER_UP_TO, shape) for role, shape in shapes.items()}
+    return {**plain, "swiglu": (gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO, (2 * i, h)),
+            "qkv_rope": (qkv_rope.CONFIGS, qkv_rope.FASTER_UP_TO, qkv)}
+
+
+def apply_gemm_overrides(cfg: OuroConfig, overrides: list[tuple[str, str, int | bool]]) -> None:
+    """``--gemm-config``: replace one field of a role's configuration (or its FASTER_UP_TO) for this model's
+    weight shapes (``cfg``), in the tables the model reads at every launch; :func:`apply_kernel_options`' restore
+    puts them back. Raises ValueError naming the role and shape that has no configuration (that projection runs
+    on cuBLAS), or the field GemmConfig refuses; :func:`main` applies them before any weight is loaded."""
+    tables = gemm_tables(cfg)
+    for role, field, value in overrides:
+        configs, faster, shape = tables[role]
+        if shape not in configs:
+            raise ValueError(f"--gemm-config {role}.{field}: no {role} configuration for weight shape {shape} "
+                             f"(it runs on cuBLAS; configured shapes: {sorted(configs)})")
+        if field == "faster_up_to":
+            faster[shape] = value
+            continue
+        try:
+            configs[shape] = dataclasses.replace(configs[shape], **{field: value})
+        except ValueError as e:
+            raise ValueError(f"--gemm-config {role}.{field}={value}: {e}") from None
+
+
+def model_config(args: argparse.Namespace) -> OuroConfig:
+    """The probe's model shape without loading weights: ``--checkpoint``'s config.json, else ``--preset``'s.
+    Raises ValueError (CheckpointError for a bad config.json) naming the bad file, key or preset."""
+    if args.checkpoint:
+        path = Path(args.checkpoint) / CONFIG_NAME
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read the checkpoint's config: {e}") from None
+        return config_from_hf_dict(raw, source=str(path))
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
+    return PRESETS[args.preset]
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
@@ -325,6 +425,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
+            "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
@@ -372,6 +473,12 @@ def main(argv=None) -> int:
     max_len = max_model_len(args.prompt_len, args.output_len)
     restore_kernel_options = apply_kernel_options(args)
     try:
+        if args.gemm_config:
+            try:
+                apply_gemm_overrides(model_config(args), args.gemm_config)
+            except ValueError as e:                 # CheckpointError too: a bad config.json or preset, named
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         return _run(args, identity, device, max_len)
     finally:
         restore_kernel_options()

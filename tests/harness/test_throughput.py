@@ -1,4 +1,5 @@
 """The throughput probe end to end on the CPU (tiny preset): natural vs replay, the profile report, bad arguments."""
+import dataclasses
 import json
 
 import pytest
@@ -88,3 +89,62 @@ def test_prefill_gemm_rows_reach_the_engine_config():
     default = throughput.parse_args([])
     assert throughput.engine_config(arm, default, 2112, "ouro_delayed").prefill_call_rows == 1024
 
+
+
+@pytest.mark.parametrize("text, message", [
+    ("gate_up.num_stages", "is not ROLE.FIELD=VALUE"),
+    ("gateup.num_stages=3", "unknown role 'gateup'"),
+    ("gate_up.stages=3", "unknown field 'stages'"),
+    ("gate_up.num_stages=three", "num_stages must be an integer, got 'three'"),
+    ("gate_up.tma=yes", "tma must be true or false, got 'yes'"),
+    ("down.split_k=-1", "split_k must be >= 0, got -1"),
+])
+def test_bad_gemm_config_overrides_are_argparse_errors_naming_the_part(text, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        throughput.parse_args(["--gemm-config", text])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gemm_config_overrides_reach_the_tables_and_are_put_back():
+    from loopbench.kernels import gemm, qkv_rope
+    from loopbench.runtime.model import PRESETS
+    before = (dict(gemm.CONFIGS), dict(gemm.FASTER_UP_TO), dict(gemm.SWIGLU_CONFIGS), dict(qkv_rope.FASTER_UP_TO))
+    args = throughput.parse_args(["--gemm-config", "swiglu.num_stages=3", "--gemm-config", "down.split_k=8",
+                                  "--gemm-config", "qkv_rope.faster_up_to=128", "--gemm-config", "lm_head.tma=false",
+                                  "--prefetch-tiles", "2"])
+    restore = throughput.apply_kernel_options(args)
+    try:
+        throughput.apply_gemm_overrides(PRESETS["ouro-1.4b"], args.gemm_config)
+        glu, down, lm = gemm.SWIGLU_CONFIGS[(11264, 2048)], gemm.CONFIGS[(2048, 5632)], gemm.CONFIGS[(49152, 2048)]
+        assert (glu.num_stages, glu.prefetch_tiles) == (3, 2)          # --prefetch-tiles first, then the override
+        assert down.split_k == 8 and down.block_k == before[0][(2048, 5632)].block_k
+        assert lm.tma is False and qkv_rope.FASTER_UP_TO[(6144, 2048)] == 128
+        assert gemm.CONFIGS[(11264, 2048)] == dataclasses.replace(before[0][(11264, 2048)], prefetch_tiles=2)
+    finally:
+        restore()
+    assert (gemm.CONFIGS, gemm.FASTER_UP_TO, gemm.SWIGLU_CONFIGS, qkv_rope.FASTER_UP_TO) == before
+
+
+def test_gemm_config_for_an_unconfigured_shape_or_a_refused_value_names_it(tmp_path, capsys):
+    from loopbench.kernels import gemm
+    from loopbench.runtime.model import PRESETS
+    with pytest.raises(ValueError, match=r"no gate_up configuration for weight shape \(256, 64\)"):
+        throughput.apply_gemm_overrides(PRESETS["tiny"], [("gate_up", "num_stages", 3)])
+    saved = dict(gemm.CONFIGS)
+    try:
+        with pytest.raises(ValueError, match=r"--gemm-config down.block_n=48: GemmConfig.block_n must be a power of two"):
+            throughput.apply_gemm_overrides(PRESETS["ouro-1.4b"], [("down", "block_n", 48)])
+    finally:
+        gemm.CONFIGS.clear()
+        gemm.CONFIGS.update(saved)
+    # the probe itself: exit 2 with the message before anything is written (the tiny preset has no configured
+    # shape; its qkv weight is [(4 + 2 * 4) * 16, 64])
+    rc = throughput.main(["--cache", str(tmp_path / "c"), "--gemm-config", "qkv.split_k=2"])
+    assert rc == 2
+    assert "no qkv configuration for weight shape (192, 64)" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+    rc = throughput.main(["--cache", str(tmp_path / "c"), "--checkpoint", str(tmp_path / "none"),
+                          "--gemm-config", "qkv.split_k=2"])
+    assert rc == 2
+    assert "cannot read the checkpoint's config" in capsys.readouterr().err
