@@ -43,7 +43,7 @@ import torch
 from loopbench.runtime.api import EngineConfig, EngineStats, Request
 from loopbench.runtime.checkpoint import CONFIG_NAME, config_from_hf_dict, load_checkpoint
 from loopbench.runtime.engine import LoopEngine
-from loopbench.runtime.model import PRESETS, OuroConfig, OuroModel
+from loopbench.runtime.model import PREFETCH_TARGETS, PRESETS, OuroConfig, OuroModel, check_prefetch_next
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import write_calibrated_checkpoint
@@ -113,6 +113,23 @@ def _gemm_override(text: str) -> tuple[str, str, int | bool]:
     return role, field, value
 
 
+def _prefetch_next(text: str) -> dict[str, float]:
+    """``TARGET=FRACTION,...`` -> {target: fraction}; an argparse error names the bad part."""
+    plan: dict[str, float] = {}
+    for item in text.split(","):
+        target, sep, raw = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError(item)
+            plan[target.strip()] = float(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not TARGET=FRACTION (e.g. gate_up=0.5)") from None
+    try:
+        return check_prefetch_next(plan)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The probe's options; a bad value is an argparse error (exit 2) naming it, before anything runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,6 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "gate_up.num_stages=3 or qkv_rope.faster_up_to=128 (repeatable; applied after "
                          "--prefetch-tiles). ROLE: " + ", ".join(GEMM_ROLES) + "; FIELD: a GemmConfig field ("
                          + ", ".join(gemm_fields()) + ") or faster_up_to (the most rows it runs at)")
+    ap.add_argument("--prefetch-next", type=_prefetch_next, default=None, metavar="TARGET=FRACTION,...",
+                    help="cross-kernel L2 prefetch (OuroModel.prefetch_next; off by default): e.g. "
+                         "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
+                         "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
+                         "TARGET: " + ", ".join(PREFETCH_TARGETS) + " (each prefetched by the projection before it)")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
@@ -255,7 +277,8 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg, tensors = load_checkpoint(path, dtype=dtype)  # a release may mix dtypes (fp32 norms): cast on load
     return OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len,
-                                  small_m_gemm=getattr(args, "gemm", "ours") == "ours")
+                                  small_m_gemm=getattr(args, "gemm", "ours") == "ours",
+                                  prefetch_next=getattr(args, "prefetch_next", None))
 
 
 def make_requests(vocab_size: int, args: argparse.Namespace) -> list[Request]:
@@ -425,6 +448,8 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
+            "prefetch_next": ",".join(f"{t}={f:g}" for t, f in (getattr(args, "prefetch_next", None) or {}).items())
+                             or "off",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),

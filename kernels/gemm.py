@@ -138,14 +138,17 @@ def config_for(n: int, k: int, m: int, configs: dict | None = None, faster_up_to
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn, stride_om, stride_os,
+                 nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                  DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False,
-                 PREFETCH_K: tl.constexpr = 0):
+                 PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False):
     """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k].
     GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`); a
     tile holds the program's BLOCK_N gate rows and their BLOCK_N up rows, one 2 BLOCK_N-row product per K tile
     (so BLOCK_N 32 still feeds Hopper's 64-row warpgroup MMA).
-    PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none)."""
+    PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none). NEXT: bring this
+    program's ``nw_lines`` 128-byte lines of the region ``nw_*`` (a later kernel's weight,
+    :func:`_prefetch_region_l2`) into L2 before the wait."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,6 +172,8 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
+    if NEXT:
+        _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, pid_n + split * tl.num_programs(0))
     pdl.wait(PDL)
     acc = _k_loop(w_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, (1 + GLU) * BLOCK_N, BLOCK_M,
                   BLOCK_K, EVEN, DOT_FP32)
@@ -215,6 +220,37 @@ def _prefetch_l2(w_ptr, row0, k0, N, K, stride_wn, ROWS: tl.constexpr, COLS: tl.
     cols = k0 + tl.arange(0, COLS // LINE) * LINE
     ptrs = w_ptr + tl.where(rows < N, rows, row0)[:, None].to(tl.int64) * stride_wn \
         + tl.minimum(cols, K - 1)[None, :]
+    _l2_prefetch(ptrs)
+
+
+@triton.jit
+def _prefetch_region_l2(ptr, rows, cols, stride, lines, program):
+    """Ask L2 for program ``program``'s share of a region of 2-byte elements (a later kernel's weight, or its
+    first columns): :func:`_region_line_offsets`, 256 lines at a time (a bounded register cost). Loads
+    nothing; CUDA only."""
+    CHUNK: tl.constexpr = 256
+    for c0 in range(0, lines, CHUNK):
+        _l2_prefetch(ptr + _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK))
+
+
+@triton.jit
+def _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK: tl.constexpr):
+    """Element offsets of lines ``c0 .. c0 + CHUNK - 1`` of program ``program``'s share of a region of
+    ``rows`` rows of ``cols`` 2-byte elements, ``stride`` elements apart, walked as 128-byte lines row by row:
+    program p owns lines p * lines .. p * lines + lines - 1; a lane past its share or the region repeats the
+    share's (or the region's) last line, so every offset stays inside the region."""
+    LINE: tl.constexpr = 64
+    per_row = tl.cdiv(cols, LINE)
+    first = program.to(tl.int64) * lines
+    last = tl.minimum(first + lines, rows.to(tl.int64) * per_row) - 1
+    line = tl.minimum(first + c0 + tl.arange(0, CHUNK), last)
+    return (line // per_row) * stride + (line % per_row) * LINE
+
+
+@triton.jit
+def _l2_prefetch(ptrs):
+    """One ``prefetch.global.L2`` per pointer (PTX ISA, "prefetch"): the line comes into L2, no register is
+    written and no result depends on it."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -230,8 +266,9 @@ def _swiglu(gate, up, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, stride_om, stride_os, stride_wn,
+                     nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0):
+                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False):
     """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel` (GLU: the up rows
     start at row N of the descriptor). ``w_ptr`` / ``stride_wn``: the weight again, for PREFETCH_K only."""
     pid_n = tl.program_id(0)
@@ -245,6 +282,8 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, s
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
+    if NEXT:
+        _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, pid_n + split * tl.num_programs(0))
     pdl.wait(PDL)
     for _ in range(0, num_tiles):
         x = x_desc.load([0, k])
@@ -291,12 +330,16 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> None
         raise ValueError(f"tma and pdl need CUDA tensors, got {x.device} with {config}")
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, next_weight: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """``x @ weight.T`` with fp32 accumulation; never synchronises with the host.
 
     Args:
         x: ``[M, K]`` bf16/fp16, 1 <= M <= 128, unit stride along K. weight: ``[N, K]`` same dtype and device,
-        unit stride along K. config: :class:`GemmConfig` (e.g. ``config_for(N, K, M)``).
+        unit stride along K. config: :class:`GemmConfig` (e.g. ``config_for(N, K, M)``). next_weight: a later
+        kernel's weight, or a view of its first columns (``[R, C]``, 2-byte elements, unit last stride, x's
+        device), which the programs, between them, bring into L2 before their PDL wait
+        (:func:`next_weight_region`); only where PDL is active, and no result depends on it.
 
     Returns:
         ``split_k == 1``: ``[M, N]`` in x's dtype (one rounding). ``split_k > 1``: fp32 partials
@@ -307,16 +350,18 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Ten
         TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range).
     """
     _validate(x, weight, config)
-    return _launch(x, weight, config, weight.shape[0], glu=False)
+    return _launch(x, weight, config, weight.shape[0], glu=False, next_weight=next_weight)
 
 
-def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig, next_weight: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """SwiGLU's gate/up projection and activation in one launch: ``silu(x @ gate.T) * (x @ up.T)``.
 
     Args:
         x: as for :func:`gemm`. gate_up: ``[2 I, K]``, the gate rows then the up rows (the model's fused
         ``gate_up`` weight). config: a :class:`GemmConfig` with ``split_k == 1`` (the activation needs the
-        whole sum); ``block_n`` counts the gate rows of a tile (its up rows come with them).
+        whole sum); ``block_n`` counts the gate rows of a tile (its up rows come with them). next_weight: as
+        for :func:`gemm`.
 
     Returns:
         ``[M, I]`` in x's dtype, bitwise what :func:`gemm` followed by ``fused_ops.silu_mul`` gives when the
@@ -330,7 +375,7 @@ def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig) -> t
         raise ValueError(f"gemm_swiglu needs split_k == 1 (the activation needs the whole sum), got {config}")
     if gate_up.shape[0] % 2:
         raise ValueError(f"gate_up must have an even number of rows (gate then up), got {gate_up.shape[0]}")
-    return _launch(x, gate_up, config, gate_up.shape[0] // 2, glu=True)
+    return _launch(x, gate_up, config, gate_up.shape[0] // 2, glu=True, next_weight=next_weight)
 
 
 def num_stages_that_fit(c: GemmConfig, block_m: int, device: torch.device, weight_tiles: int = 1,
@@ -361,7 +406,8 @@ def _max_shared_bytes(device: torch.device) -> int:
     return _SHARED_BYTES[index]
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: bool,
+            next_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Run one of the kernels over ``n`` output columns; [M, n] (split_k 1) or fp32 partials [S, M, n]."""
     m, k = x.shape
     block_m = max(16, triton.next_power_of_2(m))
@@ -375,18 +421,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
     use_pdl = c.pdl and pdl.active(x)
     launch = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=stages)
     prefetch_k = prefetch_elements(c, k, use_pdl, x.element_size())
+    region, next_lines = next_weight_region(next_weight, x, grid[0] * grid[1], use_pdl)
     if c.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
         _gemm_tma_kernel[grid](x_desc, w_desc, out, weight, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
-                               weight.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
-                               PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k, **launch)
+                               weight.stride(0), *region, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
+                               PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k, NEXT=next_lines > 0,
+                               **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
-                           out.stride(0), BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
-                           DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k, **launch)
+                           out.stride(0), *region, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
+                           DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k,
+                           NEXT=next_lines > 0, **launch)
     return out[0] if c.split_k == 1 else out
 
 
@@ -400,6 +449,26 @@ def prefetch_elements(c: GemmConfig, k: int, use_pdl: bool, elem_bytes: int = 2)
     per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k) * c.block_k
     cols = min(c.prefetch_tiles * c.block_k, per_split, k)
     return 0 if cols < 64 else 1 << (cols.bit_length() - 1)
+
+
+def next_weight_region(next_weight: torch.Tensor | None, x: torch.Tensor, programs: int, use_pdl: bool
+                       ) -> tuple[tuple, int]:
+    """The kernels' region arguments ``(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines)`` for a launch of
+    ``programs`` programs, and ``nw_lines``: each program takes ``ceil(lines / programs)`` of the region's
+    128-byte lines. ``nw_lines`` 0 (nothing prefetched; x stands in for the pointer) without a region, without
+    PDL (nothing to overlap; this covers the CPU), or for an empty one. Raises TypeError / ValueError naming a
+    region that is not 2-D, 2-byte, unit last stride, on x's device."""
+    if next_weight is not None:
+        if next_weight.element_size() != 2 or not next_weight.dtype.is_floating_point:
+            raise TypeError(f"next_weight must hold 2-byte floats, got {next_weight.dtype}")
+        if next_weight.dim() != 2 or next_weight.stride(1) != 1 or next_weight.device != x.device:
+            raise ValueError(f"next_weight must be 2-D with unit last stride on {x.device}, got shape "
+                             f"{tuple(next_weight.shape)} strides {next_weight.stride()} on {next_weight.device}")
+    if next_weight is None or not use_pdl or next_weight.numel() == 0:
+        return (x, 0, 0, 0, 0), 0
+    rows, cols = next_weight.shape
+    lines = triton.cdiv(rows * triton.cdiv(cols, 64), programs)
+    return (next_weight, rows, cols, next_weight.stride(0), lines), lines
 
 
 _REDUCE_BLOCK = 1024

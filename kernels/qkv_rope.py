@@ -51,9 +51,10 @@ def _qkv_rope_write_kernel(
     stride_xm, stride_wn, stride_qm, stride_cos,
     stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bts, stride_btp, stride_btj,
+    nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PARTS: tl.constexpr = 1,
+    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PARTS: tl.constexpr = 1, NEXT: tl.constexpr = False,
 ):
     head = tl.program_id(0) // PARTS
     part = tl.program_id(0) % PARTS
@@ -72,6 +73,8 @@ def _qkv_rope_write_kernel(
         n_rows = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + HALF + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
+    if NEXT:                # a later kernel's weight (gemm.next_weight_region)
+        gm._prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tl.program_id(0))
     pdl.wait(PDL)
     acc = gm._k_loop(w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K), 2 * Q, BLOCK_M,
                      BLOCK_K, EVEN, DOT_FP32)
@@ -114,7 +117,7 @@ def _qkv_rope_write_kernel(
 def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfig, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       row_slot: torch.Tensor, row_depth: torch.Tensor, row_pos: torch.Tensor,
-                      num_heads: int) -> torch.Tensor:
+                      num_heads: int, next_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``rope_write_kv_(x @ w_qkv.T, ...)`` in one launch; never synchronises with the host.
 
     Args:
@@ -123,6 +126,8 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
             ``block_n`` dividing D (``D / block_n`` programs per head), ``split_k == 1`` and no ``tma``.
         cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, num_heads: as for
             ``kv_write.rope_write_kv_`` (one layer's cache ``[num_blocks, block_size, Hkv, D]``; int32 rows).
+        next_weight: a later kernel's weight (or its first columns) for the programs to bring into L2 before
+            their PDL wait, as for :func:`gemm.gemm`.
 
     Returns:
         qkv ``[M, (H + 2 Hkv) * D]`` in x's dtype, q and k rotated. Raises ValueError/TypeError naming the
@@ -147,12 +152,15 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     launch = pdl.launch_options(use_pdl, num_warps=c.num_warps,
                                 num_stages=gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size()))
     parts = d // c.block_n
-    _qkv_rope_write_kernel[((num_heads + 2 * hkv) * parts,)](
+    programs = (num_heads + 2 * hkv) * parts
+    region, next_lines = gm.next_weight_region(next_weight, x, programs, use_pdl)
+    _qkv_rope_write_kernel[(programs,)](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *region,
         NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
         BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), PAGE_SIZE=page_size,
-        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts,
+        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts, NEXT=next_lines > 0,
         **launch)
     return qkv

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -153,9 +153,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None = None) -> to
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # rope_write(layer, qkv [N, (H + 2 Hkv) * D]): rotate q and k in place and write k, v into the caller's KV
 # cache (kernels/kv_write.rope_write_kv_); with it, attend only attends (it must not write the cache again).
-# It may also have project(layer, x [N, hidden], w_qkv, gemm.GemmConfig) -> qkv: the projection doing the
-# same in its epilogue (kernels/qkv_rope.py), which the small-M GEMM path uses where it has a config.
+# It may also have project(layer, x [N, hidden], w_qkv, gemm.GemmConfig, next_weight=None) -> qkv: the projection
+# doing the same in its epilogue (kernels/qkv_rope.py), which the small-M GEMM path uses where it has a config.
 RopeWriteFn = Callable[[int, torch.Tensor], None]
+
+# OuroModel(prefetch_next=...): the weights a projection kernel may bring into L2 for the projection after it
+# (kernels/gemm.py next_weight_region), keyed by that later weight: o_proj's by qkv (+ RoPE), gate_up's by
+# o_proj, down's by gate_up (+ SwiGLU), the next layer's qkv by down (the last layer's down: layer 0's qkv,
+# which the next loop reads first).
+PREFETCH_TARGETS = ("o_proj", "gate_up", "down", "qkv")
+
+
+def check_prefetch_next(prefetch_next: Mapping[str, float] | None) -> dict[str, float]:
+    """``OuroModel(prefetch_next=...)`` as a dict; ValueError / TypeError naming a bad target or fraction."""
+    if prefetch_next is None:
+        return {}
+    if not isinstance(prefetch_next, Mapping):
+        raise TypeError(f"prefetch_next must map a target to a fraction, got {prefetch_next!r}")
+    for target, fraction in prefetch_next.items():
+        if target not in PREFETCH_TARGETS:
+            raise ValueError(f"prefetch_next: unknown target {target!r} (one of {', '.join(PREFETCH_TARGETS)})")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"prefetch_next[{target!r}] must be a fraction in (0, 1], got {fraction!r}")
+    return dict(prefetch_next)
 
 
 @dataclass
@@ -179,7 +199,7 @@ class OuroModel:
 
     def __init__(self, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
                  dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None, fused: bool | None = None,
-                 small_m_gemm: bool = True):
+                 small_m_gemm: bool = True, prefetch_next: Mapping[str, float] | None = None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         # Fused Triton elementwise kernels (kernels/fused_ops.py) by default on CUDA; plain torch on CPU.
         self.fused = self.device.type == "cuda" if fused is None else fused
@@ -191,6 +211,11 @@ class OuroModel:
         # GPUs run cuBLAS until measured.
         self.small_m_gemm = (small_m_gemm and self.fused and self.device.type == "cuda"
                              and torch.version.hip is None and torch.cuda.get_device_capability(self.device) == (9, 0))
+        # Cross-kernel L2 prefetch (off by default; not yet measured on a GPU): where a projection runs on our
+        # small-M GEMM with PDL, its programs bring the first ``fraction`` of the K columns of every row of the
+        # next projection's weight into L2 before their PDL wait, while the kernels between run below the
+        # bandwidth ceiling. No result depends on it. {PREFETCH_TARGETS key: fraction in (0, 1]}.
+        self.prefetch_next = check_prefetch_next(prefetch_next)
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -225,8 +250,10 @@ class OuroModel:
     @classmethod
     def from_tensors(cls, cfg: OuroConfig, tensors: dict[str, torch.Tensor], *, device="cpu",
                      dtype: torch.dtype = torch.bfloat16, rope_len: int | None = None,
-                     fused: bool | None = None, small_m_gemm: bool = True) -> "OuroModel":
-        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len, fused=fused, small_m_gemm=small_m_gemm)
+                     fused: bool | None = None, small_m_gemm: bool = True,
+                     prefetch_next: Mapping[str, float] | None = None) -> "OuroModel":
+        return cls(cfg, tensors, device=device, dtype=dtype, rope_len=rope_len, fused=fused, small_m_gemm=small_m_gemm,
+                   prefetch_next=prefetch_next)
 
     @property
     def weight_bytes(self) -> int:
@@ -296,8 +323,9 @@ class OuroModel:
         glu_cfg = self._fused_config(gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO, self.layers[0].gate_up, h,
                                      gemm_rows)
         for i, w in enumerate(self.layers):
+            nxt_layer = self.layers[(i + 1) % len(self.layers)]
             if qkv_cfg is not None and hasattr(rope_write, "project"):
-                qkv = rope_write.project(i, h, w.qkv, qkv_cfg)
+                qkv = rope_write.project(i, h, w.qkv, qkv_cfg, self._prefetch_region("o_proj", w.o))
             else:
                 qkv = proj(h, w.qkv, gemm_rows)
                 if rope_write is None:
@@ -306,10 +334,13 @@ class OuroModel:
                     rope_write(i, qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
-            x, h = fo.add_rms_norm(x, proj(a.reshape(n, H * D), w.o, gemm_rows, True), w.ln_in2, w.ln_post, eps)
+            o = proj(a.reshape(n, H * D), w.o, gemm_rows, True, self._prefetch_region("gate_up", w.gate_up))
+            x, h = fo.add_rms_norm(x, o, w.ln_in2, w.ln_post, eps)
             nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
-            act = gemm.gemm_swiglu(h, w.gate_up, glu_cfg) if glu_cfg else fo.silu_mul(proj(h, w.gate_up, gemm_rows))
-            mlp = proj(act, w.down, gemm_rows, True)
+            pf_down = self._prefetch_region("down", w.down)
+            act = (gemm.gemm_swiglu(h, w.gate_up, glu_cfg, pf_down) if glu_cfg
+                   else fo.silu_mul(proj(h, w.gate_up, gemm_rows, False, pf_down)))
+            mlp = proj(act, w.down, gemm_rows, True, self._prefetch_region("qkv", nxt_layer.qkv))
             x, h = fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps)
         return h, self.hazard(h)
 
@@ -324,18 +355,28 @@ class OuroModel:
             return None
         return gemm.config_for(*w.shape, x.shape[0], configs, faster_up_to)
 
-    def _project(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None, partials: bool = False
-                 ) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None, partials: bool = False,
+                 next_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T for the fused loop: our small-M GEMM (kernels/gemm.py) where it is measured faster
         for this weight shape and row count (``gemm.config_for``) and the rows run in one call, else
         :func:`linear` (cuBLAS). [N, out] in x's dtype, or with ``partials`` possibly the GEMM's fp32
-        split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order)."""
+        split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order).
+        ``next_weight``: a region our GEMM brings into L2 (:meth:`_prefetch_region`; cuBLAS ignores it)."""
         from loopbench.kernels import gemm
         cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, w, x, gemm_rows)
         if cfg is None:
             return linear(x, w, gemm_rows)
-        out = gemm.gemm(x, w, cfg)
+        out = gemm.gemm(x, w, cfg, next_weight)
         return out if partials or cfg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
+
+    def _prefetch_region(self, target: str, w: torch.Tensor) -> torch.Tensor | None:
+        """The first ``prefetch_next[target]`` of the K columns of every row of ``w`` (a view, whole 128-byte
+        lines), or None where that target is not asked for."""
+        fraction = self.prefetch_next.get(target)
+        if fraction is None:
+            return None
+        cols = min(w.shape[1], max(64, round(fraction * w.shape[1] / 64) * 64))
+        return w[:, :cols]
 
     def hazard(self, x: torch.Tensor) -> torch.Tensor:
         """h = sigmoid(early_exit_gate(x)): [N] in fp32 (fp64 for an fp64 model). x: [N, hidden]."""

@@ -70,10 +70,12 @@ class PagedRopeWrite:
         rope_write_kv_(qkv, self.cos, self.sin, self.kv.k[layer], self.kv.v[layer], self.kv.block_tables,
                        self.row_slot, self.row_depth, self.row_pos, self.heads)
 
-    def project(self, layer: int, x: torch.Tensor, w_qkv: torch.Tensor, config) -> torch.Tensor:
+    def project(self, layer: int, x: torch.Tensor, w_qkv: torch.Tensor, config,
+                next_weight: torch.Tensor | None = None) -> torch.Tensor:
         from loopbench.kernels.qkv_rope import qkv_rope_write_kv
         return qkv_rope_write_kv(x, w_qkv, config, self.cos, self.sin, self.kv.k[layer], self.kv.v[layer],
-                                 self.kv.block_tables, self.row_slot, self.row_depth, self.row_pos, self.heads)
+                                 self.kv.block_tables, self.row_slot, self.row_depth, self.row_pos, self.heads,
+                                 next_weight=next_weight)
 
 
 class Runner:

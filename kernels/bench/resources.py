@@ -81,27 +81,33 @@ def compile_sm90(fn, signature: dict, constexprs: dict, divisible_by_16: tuple[s
     return Resources(int(kernel.metadata.shared), int(regs.group(1)), num_warps)
 
 
-def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str) -> tuple:
-    """(kernel, signature, constexprs, divisible_by_16) of :func:`gemm._launch` for config ``c``."""
+# the kernels' region of a later weight to bring into L2 (gemm.next_weight_region)
+_REGION = {"nw_ptr": "*bf16", "nw_rows": "i32", "nw_cols": "i32", "nw_stride": "i32", "nw_lines": "i32"}
+
+
+def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str, next_lines: int = 0) -> tuple:
+    """(kernel, signature, constexprs, divisible_by_16) of :func:`gemm._launch` for config ``c``;
+    ``next_lines`` > 0 compiles in the prefetch of a later weight (``NEXT``)."""
     common = {"M": "i32", "N": "i32", "K": "i32", "tiles_per_split": "i32"}
     if c.tma:
         sig = {"x_desc": f"tensordesc<bf16[{block_m}, {c.block_k}]>",
                "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>", "out_ptr": out_dtype, "w_ptr": "*bf16",
-               **common, "stride_om": "i32", "stride_os": "i32", "stride_wn": "i32"}
+               **common, "stride_om": "i32", "stride_os": "i32", "stride_wn": "i32", **_REGION}
         consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "PDL": 1, "GLU": glu,
-                  "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1)}
+                  "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0}
         return gm._gemm_tma_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
-            ("out_ptr", "w_ptr", "N", "K", "stride_om", "stride_os", "stride_wn")
+            ("out_ptr", "w_ptr", "N", "K", "stride_om", "stride_os", "stride_wn", "nw_ptr", "nw_stride")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": out_dtype, **common,
-           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_os": "i32"}
+           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_os": "i32", **_REGION}
     consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False,
-              "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1)}
+              "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0}
     return gm._gemm_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
-        ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os")
+        ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os", "nw_ptr",
+         "nw_stride")
 
 
 def _qkv_rope_args(c: gm.GemmConfig, block_m: int, heads: int = 16, kv_heads: int = 16, head_dim: int = 128,
-                   page_size: int = 16) -> tuple:
+                   page_size: int = 16, next_lines: int = 0) -> tuple:
     """(kernel, signature, constexprs, divisible_by_16) of :func:`qkv_rope.qkv_rope_write_kv` (Ouro shape)."""
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
             "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32", "row_slot_ptr": "*i32",
@@ -110,10 +116,11 @@ def _qkv_rope_args(c: gm.GemmConfig, block_m: int, heads: int = 16, kv_heads: in
             "stride_kh stride_kd stride_vb stride_vt stride_vh stride_vd stride_bts stride_btp stride_btj").split()
     consts = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_M": block_m,
               "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False, "PDL": 1, "PAGE_SIZE": page_size,
-              "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "PARTS": head_dim // c.block_n}
-    sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
+              "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "PARTS": head_dim // c.block_n,
+              "NEXT": next_lines > 0}
+    sig = {**ptrs, **dict.fromkeys(ints, "i32"), **_REGION, **dict.fromkeys(consts, "constexpr")}
     div = tuple(ptrs) + ("K", "stride_xm", "stride_wn", "stride_qm", "stride_kb", "stride_kt", "stride_kh",
-                         "stride_vb", "stride_vt", "stride_vh")
+                         "stride_vb", "stride_vt", "stride_vh", "nw_ptr", "nw_stride")
     return qkv_rope._qkv_rope_write_kernel, sig, consts, div
 
 

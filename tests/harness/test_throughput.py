@@ -148,3 +148,15 @@ def test_gemm_config_for_an_unconfigured_shape_or_a_refused_value_names_it(tmp_p
                           "--gemm-config", "qkv.split_k=2"])
     assert rc == 2
     assert "cannot read the checkpoint's config" in capsys.readouterr().err
+
+
+def test_prefetch_next_parses_into_the_model_option_and_bad_values_are_argparse_errors(capsys):
+    args = throughput.parse_args(["--prefetch-next", "gate_up=0.5,qkv=1"])
+    assert args.prefetch_next == {"gate_up": 0.5, "qkv": 1.0}
+    assert throughput.parse_args([]).prefetch_next is None
+    for text, message in (("gate_up", "'gate_up' is not TARGET=FRACTION"), ("gate_up=half", "is not TARGET=FRACTION"),
+                          ("lm_head=0.5", "unknown target 'lm_head'"), ("down=1.5", "must be a fraction in (0, 1]")):
+        with pytest.raises(SystemExit) as exc:
+            throughput.parse_args(["--prefetch-next", text])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err

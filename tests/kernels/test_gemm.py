@@ -6,6 +6,8 @@ graph capture, and batch invariance (the first rows of a larger M equal a smalle
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from loopbench.kernels import fused_ops as fo
 from loopbench.kernels import gemm as gm
@@ -184,3 +186,74 @@ def test_gemm_swiglu_is_gemm_then_silu_mul_cpu(m, inter, k, bn, bk):
 def test_gemm_swiglu_bitwise_equals_two_launches_cuda(cfg, m, inter, k):
     x, w = _inputs(m, 2 * inter, k, "cuda")
     assert torch.equal(gm.gemm_swiglu(x, w, cfg), fo.silu_mul(gm.gemm(x, w, cfg))), f"{cfg} M{m}"
+
+
+@triton.jit
+def _region_offsets_kernel(out_ptr, rows, cols, stride, lines, CHUNK: tl.constexpr):
+    """Writes program p's offsets, chunk by chunk, to out[p, :] (the prefetch's addresses, without the PTX)."""
+    p = tl.program_id(0)
+    for c0 in range(0, lines, CHUNK):
+        offs = gm._region_line_offsets(rows, cols, stride, lines, p, c0, CHUNK)
+        idx = c0 + tl.arange(0, CHUNK)
+        tl.store(out_ptr + p * tl.cdiv(lines, CHUNK) * CHUNK + idx, offs)
+
+
+@pytest.mark.parametrize("rows,cols,stride,programs", [
+    (7, 64, 64, 3),           # one line a row, lines not a multiple of the programs
+    (5, 200, 256, 4),         # a partial last line a row; a view's row stride
+    (3, 128, 2048, 16),       # more programs than lines: the spare ones repeat the last line
+    (40, 512, 2048, 6),       # several chunks a program
+])
+def test_prefetch_region_offsets_cover_every_line_once_and_stay_inside(rows, cols, stride, programs):
+    """gemm.next_weight_region's split of a region into per-program lines, read back through the interpreter:
+    the offsets hit every 128-byte line of the region, and nothing outside it."""
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(rows, stride, dtype=torch.bfloat16)[:, :cols]
+    (_, r, c, s, lines), _ = gm.next_weight_region(w, x, programs, use_pdl=True)
+    chunk = 16
+    per_prog = triton.cdiv(lines, chunk) * chunk
+    out = torch.full((programs, per_prog), -1, dtype=torch.int64)
+    _region_offsets_kernel[(programs,)](out, r, c, s, lines, CHUNK=chunk)
+    written = out[out >= 0]
+    expected = {row * stride + col for row in range(rows) for col in range(0, cols, 64)}
+    assert set(written.tolist()) == expected
+    assert lines == triton.cdiv(len(expected), programs)
+
+
+def test_next_weight_region_refuses_bad_regions_and_is_off_without_pdl():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = torch.zeros(8, 128, dtype=torch.bfloat16)
+    assert gm.next_weight_region(w, x, 4, use_pdl=False) == ((x, 0, 0, 0, 0), 0)      # the CPU / no PDL
+    assert gm.next_weight_region(None, x, 4, use_pdl=True)[1] == 0
+    assert gm.next_weight_region(w[:, :0], x, 4, use_pdl=True)[1] == 0
+    with pytest.raises(TypeError, match="2-byte floats, got torch.float32"):
+        gm.next_weight_region(w.float(), x, 4, use_pdl=False)
+    with pytest.raises(ValueError, match="2-D with unit last stride"):
+        gm.next_weight_region(w.t(), x, 4, use_pdl=False)
+    with pytest.raises(ValueError, match="2-D with unit last stride"):
+        gm.next_weight_region(w[0], x, 4, use_pdl=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(gm.CONFIGS))
+def test_next_weight_prefetch_changes_no_bit_cuda(shape):
+    """A GEMM that brings a later weight into L2 (gemm.next_weight_region, under PDL) gives the same bits as
+    without, eager and replayed from a CUDA graph; likewise gemm_swiglu."""
+    from loopbench.kernels import pdl
+    n, k = shape
+    x, w = _inputs(16, n, k, "cuda")
+    nxt = _inputs(1, 11264, 2048, "cuda")[1][:, :512]
+    cfg = gm.CONFIGS[shape]
+    assert pdl.active(x)
+    plain = gm.gemm(x, w, cfg)
+    assert torch.equal(gm.gemm(x, w, cfg, nxt), plain)
+    graph = torch.cuda.CUDAGraph()
+    gm.gemm(x, w, cfg, nxt)                             # compiled before the capture
+    with torch.cuda.graph(graph):
+        out = gm.gemm(x, w, cfg, nxt)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain), f"{shape}: graph replay with the prefetch differs"
+    if shape == (11264, 2048):
+        glu = gm.SWIGLU_CONFIGS[shape]
+        assert torch.equal(gm.gemm_swiglu(x, w, glu, nxt), gm.gemm_swiglu(x, w, glu))

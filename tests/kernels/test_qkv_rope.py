@@ -71,6 +71,13 @@ def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, h
         assert torch.equal(got, want), f"{what}: {int((diff > 0).sum())} elements differ, max {diff.max().item():.3e}"
     written = int((fused_k != k_cache).any(-1).any(-1).sum())
     assert 0 < written <= 7, f"{written} cache cells changed; the 7 valid rows write one cell each"
+    if device == "cuda":        # bringing a later weight into L2 (gemm.next_weight_region, PDL on) changes no bit
+        cfg_pdl = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k, pdl=True)
+        outs = []
+        for nxt in (None, w[:, : min(hidden, 128)]):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            outs.append((qkv_rope_write_kv(x, w, cfg_pdl, cos, sin, kc, vc, *meta, heads, next_weight=nxt), kc, vc))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), "qkv_rope with a later weight's prefetch differs"
 
 
 def test_fused_qkv_rope_write_rejects_a_tile_that_does_not_divide_a_head():

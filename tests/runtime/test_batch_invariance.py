@@ -94,3 +94,27 @@ def test_tokens_and_exits_do_not_depend_on_batch_padding_or_graphs(model, max_nu
     _, solo = run(model, alone, max_num_seqs, exit_policy="ouro", cuda_graphs=True)
     full = {r.request_id: graph[r.request_id] for r in alone}
     assert solo == full, f"a third of the requests alone: first difference {first_difference(full, solo)}"
+
+
+def test_cross_kernel_prefetch_changes_no_token_exit_or_logit():
+    """OuroModel.prefetch_next (each projection bringing part of the next one's weight into L2 before its PDL
+    wait) on the Ouro shape with our small-M GEMM: the same tokens, exits and logits as without, with graphs
+    and without. Not a speed claim: that is the throughput probe's --prefetch-next."""
+    from loopbench.runtime.model import PREFETCH_TARGETS, check_prefetch_next
+    model = OuroModel.from_tensors(PRESETS["ouro-1.4b"], random_ouro_tensors(), device="cuda", dtype=torch.bfloat16,
+                                   rope_len=MAX_MODEL_LEN)
+    assert model.small_m_gemm
+    reqs = requests(25)
+    results = {}
+    for plan in ({}, dict.fromkeys(PREFETCH_TARGETS, 0.5), dict.fromkeys(PREFETCH_TARGETS, 1.0)):
+        model.prefetch_next = check_prefetch_next(plan)
+        for graphs in (True, False):
+            eng, outs = run(model, reqs, 16, exit_policy="ouro", cuda_graphs=graphs, keep_logits=True)
+            results[(tuple(plan.values()), graphs)] = (outs, eng.logits_log)
+    for graphs in (True, False):
+        ref_outs, ref_logits = results[((), graphs)]
+        for (plan, g), (outs, logits) in results.items():
+            if g == graphs:
+                assert outs == ref_outs, f"prefetch {plan} graphs={g}: {first_difference(ref_outs, outs)}"
+                for rid, rows in ref_logits.items():
+                    assert all(torch.equal(a, b) for a, b in zip(rows, logits[rid])), f"prefetch {plan} {rid}"

@@ -380,3 +380,20 @@ def test_first_difference_names_position_wanted_and_got():
 def test_a_schedule_that_is_no_schedule_is_a_type_error():
     with pytest.raises(TypeError, match="EngineConfig.schedule must be a Schedule or None, got str"):
         EngineConfig(exit_policy="replay", schedule="x")
+
+
+def test_prefetch_next_is_checked_and_cuts_whole_lines_of_every_row(tiny_ckpt):
+    from loopbench.runtime.model import OuroModel, check_prefetch_next
+    assert check_prefetch_next(None) == {}
+    for bad, match in (({"lm_head": 0.5}, "unknown target 'lm_head'"), ({"down": 0}, r"prefetch_next\['down'\]"),
+                       ({"down": True}, r"prefetch_next\['down'\]"), ({"qkv": 1.01}, "fraction in")):
+        with pytest.raises(ValueError, match=match):
+            OuroModel.from_tensors(*tiny_ckpt, prefetch_next=bad)
+    with pytest.raises(TypeError, match="must map a target"):
+        check_prefetch_next(0.5)
+    model = OuroModel.from_tensors(*tiny_ckpt, prefetch_next={"gate_up": 0.5, "down": 1.0})
+    w = torch.zeros(10, 256)
+    assert model._prefetch_region("gate_up", w).shape == (10, 128)
+    assert model._prefetch_region("down", w).data_ptr() == w.data_ptr() and model._prefetch_region("down", w).shape == (10, 256)
+    assert model._prefetch_region("qkv", w) is None
+    assert model._prefetch_region("gate_up", torch.zeros(4, 64)).shape == (4, 64)     # at least one line a row
