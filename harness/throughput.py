@@ -17,7 +17,12 @@ machine without CUDA it runs the torch backend on the CPU (slowly).
 (kernels/gemm.py, kernels/qkv_rope.py) for the probe's process, so that configurations are compared in the
 decode loop itself rather than in an isolated microbenchmark, e.g.
 ``--gemm-config gate_up.num_stages=3 --gemm-config swiglu.prefetch_tiles=4``; ``ROLE.faster_up_to=0`` sends that
-role to cuBLAS. The profile report records the overrides.
+role to cuBLAS. The profile report records the overrides. ``--prefetch-next TARGET=FRACTION,...`` turns on the
+model's cross-kernel L2 prefetch (OuroModel.prefetch_next). ``--variant OPTIONS`` (repeatable) is a sweep: one
+model load, per variant its own schedule and replay engine, the variants timed alternately, a table at the end::
+
+    python -m loopbench.harness.throughput --preset ouro-1.4b --repeats 3 --variant "" \
+        --variant "--gemm-config swiglu.num_stages=3" --variant "--prefetch-next gate_up=0.5,down=0.5"
 
 ``--telemetry on`` runs the NVML sampler of the measured arms (harness/sampler.py) around every timed run;
 ``--telemetry ab`` measures what it costs: each repeat times the replay twice, sampler off and on in
@@ -30,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -130,6 +136,45 @@ def _prefetch_next(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One ``--variant``: kernel options applied, in this order, over the probe's own for that variant's runs."""
+
+    label: str
+    prefetch_tiles: int | None = None
+    gemm_config: tuple[tuple[str, str, int | bool], ...] = ()
+    prefetch_next: dict[str, float] | None = None
+
+
+class _VariantParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise argparse.ArgumentTypeError(message)
+
+
+def _variant(text: str) -> Variant:
+    """``--variant "--gemm-config swiglu.num_stages=3 --prefetch-next gate_up=0.5"`` -> Variant; an argparse
+    error names the bad option. ``""`` is the probe's own configuration."""
+    ap = _VariantParser(prog="--variant", add_help=False)
+    ap.add_argument("--prefetch-tiles", type=_at_least_zero, default=None)
+    ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[])
+    ap.add_argument("--prefetch-next", type=_prefetch_next, default=None)
+    try:
+        ns = ap.parse_args(shlex.split(text))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), ns.prefetch_next)
+
+
+def _at_least_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The probe's options; a bad value is an argparse error (exit 2) naming it, before anything runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,6 +216,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
                          "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
                          "TARGET: " + ", ".join(PREFETCH_TARGETS) + " (each prefetched by the projection before it)")
+    ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="OPTIONS",
+                    help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
+                         "each variant with its own captured schedule and engine, the variants alternating "
+                         "within a repeat; OPTIONS: any of --prefetch-tiles, --gemm-config, --prefetch-next "
+                         "(quoted; \"\" is the probe's own configuration). Ends with each variant's median tok/s "
+                         "and its ratio to the first")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
                     help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
@@ -188,7 +239,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--prefetch-tiles must be >= 0, got {args.prefetch_tiles}")
     if args.trace is not None and args.profile is None:
         ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
+    if args.variant and (args.policy != "replay" or args.profile or args.telemetry != "off"):
+        ap.error(f"--variant times replays only, without --profile or --telemetry (got --policy {args.policy}"
+                 f"{', --profile' if args.profile else ''}{', --telemetry ' + args.telemetry if args.telemetry != 'off' else ''})")
     return args
+
+
+def kernel_tables() -> tuple[dict, ...]:
+    """The module tables the model reads at every launch: the GEMM configurations (kernels/gemm.py CONFIGS,
+    SWIGLU_CONFIGS; kernels/qkv_rope.py CONFIGS), then their FASTER_UP_TO tables."""
+    from loopbench.kernels import gemm, qkv_rope
+    return (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS,
+            gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO)
+
+
+def snapshot_tables() -> list[dict]:
+    return [dict(t) for t in kernel_tables()]
+
+
+def load_tables(snapshot: list[dict]) -> None:
+    for table, old in zip(kernel_tables(), snapshot):
+        table.clear()
+        table.update(old)
+
+
+def set_prefetch_tiles(tiles: int | None) -> None:
+    """``--prefetch-tiles``: GemmConfig.prefetch_tiles of every configuration (None: as configured)."""
+    if tiles is not None:
+        for table in kernel_tables()[:3]:
+            for shape, c in table.items():
+                table[shape] = dataclasses.replace(c, prefetch_tiles=tiles)
 
 
 def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
@@ -196,26 +276,18 @@ def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
     captured (kernels/pdl.ENABLED and TRIGGER; the prefetch in the GEMM configuration tables the model reads).
     Returns the function that puts the previous values back (:func:`main` calls it when it ends, so a later probe in
     the same process starts from the defaults)."""
-    from loopbench.kernels import gemm, pdl, qkv_rope
-    tables = (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS,
-              gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO)
-    saved_enabled, saved_trigger, saved_tables = pdl.ENABLED, pdl.TRIGGER, [dict(t) for t in tables]
+    from loopbench.kernels import pdl
+    saved_enabled, saved_trigger, saved_tables = pdl.ENABLED, pdl.TRIGGER, snapshot_tables()
 
     def restore() -> None:
         pdl.ENABLED, pdl.TRIGGER = saved_enabled, saved_trigger
-        for table, old in zip(tables, saved_tables):
-            table.clear()
-            table.update(old)
+        load_tables(saved_tables)
 
     mode = getattr(args, "pdl", "on")
     pdl.ENABLED = mode != "off"
     if mode in pdl.TRIGGERS:
         pdl.TRIGGER = mode
-    tiles = getattr(args, "prefetch_tiles", None)
-    if tiles is not None:
-        for table in tables[:3]:
-            for shape, c in table.items():
-                table[shape] = dataclasses.replace(c, prefetch_tiles=tiles)
+    set_prefetch_tiles(getattr(args, "prefetch_tiles", None))
     return restore
 
 
@@ -232,11 +304,13 @@ def gemm_tables(cfg: OuroConfig) -> dict[str, tuple[dict, dict, tuple[int, int]]
             "qkv_rope": (qkv_rope.CONFIGS, qkv_rope.FASTER_UP_TO, qkv)}
 
 
-def apply_gemm_overrides(cfg: OuroConfig, overrides: list[tuple[str, str, int | bool]]) -> None:
+def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str, int | bool]]) -> None:
     """``--gemm-config``: replace one field of a role's configuration (or its FASTER_UP_TO) for this model's
     weight shapes (``cfg``), in the tables the model reads at every launch; :func:`apply_kernel_options`' restore
     puts them back. Raises ValueError naming the role and shape that has no configuration (that projection runs
     on cuBLAS), or the field GemmConfig refuses; :func:`main` applies them before any weight is loaded."""
+    if not overrides:
+        return
     tables = gemm_tables(cfg)
     for role, field, value in overrides:
         configs, faster, shape = tables[role]
@@ -498,15 +572,73 @@ def main(argv=None) -> int:
     max_len = max_model_len(args.prompt_len, args.output_len)
     restore_kernel_options = apply_kernel_options(args)
     try:
-        if args.gemm_config:
-            try:
-                apply_gemm_overrides(model_config(args), args.gemm_config)
-            except ValueError as e:                 # CheckpointError too: a bad config.json or preset, named
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+        try:
+            cfg = model_config(args) if args.gemm_config or args.variant else None
+            apply_gemm_overrides(cfg, args.gemm_config)
+            base = snapshot_tables()
+            for v in args.variant:                  # each variant's overrides are checked before anything runs
+                apply_variant(cfg, v, base)
+            load_tables(base)
+        except ValueError as e:                     # CheckpointError too: a bad config.json or preset, named
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.variant:
+            return _sweep(args, device, max_len)
         return _run(args, identity, device, max_len)
     finally:
         restore_kernel_options()
+
+
+def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict]) -> None:
+    """Load ``base`` (the probe's own tables) and apply ``variant``'s --prefetch-tiles, then its --gemm-config;
+    ValueError names a bad override (:func:`apply_gemm_overrides`)."""
+    load_tables(base)
+    set_prefetch_tiles(variant.prefetch_tiles)
+    try:
+        apply_gemm_overrides(cfg, list(variant.gemm_config))
+    except ValueError as e:
+        raise ValueError(f"--variant {variant.label!r}: {e}") from None
+
+
+def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
+    """``--variant``: per variant a natural run captured as its schedule (a configuration that changes the
+    arithmetic changes the tokens) and a replay engine with one warmup; then ``--repeats`` rounds, each timing
+    every variant once, the order reversed every other round; each variant's tables and prefetch plan are put
+    in place before each of its runs. Prints each run, then per variant the median tok/s and its ratio to the
+    first variant's; exits 1 if a run does not reproduce its variant's schedule."""
+    model = load(args, device, max_len)
+    reqs = make_requests(model.cfg.vocab_size, args)
+    arm = arm_spec(args, device)
+    base, own_plan = snapshot_tables(), model.prefetch_next
+    states = []
+    try:
+        for v in args.variant:
+            apply_variant(model.cfg, v, base)
+            model.prefetch_next = own_plan if v.prefetch_next is None else v.prefetch_next
+            schedule = capture(model, arm, args, max_len, reqs)
+            pe = PolicyEngine(f"replay [{v.label}]", LoopEngine(model, engine_config(
+                arm, args, max_len, "replay", schedule)), schedule)
+            print(pe.run(reqs, "warmup").line(), flush=True)
+            states.append((v, snapshot_tables(), model.prefetch_next, pe, []))
+        for i in range(1, args.repeats + 1):
+            for v, tables, plan, pe, runs in (states if i % 2 else states[::-1]):
+                load_tables(tables)
+                model.prefetch_next = plan
+                runs.append(pe.run(reqs, f"run {i}"))
+                print(runs[-1].line(), flush=True)
+    except ScheduleMismatchError as e:
+        sys.stdout.flush()
+        print(f"FAIL: {e}", file=sys.stderr)
+        return 1
+    finally:
+        load_tables(base)
+        model.prefetch_next = own_plan
+    first = statistics.median(r.tokens_per_s for r in states[0][4])
+    print(f"| variant | median tok/s | vs {states[0][0].label!r} | runs |\n|---|---|---|---|")
+    for v, _, _, _, runs in states:
+        med = statistics.median(r.tokens_per_s for r in runs)
+        print(f"| {v.label} | {med:.1f} | {med / first:.4f} | {len(runs)} |")
+    return 0
 
 
 def _run(args: argparse.Namespace, identity: dict, device: str, max_len: int) -> int:

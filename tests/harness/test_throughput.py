@@ -160,3 +160,38 @@ def test_prefetch_next_parses_into_the_model_option_and_bad_values_are_argparse_
             throughput.parse_args(["--prefetch-next", text])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_variant_sweep_times_each_variant_in_one_process_and_puts_everything_back(tmp_path, capsys):
+    from loopbench.kernels import gemm
+    before = dict(gemm.CONFIGS)
+    rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--repeats", "2",
+                          "--variant", "", "--variant", "--prefetch-next gate_up=0.5,qkv=1 --prefetch-tiles 2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("replay [as configured] run ") == 2 and out.count("replay [--prefetch-next") == 3   # + warmup
+    assert "| variant | median tok/s | vs 'as configured' | runs |" in out
+    assert "| as configured | " in out and " | 1.0000 | 2 |" in out
+    assert gemm.CONFIGS == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "--bogus 1"], "unrecognized arguments: --bogus 1"),
+    (["--variant", "--prefetch-next lm_head=1"], "unknown target 'lm_head'"),
+    (["--variant", "--prefetch-tiles -1"], "must be >= 0, got -1"),
+    (["--variant", "", "--policy", "both"], "--variant times replays only"),
+])
+def test_bad_variants_are_argparse_errors_naming_them(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        throughput.main(["--cache", str(tmp_path / "c"), *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_variant_override_of_an_unconfigured_shape_exits_2_before_anything_is_written(tmp_path, capsys):
+    rc = throughput.main(["--cache", str(tmp_path / "c"), "--variant", "", "--variant", "--gemm-config qkv.split_k=2"])
+    assert rc == 2
+    assert "--variant '--gemm-config qkv.split_k=2': --gemm-config qkv.split_k: no qkv configuration" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
