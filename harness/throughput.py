@@ -64,14 +64,20 @@ EXIT_POLICY = {"natural": "ouro_delayed", "replay": "replay"}
 POLICIES = {"replay": ("replay",), "natural": ("natural",), "both": ("natural", "replay")}
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lowest``, else an error naming the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
+        return value
+    return parse
+
+
+_at_least_one, _at_least_zero = _at_least(1), _at_least(0)
 
 
 def _markdown_path(text: str) -> Path:
@@ -163,16 +169,6 @@ def _variant(text: str) -> Variant:
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), ns.prefetch_next)
-
-
-def _at_least_zero(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
