@@ -127,19 +127,30 @@ def _gemm_override(text: str) -> tuple[str, str, int | bool]:
 
 def _prefetch_next(text: str) -> dict[str, float]:
     """``TARGET=FRACTION,...`` -> {target: fraction}; an argparse error names the bad part."""
-    plan: dict[str, float] = {}
+    plans = []
     for item in text.split(","):
         target, sep, raw = item.partition("=")
         try:
             if not sep:
                 raise ValueError(item)
-            plan[target.strip()] = float(raw)
+            plans.append({target.strip(): float(raw)})
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item!r} is not TARGET=FRACTION (e.g. gate_up=0.5)") from None
     try:
-        return check_prefetch_next(plan)
+        return check_prefetch_next(_merge_plans(plans))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _merge_plans(plans: list[dict[str, float]]) -> dict[str, float] | None:
+    """Several --prefetch-next plans as one (None: none given); ValueError names a target given twice."""
+    merged: dict[str, float] = {}
+    for plan in plans:
+        for target, fraction in plan.items():
+            if target in merged:
+                raise ValueError(f"target {target!r} given twice ({merged[target]:g} and {fraction:g})")
+            merged[target] = fraction
+    return merged if plans else None
 
 
 @dataclass(frozen=True)
@@ -163,12 +174,13 @@ def _variant(text: str) -> Variant:
     ap = _VariantParser(prog="--variant", add_help=False)
     ap.add_argument("--prefetch-tiles", type=_at_least_zero, default=None)
     ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[])
-    ap.add_argument("--prefetch-next", type=_prefetch_next, default=None)
+    ap.add_argument("--prefetch-next", type=_prefetch_next, action="append", default=[])
     try:
         ns = ap.parse_args(shlex.split(text))
-    except argparse.ArgumentTypeError as e:
+        plan = _merge_plans(ns.prefetch_next)
+    except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), ns.prefetch_next)
+    return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -207,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "gate_up.num_stages=3 or qkv_rope.faster_up_to=128 (repeatable; applied after "
                          "--prefetch-tiles). ROLE: " + ", ".join(GEMM_ROLES) + "; FIELD: a GemmConfig field ("
                          + ", ".join(gemm_fields()) + ") or faster_up_to (the most rows it runs at)")
-    ap.add_argument("--prefetch-next", type=_prefetch_next, default=None, metavar="TARGET=FRACTION,...",
+    ap.add_argument("--prefetch-next", type=_prefetch_next, action="append", default=[], metavar="TARGET=FRACTION,...",
                     help="cross-kernel L2 prefetch (OuroModel.prefetch_next; off by default): e.g. "
                          "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
                          "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
@@ -235,6 +247,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--prefetch-tiles must be >= 0, got {args.prefetch_tiles}")
     if args.trace is not None and args.profile is None:
         ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
+    try:
+        args.prefetch_next = _merge_plans(args.prefetch_next)
+    except ValueError as e:
+        ap.error(f"argument --prefetch-next: {e}")
     if args.variant and (args.policy != "replay" or args.profile or args.telemetry != "off"):
         ap.error(f"--variant times replays only, without --profile or --telemetry (got --policy {args.policy}"
                  f"{', --profile' if args.profile else ''}{', --telemetry ' + args.telemetry if args.telemetry != 'off' else ''})")
@@ -307,6 +323,7 @@ def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str,
     on cuBLAS), or the field GemmConfig refuses; :func:`main` applies them before any weight is loaded."""
     if not overrides:
         return
+    from loopbench.kernels import gemm, qkv_rope
     tables = gemm_tables(cfg)
     for role, field, value in overrides:
         configs, faster, shape = tables[role]
@@ -317,7 +334,11 @@ def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str,
             faster[shape] = value
             continue
         try:
-            configs[shape] = dataclasses.replace(configs[shape], **{field: value})
+            configs[shape] = c = dataclasses.replace(configs[shape], **{field: value})
+            if role == "qkv_rope":      # the launchers' own checks, so a refusal comes before anything runs
+                qkv_rope.check_config(c, cfg.head_dim)
+            elif role == "swiglu":
+                gemm.check_swiglu_config(c)
         except ValueError as e:
             raise ValueError(f"--gemm-config {role}.{field}={value}: {e}") from None
 
@@ -518,14 +539,24 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
-            "prefetch_next": ",".join(f"{t}={f:g}" for t, f in (getattr(args, "prefetch_next", None) or {}).items())
-                             or "off",
+            "prefetch_next": _prefetch_record(args),
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
             "engine_steps": run.delta.steps,
             "decode_steps": run.delta.decode_steps}
+
+
+def _prefetch_record(args: argparse.Namespace) -> str:
+    """What --prefetch-next did in this run: the plan, or "off" with why where no kernel could prefetch."""
+    from loopbench.kernels import pdl
+    plan = getattr(args, "prefetch_next", None)
+    if not plan:
+        return "off"
+    if not torch.cuda.is_available() or getattr(args, "gemm", "ours") != "ours" or not pdl.ENABLED:
+        return "off (it needs our small-M GEMM with PDL on a GPU)"
+    return ",".join(f"{t}={f:g}" for t, f in plan.items())
 
 
 def _trace_path(args: argparse.Namespace, policy: str, tmp: str) -> Path:

@@ -82,6 +82,8 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.prefetch_tiles, int) or isinstance(self.prefetch_tiles, bool) or self.prefetch_tiles < 0:
             raise ValueError(f"GemmConfig.prefetch_tiles must be an int >= 0, got {self.prefetch_tiles!r}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"GemmConfig.num_warps must be a power of two, got {self.num_warps!r}")
 
 
 # Measured on an H200 (kernels/results/gemm_sweep_h200_84accc2.md; graph chains over >= 256 MB of distinct
@@ -136,7 +138,7 @@ def config_for(n: int, k: int, m: int, configs: dict | None = None, faster_up_to
     return configs.get((n, k))
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "nw_rows", "nw_cols", "nw_stride", "nw_lines"])
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn, stride_om, stride_os,
                  nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
@@ -242,7 +244,7 @@ def _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK: tl.const
     LINE: tl.constexpr = 64
     per_row = tl.cdiv(cols, LINE)
     first = program.to(tl.int64) * lines
-    last = tl.minimum(first + lines, rows.to(tl.int64) * per_row) - 1
+    last = tl.minimum(first + lines, tl.cast(rows, tl.int64) * per_row) - 1
     line = tl.minimum(first + c0 + tl.arange(0, CHUNK), last)
     return (line // per_row) * stride + (line % per_row) * LINE
 
@@ -264,7 +266,7 @@ def _swiglu(gate, up, dtype: tl.constexpr):
     return act * up.to(dtype).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "nw_rows", "nw_cols", "nw_stride", "nw_lines"])
 def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, stride_om, stride_os, stride_wn,
                      nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -371,11 +373,16 @@ def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig, next
         ValueError: ``split_k != 1`` or an odd number of weight rows; else as :func:`gemm`.
     """
     _validate(x, gate_up, config)
-    if config.split_k != 1:
-        raise ValueError(f"gemm_swiglu needs split_k == 1 (the activation needs the whole sum), got {config}")
+    check_swiglu_config(config)
     if gate_up.shape[0] % 2:
         raise ValueError(f"gate_up must have an even number of rows (gate then up), got {gate_up.shape[0]}")
     return _launch(x, gate_up, config, gate_up.shape[0] // 2, glu=True, next_weight=next_weight)
+
+
+def check_swiglu_config(config: GemmConfig) -> None:
+    """ValueError unless ``config`` can run :func:`gemm_swiglu` (split_k 1: the activation needs the whole sum)."""
+    if config.split_k != 1:
+        raise ValueError(f"gemm_swiglu needs split_k == 1 (the activation needs the whole sum), got {config}")
 
 
 def num_stages_that_fit(c: GemmConfig, block_m: int, device: torch.device, weight_tiles: int = 1,

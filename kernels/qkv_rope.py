@@ -43,7 +43,7 @@ CONFIGS: dict[tuple[int, int], gm.GemmConfig] = {
 FASTER_UP_TO: dict[tuple[int, int], int] = {(6144, 2048): 64}
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "nw_rows", "nw_cols", "nw_stride", "nw_lines"])
 def _qkv_rope_write_kernel(
     x_ptr, w_ptr, qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_slot_ptr,
     row_depth_ptr, row_pos_ptr,
@@ -114,6 +114,14 @@ def _qkv_rope_write_kernel(
         tl.store(kv + step, x2, mask=ok[None, :])
 
 
+def check_config(config: gm.GemmConfig, head_dim: int) -> None:
+    """ValueError unless ``config`` can run :func:`qkv_rope_write_kv` on heads of ``head_dim``: block_n dividing
+    head_dim (a program holds whole rotary pairs), split_k 1 (RoPE needs the whole sum) and no tma."""
+    if head_dim % config.block_n or config.split_k != 1 or config.tma:
+        raise ValueError(f"qkv_rope_write_kv needs block_n dividing head_dim ({head_dim}), split_k 1 and no tma, "
+                         f"got {config}")
+
+
 def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfig, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       row_slot: torch.Tensor, row_depth: torch.Tensor, row_pos: torch.Tensor,
@@ -135,9 +143,7 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
     """
     gm._validate(x, w_qkv, config)
     _, page_size, hkv, d = k_cache.shape
-    if d % config.block_n or config.split_k != 1 or config.tma:
-        raise ValueError(f"qkv_rope_write_kv needs block_n dividing head_dim ({d}), split_k 1 and no tma, got "
-                         f"{config}")
+    check_config(config, d)
     m, k = x.shape
     if w_qkv.shape[0] != (num_heads + 2 * hkv) * d:
         raise ValueError(f"w_qkv must have (H + 2 Hkv) * D = {(num_heads + 2 * hkv) * d} rows, got {w_qkv.shape[0]}")

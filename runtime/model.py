@@ -327,7 +327,7 @@ class OuroModel:
             if qkv_cfg is not None and hasattr(rope_write, "project"):
                 qkv = rope_write.project(i, h, w.qkv, qkv_cfg, self._prefetch_region("o_proj", w.o))
             else:
-                qkv = proj(h, w.qkv, gemm_rows)
+                qkv = proj(h, w.qkv, gemm_rows, False, self._prefetch_region("o_proj", w.o))
                 if rope_write is None:
                     fo.rope_(qkv, self.cos, self.sin, positions, H + Hkv, D)
                 else:
@@ -370,12 +370,12 @@ class OuroModel:
         return out if partials or cfg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
 
     def _prefetch_region(self, target: str, w: torch.Tensor) -> torch.Tensor | None:
-        """The first ``prefetch_next[target]`` of the K columns of every row of ``w`` (a view, whole 128-byte
-        lines), or None where that target is not asked for."""
+        """The first ``prefetch_next[target]`` of the K columns of every row of ``w``, rounded up to whole
+        128-byte lines (a view), or None where that target is not asked for."""
         fraction = self.prefetch_next.get(target)
         if fraction is None:
             return None
-        cols = min(w.shape[1], max(64, round(fraction * w.shape[1] / 64) * 64))
+        cols = min(w.shape[1], math.ceil(fraction * w.shape[1] / 64) * 64)
         return w[:, :cols]
 
     def hazard(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ Triton's own ptxas (no GPU needed; ``triton.compile`` for ``GPUTarget("cuda", 90
 - ``ctas_per_sm``: how many programs fit on one SM at once, by shared memory (``SM_SHARED_BYTES`` with the
   1 KiB each program reserves) and by registers (65,536 a SM), from the CUDA C++ Programming Guide's
   occupancy rules and the H100/H200 limits (228 KiB shared memory an SM, 227 KiB a block);
+- ``runs``: whether the engine runs the kernel at M rows (its ``FASTER_UP_TO``; else cuBLAS);
 - ``programs`` and ``waves`` = programs / (ctas_per_sm x ``--sms``): a fraction above a whole number is a
   last wave that leaves SMs idle; two kernels back to back under programmatic dependent launch overlap only
   where the next one's programs fit beside the running one's (``shared_B`` of both).
@@ -38,10 +39,12 @@ from loopbench.kernels import qkv_rope
 SM_SHARED_BYTES = 228 * 1024        # shared memory of one H100 / H200 SM
 BLOCK_RESERVED_BYTES = 1024         # shared memory the system keeps for each resident program
 SM_REGISTERS = 65536
+SM_WARPS, SM_PROGRAMS = 64, 32      # resident warps and programs an SM (compute capability 9.0)
 H200_SMS = 132
 SHAPES = {"qkv": (6144, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (49152, 2048)}
-COLUMNS = ("role", "kernel", "m", "num_stages", "configured", "shared_B", "regs", "ctas_per_sm", "programs", "waves")
+COLUMNS = ("role", "kernel", "m", "runs", "num_stages", "configured", "shared_B", "regs", "ctas_per_sm", "programs",
+           "waves")
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,12 @@ class Resources:
     num_warps: int
 
     def ctas_per_sm(self) -> int:
-        """Programs one SM holds at once, the smaller of its shared-memory and register limits."""
+        """Programs one SM holds at once: the smallest of its shared-memory limit, its register limit (registers
+        are allocated to a warp in units of 256, so a thread's count rounds up to a multiple of 8), 64 warps
+        and 32 programs an SM."""
         by_shared = SM_SHARED_BYTES // (self.shared_bytes + BLOCK_RESERVED_BYTES)
-        by_regs = SM_REGISTERS // (max(self.registers, 1) * 32 * self.num_warps)
-        return min(by_shared, by_regs)
+        by_regs = SM_REGISTERS // (-(-max(self.registers, 1) // 8) * 8 * 32 * self.num_warps)
+        return min(by_shared, by_regs, SM_WARPS // self.num_warps, SM_PROGRAMS)
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, divisible_by_16: tuple[str, ...], num_warps: int,
@@ -96,14 +101,13 @@ def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str,
         consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "PDL": 1, "GLU": glu,
                   "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0}
         return gm._gemm_tma_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
-            ("out_ptr", "w_ptr", "N", "K", "stride_om", "stride_os", "stride_wn", "nw_ptr", "nw_stride")
+            ("out_ptr", "w_ptr", "N", "K", "stride_om", "stride_os", "stride_wn", "nw_ptr")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": out_dtype, **common,
            "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_os": "i32", **_REGION}
     consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False,
               "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0}
     return gm._gemm_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
-        ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os", "nw_ptr",
-         "nw_stride")
+        ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os", "nw_ptr")
 
 
 def _qkv_rope_args(c: gm.GemmConfig, block_m: int, heads: int = 16, kv_heads: int = 16, head_dim: int = 128,
@@ -120,44 +124,56 @@ def _qkv_rope_args(c: gm.GemmConfig, block_m: int, heads: int = 16, kv_heads: in
               "NEXT": next_lines > 0}
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **_REGION, **dict.fromkeys(consts, "constexpr")}
     div = tuple(ptrs) + ("K", "stride_xm", "stride_wn", "stride_qm", "stride_kb", "stride_kt", "stride_kh",
-                         "stride_vb", "stride_vt", "stride_vh", "nw_ptr", "nw_stride")
+                         "stride_vb", "stride_vt", "stride_vh", "nw_ptr")
     return qkv_rope._qkv_rope_write_kernel, sig, consts, div
 
 
-def rows(ms: list[int], stages: list[int], sms: int = H200_SMS) -> list[dict]:
-    """One row per (role, M, num_stages) of every configured Ouro-1.4B projection kernel."""
+def rows(ms: list[int], stages: list[int], sms: int = H200_SMS, next_lines: int = 0) -> list[dict]:
+    """One row per (role, M, num_stages) of every configured Ouro-1.4B projection kernel: ``runs`` whether the
+    engine runs it at M rows (its FASTER_UP_TO), ``waves`` None where one program does not fit an SM (the
+    runtime then lowers the stages, ``gemm.num_stages_that_fit``); ``next_lines`` > 0 compiles the kernels with
+    the cross-kernel L2 prefetch (``gemm.next_weight_region``) in."""
     plans = []
     for role, shape in SHAPES.items():
         if shape in gm.CONFIGS and role not in ("qkv", "gate_up"):    # qkv_rope and swiglu serve those at M <= 64
             c = gm.CONFIGS[shape]
-            plans.append((role, "gemm_tma" if c.tma else "gemm", c, False,
-                          "*fp32" if c.split_k > 1 else "*bf16", triton.cdiv(shape[0], c.block_n) * c.split_k))
+            plans.append((role, "gemm_tma" if c.tma else "gemm", c, False, "*fp32" if c.split_k > 1 else "*bf16",
+                          triton.cdiv(shape[0], c.block_n) * c.split_k, gm.FASTER_UP_TO.get(shape, 0)))
     glu = gm.SWIGLU_CONFIGS[SHAPES["gate_up"]]
     plans.append(("gate_up", "gemm_swiglu" + ("_tma" if glu.tma else ""), glu, True, "*bf16",
-                  triton.cdiv(SHAPES["gate_up"][0] // 2, glu.block_n)))
+                  triton.cdiv(SHAPES["gate_up"][0] // 2, glu.block_n), gm.SWIGLU_FASTER_UP_TO.get(SHAPES["gate_up"], 0)))
     qc = qkv_rope.CONFIGS[SHAPES["qkv"]]
-    plans.append(("qkv", "qkv_rope", qc, None, None, 48 * (128 // qc.block_n)))
+    plans.append(("qkv", "qkv_rope", qc, None, None, 48 * (128 // qc.block_n),
+                  qkv_rope.FASTER_UP_TO.get(SHAPES["qkv"], 0)))
     out = []
-    for role, kernel, c, glu_flag, out_dtype, programs in plans:
+    for role, kernel, c, glu_flag, out_dtype, programs, up_to in plans:
         for m in ms:
             block_m = max(16, triton.next_power_of_2(m))
             for st in sorted(set(stages) | {c.num_stages}):
-                fn, sig, consts, div = (_qkv_rope_args(c, block_m) if kernel == "qkv_rope"
-                                        else _gemm_kernel_args(c, block_m, glu_flag, out_dtype))
+                fn, sig, consts, div = (_qkv_rope_args(c, block_m, next_lines=next_lines) if kernel == "qkv_rope"
+                                        else _gemm_kernel_args(c, block_m, glu_flag, out_dtype, next_lines))
                 res = compile_sm90(fn, sig, consts, div, c.num_warps, st)
                 per_sm = res.ctas_per_sm()
-                out.append(dict(role=role, kernel=kernel, m=m, num_stages=st, configured=st == c.num_stages,
-                                shared_B=res.shared_bytes, regs=res.registers, ctas_per_sm=per_sm,
-                                programs=programs, waves=programs / max(1, per_sm * sms)))
+                out.append(dict(role=role, kernel=kernel, m=m, runs=m <= min(up_to, gm.MAX_M), num_stages=st,
+                                configured=st == c.num_stages, shared_B=res.shared_bytes, regs=res.registers,
+                                ctas_per_sm=per_sm, programs=programs,
+                                waves=programs / (per_sm * sms) if per_sm else None))
     return out
 
 
 def markdown(table: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in table:
-        lines.append("| " + " | ".join(f"{r[c]:.2f}" if c == "waves" else ("yes" if r[c] is True else "" if r[c] is False
-                                                                         else str(r[c])) for c in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(c, r[c]) for c in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def _cell(column: str, value) -> str:
+    if column == "waves":
+        return "does not fit" if value is None else f"{value:.2f}"
+    if isinstance(value, bool):
+        return "yes" if value else ("no" if column == "runs" else "")
+    return str(value)
 
 
 def main(argv=None) -> int:
@@ -166,14 +182,16 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="num_stages to compile besides the "
                     "configured one")
     ap.add_argument("--sms", type=int, default=H200_SMS, help="SMs of the device the waves are counted for")
+    ap.add_argument("--next-lines", type=int, default=0, help="compile with the cross-kernel L2 prefetch in "
+                    "(> 0; gemm.next_weight_region)")
     args = ap.parse_args(argv)
     for name, values, lo, hi in (("--ms", args.ms, 1, gm.MAX_M), ("--stages", args.stages, 1, 8),
-                                 ("--sms", [args.sms], 1, 1024)):
+                                 ("--sms", [args.sms], 1, 1024), ("--next-lines", [args.next_lines], 0, 1 << 20)):
         bad = [v for v in values if not lo <= v <= hi]
         if bad:
             ap.error(f"{name} must be in {lo}..{hi}, got {bad[0]}")
     print(f"triton {triton.__version__}, sm_90, {args.sms} SMs", file=sys.stderr)
-    print(markdown(rows(args.ms, args.stages, args.sms)))
+    print(markdown(rows(args.ms, args.stages, args.sms, args.next_lines)))
     return 0
 
 

@@ -126,6 +126,22 @@ def test_gemm_config_overrides_reach_the_tables_and_are_put_back():
     assert (gemm.CONFIGS, gemm.FASTER_UP_TO, gemm.SWIGLU_CONFIGS, qkv_rope.FASTER_UP_TO) == before
 
 
+@pytest.mark.parametrize("override, message", [
+    (("qkv_rope", "tma", True), "qkv_rope_write_kv needs block_n dividing head_dim (128), split_k 1 and no tma"),
+    (("qkv_rope", "block_n", 256), "qkv_rope_write_kv needs block_n dividing head_dim"),
+    (("swiglu", "split_k", 2), "gemm_swiglu needs split_k == 1"),
+    (("o_proj", "num_warps", 3), "GemmConfig.num_warps must be a power of two, got 3"),
+])
+def test_gemm_config_values_the_launchers_refuse_are_refused_before_anything_runs(override, message):
+    from loopbench.runtime.model import PRESETS
+    saved = throughput.snapshot_tables()
+    try:
+        with pytest.raises(ValueError, match=rf"--gemm-config {override[0]}\.{override[1]}=.*{message[:30]}"):
+            throughput.apply_gemm_overrides(PRESETS["ouro-1.4b"], [override])
+    finally:
+        throughput.load_tables(saved)
+
+
 def test_gemm_config_for_an_unconfigured_shape_or_a_refused_value_names_it(tmp_path, capsys):
     from loopbench.kernels import gemm
     from loopbench.runtime.model import PRESETS
@@ -151,13 +167,15 @@ def test_gemm_config_for_an_unconfigured_shape_or_a_refused_value_names_it(tmp_p
 
 
 def test_prefetch_next_parses_into_the_model_option_and_bad_values_are_argparse_errors(capsys):
-    args = throughput.parse_args(["--prefetch-next", "gate_up=0.5,qkv=1"])
-    assert args.prefetch_next == {"gate_up": 0.5, "qkv": 1.0}
+    args = throughput.parse_args(["--prefetch-next", "gate_up=0.5,qkv=1", "--prefetch-next", "down=0.25"])
+    assert args.prefetch_next == {"gate_up": 0.5, "qkv": 1.0, "down": 0.25}
     assert throughput.parse_args([]).prefetch_next is None
-    for text, message in (("gate_up", "'gate_up' is not TARGET=FRACTION"), ("gate_up=half", "is not TARGET=FRACTION"),
-                          ("lm_head=0.5", "unknown target 'lm_head'"), ("down=1.5", "must be a fraction in (0, 1]")):
+    for argv, message in ((["gate_up"], "'gate_up' is not TARGET=FRACTION"), (["gate_up=half"], "is not TARGET=FRACTION"),
+                          (["lm_head=0.5"], "unknown target 'lm_head'"), (["down=1.5"], "must be a fraction in (0, 1]"),
+                          (["down=0.5,down=1"], "target 'down' given twice (0.5 and 1)"),
+                          (["down=0.5", "--prefetch-next", "down=1"], "target 'down' given twice")):
         with pytest.raises(SystemExit) as exc:
-            throughput.parse_args(["--prefetch-next", text])
+            throughput.parse_args(["--prefetch-next", *argv])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
 

@@ -204,7 +204,7 @@ def _region_offsets_kernel(out_ptr, rows, cols, stride, lines, CHUNK: tl.constex
     (3, 128, 2048, 16),       # more programs than lines: the spare ones repeat the last line
     (40, 512, 2048, 6),       # several chunks a program
 ])
-def test_prefetch_region_offsets_cover_every_line_once_and_stay_inside(rows, cols, stride, programs):
+def test_prefetch_region_offsets_cover_every_line_and_stay_inside(rows, cols, stride, programs):
     """gemm.next_weight_region's split of a region into per-program lines, read back through the interpreter:
     the offsets hit every 128-byte line of the region, and nothing outside it."""
     x = torch.zeros(1, 64, dtype=torch.bfloat16)

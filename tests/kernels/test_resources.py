@@ -16,7 +16,8 @@ from loopbench.kernels import gemm as gm
 from loopbench.kernels import qkv_rope
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAM = "import json; from loopbench.kernels.bench import resources as r; print(json.dumps(r.rows([16, 32], [2])))"
+PROGRAM = ("import json; from loopbench.kernels.bench import resources as r; "
+           "print(json.dumps(r.rows([16, 32], [2]) + r.rows([16], [4], next_lines=1)))")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,16 @@ def table():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
+
+
+def test_the_cross_kernel_prefetch_compiles_in_every_configured_kernel_within_its_stages(table):
+    """The rows of ``rows([16], [4], next_lines=1)``: the same shared memory as without (the prefetch holds no
+    buffer), and a register count that still leaves shared memory the binding limit."""
+    plain = {(r["role"], r["m"], r["num_stages"]): r for r in table[:-5]}
+    for r in table[-5:]:
+        twin = plain.get((r["role"], r["m"], r["num_stages"]))
+        if twin is not None:
+            assert r["shared_B"] == twin["shared_B"] and r["ctas_per_sm"] == twin["ctas_per_sm"], (r, twin)
 
 
 def test_every_configured_kernel_is_reported_at_each_m_and_stage_count(table):
@@ -52,5 +63,6 @@ def test_shared_memory_is_what_num_stages_that_fit_assumes(table):
 def test_waves_count_programs_over_resident_slots(table):
     for r in table:
         assert r["waves"] == pytest.approx(r["programs"] / (r["ctas_per_sm"] * 132))
+        assert r["runs"] == (r["m"] <= 32 or r["role"] in ("o_proj", "down", "qkv", "gate_up"))
     gate_up = next(r for r in table if r["role"] == "gate_up" and r["m"] == 16 and r["num_stages"] == 4)
     assert gate_up["programs"] == 11264 // 2 // gm.SWIGLU_CONFIGS[(11264, 2048)].block_n

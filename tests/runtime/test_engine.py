@@ -397,3 +397,51 @@ def test_prefetch_next_is_checked_and_cuts_whole_lines_of_every_row(tiny_ckpt):
     assert model._prefetch_region("down", w).data_ptr() == w.data_ptr() and model._prefetch_region("down", w).shape == (10, 256)
     assert model._prefetch_region("qkv", w) is None
     assert model._prefetch_region("gate_up", torch.zeros(4, 64)).shape == (4, 64)     # at least one line a row
+
+
+@pytest.mark.parametrize("fused_paths", ["qkv_rope and swiglu", "plain gemms"])
+def test_prefetch_next_gives_each_projection_the_next_ones_weight(tiny_ckpt, monkeypatch, fused_paths):
+    """The wiring of OuroModel.prefetch_next, traced on the CPU with the GEMM launchers recorded: qkv (+ RoPE)
+    prefetches o_proj's weight, o_proj gate_up's, gate_up (+ SwiGLU) down's, down the next layer's qkv, and the
+    last layer's down layer 0's qkv (the next loop's first read)."""
+    import torch.nn.functional as F
+    from loopbench.kernels import fused_ops as fo
+    from loopbench.kernels import gemm as gm
+    from loopbench.runtime.model import PREFETCH_TARGETS
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True,
+                                   prefetch_next=dict.fromkeys(PREFETCH_TARGETS, 1.0))
+    names = {getattr(w, n).data_ptr(): f"{i}.{n}" for i, w in enumerate(model.layers) for n in ("qkv", "o", "gate_up", "down")}
+    log = []
+
+    def name(w):
+        return None if w is None else names[w.data_ptr()]
+
+    def config(configs, faster, w, x, rows):          # every projection on "our GEMM", fused where asked
+        if fused_paths == "plain gemms" and configs is not gm.CONFIGS:
+            return None
+        return gm.GemmConfig()
+
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "_fused_config", config)
+    monkeypatch.setattr(gm, "gemm", lambda x, w, c, nw=None: log.append(("gemm", name(w), name(nw))) or F.linear(x, w))
+    monkeypatch.setattr(gm, "gemm_swiglu", lambda x, w, c, nw=None:
+                        log.append(("swiglu", name(w), name(nw))) or fo.silu_mul(F.linear(x, w)))
+
+    class RopeWrite:
+        def __call__(self, layer, qkv):
+            pass
+
+        def project(self, layer, x, w, c, next_weight=None):
+            log.append(("qkv_rope", name(w), name(next_weight)))
+            return F.linear(x, w)
+
+    x = torch.randn(2, cfg.hidden_size, dtype=torch.bfloat16)
+    model.run_loop(x, torch.zeros(2, dtype=torch.int32), lambda i, q, k, v: q, rope_write=RopeWrite())
+    qkv_kernel, glu_kernel = ("qkv_rope", "swiglu") if fused_paths == "qkv_rope and swiglu" else ("gemm", "gemm")
+    expected = []
+    for i in range(cfg.num_hidden_layers):
+        nxt = (i + 1) % cfg.num_hidden_layers
+        expected += [(qkv_kernel, f"{i}.qkv", f"{i}.o"), ("gemm", f"{i}.o", f"{i}.gate_up"),
+                     (glu_kernel, f"{i}.gate_up", f"{i}.down"), ("gemm", f"{i}.down", f"{nxt}.qkv")]
+    assert log == expected
