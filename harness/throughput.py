@@ -18,7 +18,8 @@ machine without CUDA it runs the torch backend on the CPU (slowly).
 decode loop itself rather than in an isolated microbenchmark, e.g.
 ``--gemm-config gate_up.num_stages=3 --gemm-config swiglu.prefetch_tiles=4``; ``ROLE.faster_up_to=0`` sends that
 role to cuBLAS. The profile report records the overrides. ``--prefetch-next TARGET=FRACTION,...`` turns on the
-model's cross-kernel L2 prefetch (OuroModel.prefetch_next). ``--variant OPTIONS`` (repeatable) is a sweep: one
+model's cross-kernel L2 prefetch (OuroModel.prefetch_next); ``--attention-config KNOB=VALUE,...`` sets the Triton
+decode attention's tuning knobs (block_n, min_split_tokens, maxnreg, ...). ``--variant OPTIONS`` (repeatable) is a sweep: one
 model load, per variant its own schedule and replay engine, the variants timed alternately, a table at the end::
 
     python -m loopbench.harness.throughput --preset ouro-1.4b --repeats 3 --variant "" \
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
 import json
 import os
 import shlex
@@ -161,6 +164,7 @@ class Variant:
     prefetch_tiles: int | None = None
     gemm_config: tuple[tuple[str, str, int | bool], ...] = ()
     prefetch_next: dict[str, float] | None = None
+    attention_config: dict[str, int | bool] | None = None
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -175,12 +179,61 @@ def _variant(text: str) -> Variant:
     ap.add_argument("--prefetch-tiles", type=_at_least_zero, default=None)
     ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[])
     ap.add_argument("--prefetch-next", type=_prefetch_next, action="append", default=[])
+    ap.add_argument("--attention-config", type=_attention_config, default=None)
     try:
         ns = ap.parse_args(shlex.split(text))
         plan = _merge_plans(ns.prefetch_next)
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan)
+    return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan,
+                   ns.attention_config)
+
+
+def attention_knobs() -> dict[str, type]:
+    """The Triton decode attention's tuning knobs (the keyword-only parameters of
+    kernels/decode_attention.decode_attention), name -> bool or int."""
+    from loopbench.kernels import decode_attention as da
+    params = inspect.signature(da.decode_attention).parameters.values()
+    return {p.name: bool if isinstance(p.default, bool) else int for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+def _attention_config(text: str) -> dict[str, int | bool]:
+    """``KNOB=VALUE,...`` -> {knob: value}, checked by the kernel's own ``check_knobs``; an argparse error
+    names the bad part."""
+    from loopbench.kernels import decode_attention as da
+    knobs, config = attention_knobs(), {}
+    for item in text.split(","):
+        name, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or name not in knobs:
+            raise argparse.ArgumentTypeError(f"{item!r} is not KNOB=VALUE with KNOB one of {', '.join(knobs)}")
+        if name in config:
+            raise argparse.ArgumentTypeError(f"knob {name!r} given twice")
+        if knobs[name] is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise argparse.ArgumentTypeError(f"{name} must be true or false, got {raw!r}")
+            config[name] = raw.lower() in ("true", "1")
+        else:
+            try:
+                config[name] = int(raw)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{name} must be an integer, got {raw!r}") from None
+    try:
+        da.check_knobs(**config)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return config
+
+
+def with_attention_config(engine: LoopEngine, config: dict[str, int | bool] | None) -> LoopEngine:
+    """``engine`` whose Triton decode attention runs with ``config``'s knobs (before its first step, so its graphs
+    are captured with them). Raises ValueError for another attention backend."""
+    if config:
+        backend = engine.runner.backend
+        if backend.name != "triton":
+            raise ValueError(f"--attention-config needs the triton attention backend, got {backend.name!r}")
+        engine.runner.backend = dataclasses.replace(
+            backend, decode_attention=functools.partial(backend.decode_attention, **config))
+    return engine
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -224,10 +277,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
                          "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
                          "TARGET: " + ", ".join(PREFETCH_TARGETS) + " (each prefetched by the projection before it)")
+    ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
+                    help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
+                         "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
     ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="OPTIONS",
                     help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
                          "each variant with its own captured schedule and engine, the variants alternating "
-                         "within a repeat; OPTIONS: any of --prefetch-tiles, --gemm-config, --prefetch-next "
+                         "within a repeat; OPTIONS: any of --prefetch-tiles, --gemm-config, --prefetch-next, "
+                         "--attention-config "
                          "(quoted; \"\" is the probe's own configuration). Ends with each variant's median tok/s "
                          "and its ratio to the first")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
@@ -251,6 +308,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prefetch_next = _merge_plans(args.prefetch_next)
     except ValueError as e:
         ap.error(f"argument --prefetch-next: {e}")
+    if (args.attention_config or any(v.attention_config for v in args.variant)) and args.backend != "triton":
+        ap.error(f"--attention-config needs --backend triton, got {args.backend}")
     if args.variant and (args.policy != "replay" or args.profile or args.telemetry != "off"):
         ap.error(f"--variant times replays only, without --profile or --telemetry (got --policy {args.policy}"
                  f"{', --profile' if args.profile else ''}{', --telemetry ' + args.telemetry if args.telemetry != 'off' else ''})")
@@ -466,9 +525,12 @@ def engine_config(arm: ArmSpec, args: argparse.Namespace, max_len: int, policy: 
                                prefill_gemm_rows=getattr(args, "prefill_gemm_rows", None) or cfg.prefill_gemm_rows)
 
 
-def capture(model: OuroModel, arm: ArmSpec, args: argparse.Namespace, max_len: int, reqs: list[Request]) -> Schedule:
-    """One natural ouro_delayed run of the requests, frozen as the schedule every timed run must reproduce."""
-    natural = LoopEngine(model, engine_config(arm, args, max_len, "ouro_delayed"))
+def capture(model: OuroModel, arm: ArmSpec, args: argparse.Namespace, max_len: int, reqs: list[Request],
+            attention_config: dict | None = None) -> Schedule:
+    """One natural ouro_delayed run of the requests, frozen as the schedule every timed run must reproduce;
+    ``attention_config``: the decode attention's knobs (default ``--attention-config``)."""
+    natural = with_attention_config(LoopEngine(model, engine_config(arm, args, max_len, "ouro_delayed")),
+                                    attention_config or getattr(args, "attention_config", None))
     for r in reqs:
         natural.add_request(r)
     natural.run()
@@ -540,6 +602,8 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
             "prefetch_next": _prefetch_record(args),
+            "attention_config": ",".join(f"{k}={v}" for k, v in (getattr(args, "attention_config", None) or {}).items())
+                                or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
@@ -642,9 +706,10 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
         for v in args.variant:
             apply_variant(model.cfg, v, base)
             model.prefetch_next = own_plan if v.prefetch_next is None else v.prefetch_next
-            schedule = capture(model, arm, args, max_len, reqs)
-            pe = PolicyEngine(f"replay [{v.label}]", LoopEngine(model, engine_config(
-                arm, args, max_len, "replay", schedule)), schedule)
+            knobs = {**(args.attention_config or {}), **(v.attention_config or {})}
+            schedule = capture(model, arm, args, max_len, reqs, knobs)
+            pe = PolicyEngine(f"replay [{v.label}]", with_attention_config(LoopEngine(model, engine_config(
+                arm, args, max_len, "replay", schedule)), knobs), schedule)
             print(pe.run(reqs, "warmup").line(), flush=True)
             states.append((v, snapshot_tables(), model.prefetch_next, pe, []))
         for i in range(1, args.repeats + 1):
@@ -674,8 +739,8 @@ def _run(args: argparse.Namespace, identity: dict, device: str, max_len: int) ->
     reqs = make_requests(model.cfg.vocab_size, args)
     arm = arm_spec(args, device)
     schedule = capture(model, arm, args, max_len, reqs)
-    engines = {p: PolicyEngine(p, LoopEngine(model, engine_config(
-        arm, args, max_len, EXIT_POLICY[p], schedule if p == "replay" else None)), schedule)
+    engines = {p: PolicyEngine(p, with_attention_config(LoopEngine(model, engine_config(
+        arm, args, max_len, EXIT_POLICY[p], schedule if p == "replay" else None)), args.attention_config), schedule)
         for p in POLICIES[args.policy]}
     try:
         if args.telemetry == "ab":

@@ -495,6 +495,29 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
+                max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
+                maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0) -> None:
+    """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if not is_int(block_n) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+    if not (is_int(min_split_tokens) and is_int(max_splits)) or min_split_tokens < block_n or max_splits < 1:
+        raise ValueError(f"need min_split_tokens >= block_n and max_splits >= 1, got "
+                         f"{min_split_tokens!r}, {max_splits!r}")
+    if num_warps is not None and (not is_int(num_warps) or num_warps < 1 or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps must be None or a power of two, got {num_warps!r}")
+    if num_stages is not None and (not is_int(num_stages) or num_stages < 1):
+        raise ValueError(f"num_stages must be None or an int >= 1, got {num_stages!r}")
+    if maxnreg is not None and (not is_int(maxnreg) or maxnreg < 0):
+        raise ValueError(f"maxnreg must be None or an int >= 0 (0: no cap), got {maxnreg!r}")
+    if not isinstance(exit_ahead, bool):
+        raise ValueError(f"exit_ahead must be true or false, got {exit_ahead!r}")
+    if not is_int(pipe_stages) or pipe_stages < 0:
+        raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, row_slot: torch.Tensor, row_depth: torch.Tensor,
                      row_pos: torch.Tensor, exit_map: torch.Tensor, row_first_alias: torch.Tensor,
@@ -543,15 +566,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
               layout, tile_size)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if min_split_tokens < block_n or max_splits < 1:
-        raise ValueError(f"need min_split_tokens >= block_n and max_splits >= 1, got "
-                         f"{min_split_tokens}, {max_splits}")
-    if maxnreg is not None and (not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or maxnreg < 0):
-        raise ValueError(f"maxnreg must be None or an int >= 0 (0: no cap), got {maxnreg!r}")
-    if not isinstance(pipe_stages, int) or isinstance(pipe_stages, bool) or pipe_stages < 0:
-        raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
+    check_knobs(block_n=block_n, min_split_tokens=min_split_tokens, max_splits=max_splits, num_warps=num_warps,
+                num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages)
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv

@@ -213,3 +213,41 @@ def test_a_variant_override_of_an_unconfigured_shape_exits_2_before_anything_is_
     assert "--variant '--gemm-config qkv.split_k=2': --gemm-config qkv.split_k: no qkv configuration" in \
         capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_attention_config_parses_through_the_kernels_own_checks(capsys):
+    args = throughput.parse_args(["--backend", "triton", "--attention-config", "block_n=64, exit_ahead=false,maxnreg=0"])
+    assert args.attention_config == {"block_n": 64, "exit_ahead": False, "maxnreg": 0}
+    assert set(throughput.attention_knobs()) == {"block_n", "min_split_tokens", "max_splits", "num_warps", "num_stages",
+                                                 "maxnreg", "exit_ahead", "pipe_stages"}
+    for argv, message in ((["block_n=48"], "block_n must be a power of two >= 16, got 48"),
+                          (["blockn=64"], "'blockn=64' is not KNOB=VALUE with KNOB one of block_n"),
+                          (["exit_ahead=maybe"], "exit_ahead must be true or false, got 'maybe'"),
+                          (["block_n=64,block_n=32"], "knob 'block_n' given twice"),
+                          (["min_split_tokens=16"], "need min_split_tokens >= block_n"),
+                          (["num_warps=3"], "num_warps must be None or a power of two, got 3")):
+        with pytest.raises(SystemExit) as exc:
+            throughput.parse_args(["--backend", "triton", "--attention-config", *argv])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--backend", "torch", "--variant", "--attention-config block_n=64"])
+    assert "--attention-config needs --backend triton, got torch" in capsys.readouterr().err
+
+
+def test_attention_config_reaches_every_decode_attention_call_of_the_engine(tiny_ckpt, monkeypatch):
+    from loopbench.kernels import decode_attention as da
+    from loopbench.runtime.api import EngineConfig
+    from loopbench.runtime.engine import LoopEngine
+    from loopbench.runtime.model import OuroModel
+    calls = []
+    monkeypatch.setattr(da, "decode_attention", lambda *a, **kw: calls.append(kw))
+    model = OuroModel.from_tensors(*tiny_ckpt)
+    engine = LoopEngine(model, EngineConfig(max_model_len=16, attention_backend="triton"))
+    assert throughput.with_attention_config(engine, {}) is engine and engine.runner.backend.decode_attention is not None
+    throughput.with_attention_config(engine, {"block_n": 64, "exit_ahead": False})
+    engine.runner.backend.decode_attention("q", layout="alias")
+    assert calls == [{"block_n": 64, "exit_ahead": False, "layout": "alias"}]
+    torch_engine = LoopEngine(model, EngineConfig(max_model_len=16, attention_backend="torch"))
+    with pytest.raises(ValueError, match="needs the triton attention backend, got 'torch'"):
+        throughput.with_attention_config(torch_engine, {"block_n": 64})

@@ -255,6 +255,9 @@ def test_rejects_bad_arguments():
     for bad in (-1, True, 128.0):
         with pytest.raises(ValueError, match="maxnreg"):
             decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
+    for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("block_n", 16.0), ("max_splits", 0)):
+        with pytest.raises(ValueError, match=knob):
+            decode_attention(case["q"], k, v, **case["meta"], **{knob: bad})
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
     with pytest.raises(ValueError, match="contiguous"):
         decode_attention(many["q"], *many["native"],
