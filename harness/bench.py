@@ -46,9 +46,10 @@ def _sweep_progress() -> None:
     if _SWEEP["started"] is None:
         _SWEEP["started"] = time.monotonic()
     eta = ""
+    runs = _SWEEP.get("runs") or [1] * total      # each job's measured arm runs (planning.sweep_arm_runs)
     if num:
-        left = (time.monotonic() - _SWEEP["started"]) / num * (total - num)
-        eta = f"; the sweep should end in about {progress.duration(left)}"
+        done, left = sum(runs[:num]), sum(runs[num:])
+        eta = f"; the sweep should end in about {progress.duration((time.monotonic() - _SWEEP['started']) / done * left)}"
     progress.say("sweep", f"job {num + 1} of {total}{eta}")
 
 
@@ -62,12 +63,18 @@ def task(cfg) -> int:
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
+    from .resume import ResumeRefused
+
     try:
         result = controller.run(spec)
     except CardInUse as exc:   # another run holds a card: one clear line, nothing written
         print(f"loopbench: {exc}", file=sys.stderr)
         _EXIT_CODES.append(1)
         return 1
+    except ResumeRefused as exc:   # resume= names a bundle that cannot be resumed so: bad usage, bundle unchanged
+        print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
+        _EXIT_CODES.append(2)
+        return 2
     return show(result)
 
 
@@ -126,13 +133,15 @@ def finish_main(argv: list[str]) -> int:
     return show(result)
 
 
-def run_hydra(config_name: str, hydra_args: list[str], sweep_jobs: int = 0) -> int:
+def run_hydra(config_name: str, hydra_args: list[str], sweep_jobs: int = 0, sweep_runs: list[int] | None = None
+              ) -> int:
     """Run :func:`task` under ``@hydra.main`` with ``hydra_args`` (overrides, ``-m``, Hydra's flags) for
-    preset ``config_name``; returns the worst exit status of its runs (1 when none ran)."""
+    preset ``config_name``; ``sweep_runs``: each job's measured arm runs, which weight the sweep's ETA (the
+    jobs' times are assumed proportional to them); returns the worst exit status of its runs (1 when none ran)."""
     import hydra
 
     _EXIT_CODES.clear()
-    _SWEEP.update(jobs=sweep_jobs, started=None)
+    _SWEEP.update(jobs=sweep_jobs, started=None, runs=sweep_runs)
     saved = sys.argv
     sys.argv = [saved[0], *hydra_args]   # @hydra.main reads the command line from sys.argv
     try:

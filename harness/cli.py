@@ -103,19 +103,20 @@ def _bench(args, extra: list[str]) -> int:
     from . import bench, planning
 
     name = _preset(args.config_name)
-    jobs = 0
+    jobs, runs = 0, None
     if args.multirun:   # every job's config is checked before the first one runs
         try:
-            jobs = len(planning.check_sweep(name, args.overrides))
+            runs = planning.sweep_arm_runs(name, args.overrides)
         except planning.SweepError as exc:
             return _bad(exc.cause, f" in sweep job {exc.job}")
+        jobs = len(runs)
         progress.say("sweep", f"{jobs} jobs, every configuration valid")
     elif not extra:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
         try:
             planning.check(name, args.overrides)
         except planning.CONFIG_ERRORS as exc:
             return _bad(exc)
-    return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs)
+    return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs, runs)
 
 
 def _plan(args) -> int:
@@ -143,6 +144,9 @@ def _show(args) -> int:
         from .executors import REPO_ROOT
 
         results = args.results or REPO_ROOT / "results"
+        if not Path(results).is_dir():
+            print(f"loopbench show: --results {str(results)!r} is not a folder", file=sys.stderr)
+            return 2
         dirs = compare.bundle_dirs(results)
         print("\n".join(compare.bundle_line(d) for d in dirs) if dirs else f"no bundles in {results}")
         return 0

@@ -47,18 +47,29 @@ def check(config_name: str, overrides: list[str]):
 
 
 def check_sweep(config_name: str, overrides: list[str]) -> list[list[str]]:
-    """Every job's overrides of a multirun, each checked (:func:`check`); SweepError names the first bad one."""
+    """Every job's overrides of a multirun, each checked (:func:`check`); SweepError names the first bad one
+    (numbered from 1, as the sweep's progress lines number them)."""
+    return [job for job, _ in _checked_jobs(config_name, overrides)]
+
+
+def sweep_arm_runs(config_name: str, overrides: list[str]) -> list[int]:
+    """Each job's measured arm runs per device (its measurement order), checked as :func:`check_sweep`."""
+    return [len(measurement_order(spec)) for _, spec in _checked_jobs(config_name, overrides)]
+
+
+def _checked_jobs(config_name: str, overrides: list[str]) -> list[tuple[list[str], object]]:
     try:
         jobs = sweep_jobs(overrides)
     except CONFIG_ERRORS as exc:
         raise SweepError("(the sweep's overrides)", exc) from exc
+    checked = []
     for i, job in enumerate(jobs):
         try:
-            check(config_name, job)
+            checked.append((job, check(config_name, job)[0]))
         except CONFIG_ERRORS as exc:
             swept = [o for o in job if not all(o in other for other in jobs)]   # what makes this job this job
-            raise SweepError(f"{i} ({' '.join(swept or job)})", exc) from exc
-    return jobs
+            raise SweepError(f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})", exc) from exc
+    return checked
 
 
 def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None:

@@ -86,17 +86,22 @@ def _environment_identity(env: dict) -> dict:
             "packages": env.get("packages"), "cpu": (env.get("cpu") or {}).get("model"), "gpus": env.get("gpus")}
 
 
+class ResumeRefused(ValueError):
+    """A resume (or finish) refused before the bundle changed: the command line names a bundle that cannot be
+    resumed as asked (``loopbench bench`` exits 2, a bad configuration or usage, naming why in one line)."""
+
+
 def _claim(bundle: Path) -> int:
     """The bundle's exclusive lock, once no controller and no child of it runs; ValueError otherwise."""
     lock = try_lock(bundle)
     if lock is None:
-        raise ValueError(f"{bundle} is held by a running controller; stop it (SIGTERM publishes the bundle) "
+        raise ResumeRefused(f"{bundle} is held by a running controller; stop it (SIGTERM publishes the bundle) "
                          "or wait for it")
     if (bundle / "jobs").is_dir():
         jobs = try_lock(bundle / "jobs", wait_s=CHILD_EXIT_WAIT_S)
         if jobs is None:
             os.close(lock)
-            raise ValueError(f"a child of {bundle} still runs {CHILD_EXIT_WAIT_S:.0f} s after its controller "
+            raise ResumeRefused(f"a child of {bundle} still runs {CHILD_EXIT_WAIT_S:.0f} s after its controller "
                              f"ended (it holds {bundle / 'jobs'}); stop it first")
         os.close(jobs)
     return lock
@@ -134,13 +139,13 @@ def finish(bundle: Path) -> RunResult:
     """Publish the bundle of a controller that died without publishing, as incomplete (no verdict)."""
     bundle = Path(bundle)
     if not (bundle / "plan.json").is_file():
-        raise ValueError(f"{bundle} has no plan.json: its controller stopped before it planned anything and "
+        raise ResumeRefused(f"{bundle} has no plan.json: its controller stopped before it planned anything and "
                          "nothing was measured; delete the folder")
     lock = _claim(bundle)
     try:
         status = _published_status(bundle)
         if status is not None:
-            raise ValueError(f"{bundle} is published already (status {status}); there is nothing to finish")
+            raise ResumeRefused(f"{bundle} is published already (status {status}); there is nothing to finish")
         plan = json.loads((bundle / "plan.json").read_text())
         env = json.loads((bundle / "environment.json").read_text())
         return publish(bundle, plan, _mark_lost(bundle, _read_children(bundle)), env)
@@ -167,7 +172,7 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
         kept = [item["seq"] for item in order if item["seq"] in complete]
         if kept != [item["seq"] for item in order[:len(kept)]]:
             gap = next(item["seq"] for item in order if item["seq"] not in complete)
-            raise ValueError(f"cannot resume {bundle}: the completed pairs of {name} are not a prefix of its "
+            raise ResumeRefused(f"cannot resume {bundle}: the completed pairs of {name} are not a prefix of its "
                              f"planned order (seq {gap} is missing before seq {kept[-1]}), so the rest cannot be "
                              "measured in order")
         todo[name] = [item["seq"] for item in order[len(kept):]]
@@ -205,18 +210,18 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict) -> tuple[Benc
     diffs += [(f"environment.{p}", a, b) for p, a, b in
               _differences(_environment_identity(env), _environment_identity(_as_json(machine.environment(got.devices))))]
     if diffs:
-        raise ValueError(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
+        raise ResumeRefused(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
     for pt in plan["points"]:
         ref = pt.get("reference")
         if not ref:
-            raise ValueError(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
+            raise ResumeRefused(f"cannot resume {bundle}: point {pt['key']} has no frozen reference (the reference "
                              "capture did not finish); start a new run")
         for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
             if not (bundle / rel).is_file() or sha256_file(bundle / rel) != want:
-                raise ValueError(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
+                raise ResumeRefused(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
     changed = _unlike_manifest(bundle)
     if changed:
-        raise ValueError(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
+        raise ResumeRefused(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
                          "resume would publish them again as measured")
     return ours, got, env
 
@@ -226,12 +231,12 @@ def resume(spec: BenchSpec) -> RunResult:
     bundle = Path(spec.resume).expanduser()
     bundle = (bundle if bundle.is_absolute() else Path.cwd() / bundle).resolve()
     if not (bundle / "plan.json").is_file():
-        raise ValueError(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
+        raise ResumeRefused(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
     lock, held = _claim(bundle), []
     try:
         plan = json.loads((bundle / "plan.json").read_text())
         if _published_status(bundle) == "complete":
-            raise ValueError(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
+            raise ResumeRefused(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
                              "resumed (start a new run instead)")
         ours, got, env = _refuse_unlike_plan(spec, bundle, plan)
         todo, discard = _kept_and_todo(bundle, plan)

@@ -612,14 +612,22 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "decode_steps": run.delta.decode_steps}
 
 
+PREFETCH_IDLE = "it needs our small-M GEMM with PDL on a GPU"
+
+
+def _prefetch_idle(args: argparse.Namespace) -> bool:
+    """Whether no kernel can prefetch in this process (no CUDA, --gemm cublas or --pdl off)."""
+    from loopbench.kernels import pdl
+    return not torch.cuda.is_available() or getattr(args, "gemm", "ours") != "ours" or not pdl.ENABLED
+
+
 def _prefetch_record(args: argparse.Namespace) -> str:
     """What --prefetch-next did in this run: the plan, or "off" with why where no kernel could prefetch."""
-    from loopbench.kernels import pdl
     plan = getattr(args, "prefetch_next", None)
     if not plan:
         return "off"
-    if not torch.cuda.is_available() or getattr(args, "gemm", "ours") != "ours" or not pdl.ENABLED:
-        return "off (it needs our small-M GEMM with PDL on a GPU)"
+    if _prefetch_idle(args):
+        return f"off ({PREFETCH_IDLE})"
     return ",".join(f"{t}={f:g}" for t, f in plan.items())
 
 
@@ -663,6 +671,8 @@ def main(argv=None) -> int:
     max_len = max_model_len(args.prompt_len, args.output_len)
     restore_kernel_options = apply_kernel_options(args)
     try:
+        if (args.prefetch_next or any(v.prefetch_next for v in args.variant)) and _prefetch_idle(args):
+            print(f"note: --prefetch-next changes nothing in this run ({PREFETCH_IDLE})", file=sys.stderr)
         try:
             cfg = model_config(args) if args.gemm_config or args.variant else None
             apply_gemm_overrides(cfg, args.gemm_config)

@@ -79,7 +79,7 @@ def test_multirun_checks_every_job_before_the_first_runs(tmp_path):
     proc = loopbench(tmp_path, "bench", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}",
                      "-m", "pairs=1,0")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "bad configuration in sweep job 1 (pairs=0): pairs must be a positive integer" in proc.stderr
+    assert "bad configuration in sweep job 2 of 2 (pairs=0): pairs must be a positive integer" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -103,6 +103,21 @@ def test_multirun_makes_two_audited_bundles_with_progress_and_no_hydra_folders(t
                  "should end in about", "loopbench: checkpoint: ", "loopbench: calibration: gate bias",
                  "loopbench: references: B2C2: captured", "loopbench: references: B2C2: reused", "loopbench: audit: "):
         assert line in proc.stderr, line
+
+
+def test_resuming_a_complete_bundle_is_bad_usage_named_in_one_line(two_bundles, tmp_path):
+    _, work, (a, _) = two_bundles
+    before = sorted((p.relative_to(a), p.stat().st_mtime_ns) for p in a.rglob("*"))
+    proc = loopbench(work, "bench", *TINY, f"results_dir={a.parent}", f"cache_dir={tmp_path / 'c'}", f"resume={a}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "loopbench: bad configuration: resume = " in proc.stderr
+    assert "a complete bundle cannot be resumed" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted((p.relative_to(a), p.stat().st_mtime_ns) for p in a.rglob("*")) == before
+
+
+def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):
+    assert cli.main(["show", "--all", "--results", str(tmp_path / "none")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def test_compare_of_two_cpu_bundles_prints_a_table(two_bundles):

@@ -3,6 +3,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from loopbench.harness import throughput
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
@@ -185,12 +186,14 @@ def test_variant_sweep_times_each_variant_in_one_process_and_puts_everything_bac
     before = dict(gemm.CONFIGS)
     rc = throughput.main([*SMALL, "--cache", str(tmp_path / "c"), "--repeats", "2",
                           "--variant", "", "--variant", "--prefetch-next gate_up=0.5,qkv=1 --prefetch-tiles 2"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0
     assert out.count("replay [as configured] run ") == 2 and out.count("replay [--prefetch-next") == 3   # + warmup
     assert "| variant | median tok/s | vs 'as configured' | runs |" in out
     assert "| as configured | " in out and " | 1.0000 | 2 |" in out
     assert gemm.CONFIGS == before
+    assert "note: --prefetch-next changes nothing in this run (it needs our small-M GEMM with PDL on a GPU)" in \
+        err or torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("argv, message", [
