@@ -208,8 +208,11 @@ def bundle_line(path: Path) -> str:
     code = plan.get("code", {})
     sha = (code.get("git_sha") or "unknown")[:8] + ("+dirty" if code.get("git_dirty") else "")
     preset = plan.get("checkpoint", {}).get("preset") or "checkpoint"
-    return (f"{path.name}  {plan.get('name')}  model {preset}  {status} (audit {audit})  code {sha}  "
-            f"{headline(summary) if summary else 'no summary'}")
+    results = headline(summary) if summary else "no summary"
+    if summary and not summary.get("verdicts_published", True):     # bundle formats before 2 have no such key
+        barred = ", ".join(map(str, summary.get("verdicts_barred_by") or [])) or "see its report"
+        results = f"no verdicts ({barred}); measured, not evidence: {results}"
+    return f"{path.name}  {plan.get('name')}  model {preset}  {status} (audit {audit})  code {sha}  {results}"
 
 
 def bundle_dirs(results_dir: Path) -> list[Path]:

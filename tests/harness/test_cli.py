@@ -183,3 +183,19 @@ def test_compare_names_its_level_from_the_config_or_the_flag_and_refuses_a_bad_o
     assert "change [90% interval]" in out and "a 90% percentile bootstrap interval" in out and "95%" not in out
     assert cli.main(["compare", a, b, "--confidence", "95"]) == 2
     assert "--confidence 95.0 is not a level between 0 and 1" in capsys.readouterr().err
+
+
+def test_show_all_marks_the_speedups_of_a_bundle_whose_verdicts_are_barred(tmp_path, capsys):
+    from loopbench.harness import compare
+    src = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"
+    bundle = tmp_path / src.name
+    bundle.mkdir()
+    for name in ("plan.json", "summary.json", "audit.json"):
+        shutil.copy(src / name, bundle / name)
+    published = compare.bundle_line(bundle)
+    assert "no verdicts" not in published and re.search(r" [01]\.\d{4}x", published)
+    summary = json.loads((bundle / "summary.json").read_text())
+    summary.update(status="incomplete", verdicts_published=False, verdicts_barred_by=["stopped"])
+    (bundle / "summary.json").write_text(json.dumps(summary))
+    line = compare.bundle_line(bundle)
+    assert "incomplete (audit " in line and "no verdicts (stopped); measured, not evidence: " in line
