@@ -216,7 +216,8 @@ def plan_shards(cfg: OuroConfig, dtype: torch.dtype, max_shard_bytes: int | None
     return shards
 
 
-def _config_of(preset_or_config: str | OuroConfig) -> OuroConfig:
+def config_of(preset_or_config: str | OuroConfig) -> OuroConfig:
+    """A preset's OuroConfig (ValueError naming an unknown preset), or the OuroConfig given."""
     if isinstance(preset_or_config, str):
         if preset_or_config not in PRESETS:
             raise ValueError(f"unknown preset {preset_or_config!r}; known: {sorted(PRESETS)}")
@@ -280,7 +281,7 @@ def write_synthetic_checkpoint(path: str | Path, preset_or_config: str | OuroCon
     Raises ValueError for an unknown preset, a non-floating dtype, a bad shard size, or a ``path`` that
     exists and is not an empty directory.
     """
-    cfg = _config_of(preset_or_config)
+    cfg = config_of(preset_or_config)
     if dtype not in DTYPE_HF_NAMES:
         raise ValueError(f"dtype must be a floating dtype in {sorted(HF_DTYPE_NAMES)}, got {dtype}")
     if not is_int(seed):

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import functools
 import inspect
-import json
 import os
 import shlex
 import statistics
@@ -50,12 +49,12 @@ from typing import Callable
 import torch
 
 from loopbench.runtime.api import EngineConfig, EngineStats, Request
-from loopbench.runtime.checkpoint import CONFIG_NAME, config_from_hf_dict, load_checkpoint
+from loopbench.runtime.checkpoint import load_checkpoint, read_config
 from loopbench.runtime.engine import LoopEngine
-from loopbench.runtime.model import PREFETCH_TARGETS, PRESETS, OuroConfig, OuroModel, check_prefetch_next
+from loopbench.runtime.model import PREFETCH_TARGETS, OuroConfig, OuroModel, check_prefetch_next
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
-from .fixtures import write_calibrated_checkpoint
+from .fixtures import config_of, write_calibrated_checkpoint
 from .identity import code_identity
 from .machine import cpu_name, visible_gpus
 from .profile import annotate_runner, figure_lines, profile_call, summarize, write_report
@@ -103,6 +102,13 @@ def gemm_fields() -> dict[str, bool]:
     return {f.name: f.type in ("bool", bool) for f in dataclasses.fields(GemmConfig)}
 
 
+def _flag(name: str, raw: str) -> bool:
+    """``true``/``false``/``1``/``0`` (any case) -> bool; an argparse error names ``name`` and the value."""
+    if raw.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{name} must be true or false, got {raw!r}")
+    return raw.lower() in ("true", "1")
+
+
 def _gemm_override(text: str) -> tuple[str, str, int | bool]:
     """``ROLE.FIELD=VALUE`` -> (role, field, value); an argparse error names the bad part."""
     key, sep, raw = text.partition("=")
@@ -116,9 +122,10 @@ def _gemm_override(text: str) -> tuple[str, str, int | bool]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown field {field!r} (one of {', '.join(fields)}, faster_up_to)")
     if fields.get(field):
-        if raw.lower() not in ("true", "false", "1", "0"):
-            raise argparse.ArgumentTypeError(f"{text!r}: {field} must be true or false, got {raw!r}")
-        return role, field, raw.lower() in ("true", "1")
+        try:
+            return role, field, _flag(field, raw)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     try:
         value = int(raw)
     except ValueError:
@@ -176,10 +183,7 @@ def _variant(text: str) -> Variant:
     """``--variant "--gemm-config swiglu.num_stages=3 --prefetch-next gate_up=0.5"`` -> Variant; an argparse
     error names the bad option. ``""`` is the probe's own configuration."""
     ap = _VariantParser(prog="--variant", add_help=False)
-    ap.add_argument("--prefetch-tiles", type=_at_least_zero, default=None)
-    ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[])
-    ap.add_argument("--prefetch-next", type=_prefetch_next, action="append", default=[])
-    ap.add_argument("--attention-config", type=_attention_config, default=None)
+    add_kernel_options(ap)
     try:
         ns = ap.parse_args(shlex.split(text))
         plan = _merge_plans(ns.prefetch_next)
@@ -209,9 +213,7 @@ def _attention_config(text: str) -> dict[str, int | bool]:
         if name in config:
             raise argparse.ArgumentTypeError(f"knob {name!r} given twice")
         if knobs[name] is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise argparse.ArgumentTypeError(f"{name} must be true or false, got {raw!r}")
-            config[name] = raw.lower() in ("true", "1")
+            config[name] = _flag(name, raw)
         else:
             try:
                 config[name] = int(raw)
@@ -234,6 +236,27 @@ def with_attention_config(engine: LoopEngine, config: dict[str, int | bool] | No
         engine.runner.backend = dataclasses.replace(
             backend, decode_attention=functools.partial(backend.decode_attention, **config))
     return engine
+
+
+def add_kernel_options(ap: argparse.ArgumentParser) -> None:
+    """The probe's per-configuration kernel options, which ``--variant`` takes too (process-wide switches such
+    as ``--pdl`` stay with the probe)."""
+    ap.add_argument("--prefetch-tiles", type=_at_least_zero, default=None, metavar="TILES",
+                    help="GemmConfig.prefetch_tiles of every small-M GEMM configuration: weight K tiles each "
+                         "program prefetches into L2 before its PDL wait (default: as configured)")
+    ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[], metavar="ROLE.FIELD=VALUE",
+                    help="override one field of one projection's small-M GEMM configuration for this probe, e.g. "
+                         "gate_up.num_stages=3 or qkv_rope.faster_up_to=128 (repeatable; applied after "
+                         "--prefetch-tiles). ROLE: " + ", ".join(GEMM_ROLES) + "; FIELD: a GemmConfig field ("
+                         + ", ".join(gemm_fields()) + ") or faster_up_to (the most rows it runs at)")
+    ap.add_argument("--prefetch-next", type=_prefetch_next, action="append", default=[], metavar="TARGET=FRACTION,...",
+                    help="cross-kernel L2 prefetch (OuroModel.prefetch_next; off by default): e.g. "
+                         "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
+                         "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
+                         "TARGET: " + ", ".join(PREFETCH_TARGETS) + " (each prefetched by the projection before it)")
+    ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
+                    help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
+                         "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -264,22 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pdl", default="on", choices=["on", "off", "late", "early"],
                     help="programmatic dependent launch of our Triton kernels (kernels/pdl.py; sm_90+ only): on "
                          "(with the default trigger), off, or on with the trigger late or early (pdl.TRIGGER)")
-    ap.add_argument("--prefetch-tiles", type=int, default=None, metavar="TILES",
-                    help="GemmConfig.prefetch_tiles of every small-M GEMM configuration: weight K tiles each "
-                         "program prefetches into L2 before its PDL wait (default: as configured)")
-    ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[], metavar="ROLE.FIELD=VALUE",
-                    help="override one field of one projection's small-M GEMM configuration for this probe, e.g. "
-                         "gate_up.num_stages=3 or qkv_rope.faster_up_to=128 (repeatable; applied after "
-                         "--prefetch-tiles). ROLE: " + ", ".join(GEMM_ROLES) + "; FIELD: a GemmConfig field ("
-                         + ", ".join(gemm_fields()) + ") or faster_up_to (the most rows it runs at)")
-    ap.add_argument("--prefetch-next", type=_prefetch_next, action="append", default=[], metavar="TARGET=FRACTION,...",
-                    help="cross-kernel L2 prefetch (OuroModel.prefetch_next; off by default): e.g. "
-                         "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
-                         "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
-                         "TARGET: " + ", ".join(PREFETCH_TARGETS) + " (each prefetched by the projection before it)")
-    ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
-                    help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
-                         "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
+    add_kernel_options(ap)
     ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="OPTIONS",
                     help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
                          "each variant with its own captured schedule and engine, the variants alternating "
@@ -300,8 +308,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
                     help="keep the profiler's Chrome trace here (with --policy both: PATH's stem + .natural/.replay)")
     args = ap.parse_args(argv)
-    if args.prefetch_tiles is not None and args.prefetch_tiles < 0:
-        ap.error(f"--prefetch-tiles must be >= 0, got {args.prefetch_tiles}")
     if args.trace is not None and args.profile is None:
         ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
     try:
@@ -404,17 +410,8 @@ def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str,
 
 def model_config(args: argparse.Namespace) -> OuroConfig:
     """The probe's model shape without loading weights: ``--checkpoint``'s config.json, else ``--preset``'s.
-    Raises ValueError (CheckpointError for a bad config.json) naming the bad file, key or preset."""
-    if args.checkpoint:
-        path = Path(args.checkpoint) / CONFIG_NAME
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read the checkpoint's config: {e}") from None
-        return config_from_hf_dict(raw, source=str(path))
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
-    return PRESETS[args.preset]
+    Raises ValueError (CheckpointError for a bad checkpoint) naming the bad folder, file, key or preset."""
+    return read_config(args.checkpoint) if args.checkpoint else config_of(args.preset)
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
@@ -426,9 +423,13 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
         print(f"wrote {path} in {time.perf_counter() - t0:.1f}s")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg, tensors = load_checkpoint(path, dtype=dtype)  # a release may mix dtypes (fp32 norms): cast on load
-    return OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len,
-                                  small_m_gemm=getattr(args, "gemm", "ours") == "ours",
-                                  prefetch_next=getattr(args, "prefetch_next", None))
+    model = OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len,
+                                   small_m_gemm=getattr(args, "gemm", "ours") == "ours",
+                                   prefetch_next=getattr(args, "prefetch_next", None))
+    asked = getattr(args, "prefetch_next", None) or any(v.prefetch_next for v in getattr(args, "variant", []))
+    if asked and not prefetch_applies(model):
+        print(f"note: --prefetch-next changes nothing in this run ({PREFETCH_IDLE})", file=sys.stderr)
+    return model
 
 
 def make_requests(vocab_size: int, args: argparse.Namespace) -> list[Request]:
@@ -590,7 +591,7 @@ def _versions() -> dict[str, str]:
 
 
 def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: dict,
-               timed: list[TimedRun]) -> dict[str, object]:
+               timed: list[TimedRun], model: OuroModel) -> dict[str, object]:
     """The report's parameter table for one profiled run; ``timed`` are its policy's unprofiled runs, whose median
     wall says how much the profiler itself slowed the profiled run."""
     from loopbench.kernels import pdl
@@ -601,7 +602,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
-            "prefetch_next": _prefetch_record(args),
+            "prefetch_next": _prefetch_record(model),
             "attention_config": ",".join(f"{k}={v}" for k, v in (getattr(args, "attention_config", None) or {}).items())
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
@@ -612,23 +613,23 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "decode_steps": run.delta.decode_steps}
 
 
-PREFETCH_IDLE = "it needs our small-M GEMM with PDL on a GPU"
+PREFETCH_IDLE = "it needs our small-M GEMM with PDL on an sm_90 GPU"
 
 
-def _prefetch_idle(args: argparse.Namespace) -> bool:
-    """Whether no kernel can prefetch in this process (no CUDA, --gemm cublas or --pdl off)."""
+def prefetch_applies(model: OuroModel) -> bool:
+    """Whether the model's projections can prefetch (OuroModel.prefetch_next): our small-M GEMM runs
+    (``model.small_m_gemm``: CUDA sm_90, not ``--gemm cublas``) and PDL is on (the prefetch precedes the wait)."""
     from loopbench.kernels import pdl
-    return not torch.cuda.is_available() or getattr(args, "gemm", "ours") != "ours" or not pdl.ENABLED
+    return model.small_m_gemm and pdl.ENABLED
 
 
-def _prefetch_record(args: argparse.Namespace) -> str:
+def _prefetch_record(model: OuroModel) -> str:
     """What --prefetch-next did in this run: the plan, or "off" with why where no kernel could prefetch."""
-    plan = getattr(args, "prefetch_next", None)
-    if not plan:
+    if not model.prefetch_next:
         return "off"
-    if _prefetch_idle(args):
+    if not prefetch_applies(model):
         return f"off ({PREFETCH_IDLE})"
-    return ",".join(f"{t}={f:g}" for t, f in plan.items())
+    return ",".join(f"{t}={f:g}" for t, f in model.prefetch_next.items())
 
 
 def _trace_path(args: argparse.Namespace, policy: str, tmp: str) -> Path:
@@ -658,7 +659,7 @@ def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args
             for line in figure_lines(summary):
                 print(f"  {line}")
             title = f"{p}: one measured run under torch.profiler"
-            sections.append((title, run_params(args, arm, run, identity, timed[p]), summary))
+            sections.append((title, run_params(args, arm, run, identity, timed[p], pe.engine.model), summary))
             del events
     md, js = write_report(args.profile, sections)
     print(f"profile written to {md} and {js}" + (f"; traces kept: {', '.join(kept)}" if kept else ""))
@@ -671,8 +672,6 @@ def main(argv=None) -> int:
     max_len = max_model_len(args.prompt_len, args.output_len)
     restore_kernel_options = apply_kernel_options(args)
     try:
-        if (args.prefetch_next or any(v.prefetch_next for v in args.variant)) and _prefetch_idle(args):
-            print(f"note: --prefetch-next changes nothing in this run ({PREFETCH_IDLE})", file=sys.stderr)
         try:
             cfg = model_config(args) if args.gemm_config or args.variant else None
             apply_gemm_overrides(cfg, args.gemm_config)

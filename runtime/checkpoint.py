@@ -218,6 +218,12 @@ def checkpoint_sha256(path: str | Path, *, chunk_bytes: int = 16 << 20) -> str:
 
 # --------------------------------------------------------------------------------------------- loading
 
+def read_config(path: str | Path) -> OuroConfig:
+    """The :class:`OuroConfig` of the checkpoint directory ``path`` without reading any weight. Raises
+    :class:`CheckpointError` naming the directory, the file or the key."""
+    return _read_config(_checkpoint_dir(path))[0]
+
+
 def _read_config(ckpt: Path) -> tuple[OuroConfig, dict[str, Any]]:
     config_file = ckpt / CONFIG_NAME
     if not config_file.is_file():

@@ -143,7 +143,7 @@ def rows(ms: list[int], stages: list[int], sms: int = H200_SMS, next_lines: int 
     plans.append(("gate_up", "gemm_swiglu" + ("_tma" if glu.tma else ""), glu, True, "*bf16",
                   triton.cdiv(SHAPES["gate_up"][0] // 2, glu.block_n), gm.SWIGLU_FASTER_UP_TO.get(SHAPES["gate_up"], 0)))
     qc = qkv_rope.CONFIGS[SHAPES["qkv"]]
-    plans.append(("qkv", "qkv_rope", qc, None, None, 48 * (128 // qc.block_n),
+    plans.append(("qkv", "qkv_rope", qc, None, None, SHAPES["qkv"][0] // qc.block_n,     # block_n rows a program
                   qkv_rope.FASTER_UP_TO.get(SHAPES["qkv"], 0)))
     out = []
     for role, kernel, c, glu_flag, out_dtype, programs, up_to in plans:
