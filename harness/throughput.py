@@ -172,6 +172,7 @@ class Variant:
     gemm_config: tuple[tuple[str, str, int | bool], ...] = ()
     prefetch_next: dict[str, float] | None = None
     attention_config: dict[str, int | bool] | None = None
+    greedy_from_logits: bool | None = None
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -190,7 +191,7 @@ def _variant(text: str) -> Variant:
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan,
-                   ns.attention_config)
+                   ns.attention_config, ns.greedy_from_logits)
 
 
 def attention_knobs() -> dict[str, type]:
@@ -254,6 +255,9 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
                          "gate_up=0.5,down=0.25 makes o_proj's programs bring the first half of the K columns "
                          "of gate_up's weight into L2 before their PDL wait, and gate_up's a quarter of down's. "
                          "TARGET: " + ", ".join(PREFETCH_TARGETS) + " (each prefetched by the projection before it)")
+    ap.add_argument("--greedy-from-logits", action="store_true", default=None,
+                    help="decode writes lm_head's logits and samples from them (OuroModel.greedy_tiles off) "
+                         "instead of from lm_head's per-tile maxima: the same tokens, the A/B of that fusion")
     ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
                     help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
                          "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
@@ -426,6 +430,7 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
     model = OuroModel.from_tensors(cfg, tensors, device=device, dtype=dtype, rope_len=max_len,
                                    small_m_gemm=getattr(args, "gemm", "ours") == "ours",
                                    prefetch_next=getattr(args, "prefetch_next", None))
+    model.greedy_tiles = not getattr(args, "greedy_from_logits", None)
     asked = getattr(args, "prefetch_next", None) or any(v.prefetch_next for v in getattr(args, "variant", []))
     if asked and not prefetch_applies(model):
         print(f"note: --prefetch-next changes nothing in this run ({PREFETCH_IDLE})", file=sys.stderr)
@@ -603,6 +608,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
             "prefetch_next": _prefetch_record(model),
+            "greedy_tiles": "on" if model.greedy_tiles else "off",
             "attention_config": ",".join(f"{k}={v}" for k, v in (getattr(args, "attention_config", None) or {}).items())
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
@@ -709,22 +715,23 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
     model = load(args, device, max_len)
     reqs = make_requests(model.cfg.vocab_size, args)
     arm = arm_spec(args, device)
-    base, own_plan = snapshot_tables(), model.prefetch_next
+    base, own_plan, own_greedy = snapshot_tables(), model.prefetch_next, model.greedy_tiles
     states = []
     try:
         for v in args.variant:
             apply_variant(model.cfg, v, base)
             model.prefetch_next = own_plan if v.prefetch_next is None else v.prefetch_next
+            model.greedy_tiles = own_greedy if v.greedy_from_logits is None else not v.greedy_from_logits
             knobs = {**(args.attention_config or {}), **(v.attention_config or {})}
             schedule = capture(model, arm, args, max_len, reqs, knobs)
             pe = PolicyEngine(f"replay [{v.label}]", with_attention_config(LoopEngine(model, engine_config(
                 arm, args, max_len, "replay", schedule)), knobs), schedule)
             print(pe.run(reqs, "warmup").line(), flush=True)
-            states.append((v, snapshot_tables(), model.prefetch_next, pe, []))
+            states.append((v, snapshot_tables(), (model.prefetch_next, model.greedy_tiles), pe, []))
         for i in range(1, args.repeats + 1):
-            for v, tables, plan, pe, runs in (states if i % 2 else states[::-1]):
+            for v, tables, (plan, greedy), pe, runs in (states if i % 2 else states[::-1]):
                 load_tables(tables)
-                model.prefetch_next = plan
+                model.prefetch_next, model.greedy_tiles = plan, greedy
                 runs.append(pe.run(reqs, f"run {i}"))
                 print(runs[-1].line(), flush=True)
     except ScheduleMismatchError as e:
@@ -733,7 +740,7 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
         return 1
     finally:
         load_tables(base)
-        model.prefetch_next = own_plan
+        model.prefetch_next, model.greedy_tiles = own_plan, own_greedy
     first = statistics.median(r.tokens_per_s for r in states[0][4])
     print(f"| variant | median tok/s | vs {states[0][0].label!r} | runs |\n|---|---|---|---|")
     for v, _, _, _, runs in states:

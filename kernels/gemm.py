@@ -140,17 +140,19 @@ def config_for(n: int, k: int, m: int, configs: dict | None = None, faster_up_to
 
 @triton.jit(do_not_specialize=["M", "nw_rows", "nw_cols", "nw_stride", "nw_lines"])
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn, stride_om, stride_os,
-                 nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
+                 nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tmax_ptr, targ_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                  DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False,
-                 PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False):
+                 PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+                 STORE: tl.constexpr = True):
     """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k].
     GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`); a
     tile holds the program's BLOCK_N gate rows and their BLOCK_N up rows, one 2 BLOCK_N-row product per K tile
     (so BLOCK_N 32 still feeds Hopper's 64-row warpgroup MMA).
     PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none). NEXT: bring this
     program's ``nw_lines`` 128-byte lines of the region ``nw_*`` (a later kernel's weight,
-    :func:`_prefetch_region_l2`) into L2 before the wait."""
+    :func:`_prefetch_region_l2`) into L2 before the wait. ARGMAX (split_k 1): also each row's largest rounded
+    value of this program's columns and its first column (:func:`_tile_argmax`); STORE: write the product."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,8 +185,29 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         acc = _swiglu(gate, up, out_ptr.dtype.element_ty)
-    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & (offs_n[:, None] < N))
+    if ARGMAX:
+        _tile_argmax(acc.to(out_ptr.dtype.element_ty), offs_n, offs_m, N, M, pid_n, tmax_ptr, targ_ptr)
+    if STORE:
+        out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _tile_argmax(vals, offs_n, offs_m, N, M, tile, tmax_ptr, targ_ptr):
+    """Greedy sampling's first pass over one program's tile of logits ``vals`` [BLOCK_N, BLOCK_M] (rounded to
+    the output dtype, so compared as the stored logits would be): for each row m < M, the largest value over
+    the tile's columns n < N and the first column holding it, stored at ``[tile, m]`` of the fp32 / int32
+    partials (row stride M). NaN counts as larger than any number, as in kernels/step_state.py's
+    ``_argmax_row``; :func:`argmax_partials_ref` is the torch reference."""
+    v = vals.to(tl.float32)
+    v = tl.where(v != v, float("inf"), v)
+    v = tl.where(offs_n[:, None] < N, v, float("-inf"))
+    best = tl.max(v, axis=0)                                                    # [BLOCK_M]
+    # valid columns come first in offs_n, so even a row of -inf only picks one of them
+    first = tl.min(tl.where(v == best[None, :], offs_n[:, None], N), axis=0)
+    at = tile.to(tl.int64) * M + offs_m
+    tl.store(tmax_ptr + at, best, mask=offs_m < M)
+    tl.store(targ_ptr + at, first.to(tl.int32), mask=offs_m < M)
 
 
 @triton.jit
@@ -268,9 +291,10 @@ def _swiglu(gate, up, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "nw_rows", "nw_cols", "nw_stride", "nw_lines"])
 def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, stride_om, stride_os, stride_wn,
-                     nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
+                     nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tmax_ptr, targ_ptr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False):
+                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False,
+                     ARGMAX: tl.constexpr = False, STORE: tl.constexpr = True):
     """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel` (GLU: the up rows
     start at row N of the descriptor). ``w_ptr`` / ``stride_wn``: the weight again, for PREFETCH_K only."""
     pid_n = tl.program_id(0)
@@ -298,8 +322,11 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, s
         acc = _swiglu(acc, acc_up, out_ptr.dtype.element_ty)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+    if ARGMAX:
+        _tile_argmax(acc.to(out_ptr.dtype.element_ty), offs_n, offs_m, N, M, pid_n, tmax_ptr, targ_ptr)
+    if STORE:
+        out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -379,6 +406,82 @@ def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: GemmConfig, next
     return _launch(x, gate_up, config, gate_up.shape[0] // 2, glu=True, next_weight=next_weight)
 
 
+@dataclass(frozen=True)
+class TileArgmax:
+    """Greedy sampling's first pass, done by :func:`gemm_argmax`'s programs: for each of the product's
+    column tiles ``t`` (``block_n`` columns each) and row ``m``, ``tile_max[t, m]`` (fp32) is the row's largest
+    value over the tile, rounded to the product's dtype first (NaN counted as +inf), and ``tile_index[t, m]``
+    (int32) the first column holding it. The row's greedy token is ``tile_index`` at the first tile with the
+    largest ``tile_max``: torch.argmax of the logits (:func:`argmax_from_tiles_ref`;
+    kernels/step_state.py's ``apply_rows`` reads it in its kernel)."""
+    tile_max: torch.Tensor      # [T, M] fp32
+    tile_index: torch.Tensor    # [T, M] int32
+
+    def __post_init__(self):
+        if (self.tile_max.dim() != 2 or self.tile_max.shape != self.tile_index.shape
+                or self.tile_max.dtype != torch.float32 or self.tile_index.dtype != torch.int32
+                or self.tile_max.stride() != self.tile_index.stride() or self.tile_max.stride(1) != 1):
+            raise ValueError(f"TileArgmax needs fp32 / int32 [T, M] tensors of one shape and strides, unit row "
+                             f"stride, got "
+                             f"{self.tile_max.dtype} {tuple(self.tile_max.shape)} / {self.tile_index.dtype} "
+                             f"{tuple(self.tile_index.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return self.tile_max.shape[1]
+
+    def __getitem__(self, rows: slice) -> "TileArgmax":
+        """The partials of a slice of the rows (views; the per-row [T] columns keep their stride M)."""
+        return TileArgmax(self.tile_max[:, rows], self.tile_index[:, rows]) if rows != slice(None) else self
+
+
+def gemm_argmax(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, logits: bool = False
+                ) -> tuple[TileArgmax, torch.Tensor | None]:
+    """lm_head with greedy sampling's first pass in its epilogue: each program keeps, per row, the largest
+    logit of its column tile and where it is (:class:`TileArgmax`), so the [M, N] logits need not be written
+    or read back to sample (BRIEF section 3: the decode step's argmax read them once more).
+
+    Args: as :func:`gemm`, with ``config.split_k == 1`` (a tile's maximum needs the whole sum). logits: also
+    write the ``[M, N]`` product (x's dtype) as :func:`gemm` does.
+
+    Returns:
+        (TileArgmax with ``ceil(N / block_n)`` tiles of M rows, the logits or None). The tile values are the
+        logits rounded as :func:`gemm` stores them, so the sampled token is bitwise ``gemm(...).argmax(-1)``.
+
+    Raises:
+        ValueError: ``split_k != 1``; else as :func:`gemm`.
+    """
+    _validate(x, weight, config)
+    if config.split_k != 1:
+        raise ValueError(f"gemm_argmax needs split_k == 1 (a tile's maximum needs the whole sum), got {config}")
+    tiles = triton.cdiv(weight.shape[0], config.block_n)
+    part = TileArgmax(torch.empty((tiles, x.shape[0]), device=x.device, dtype=torch.float32),
+                      torch.empty((tiles, x.shape[0]), device=x.device, dtype=torch.int32))
+    out = _launch(x, weight, config, weight.shape[0], glu=False, argmax=part, store=logits)
+    return part, out
+
+
+def argmax_partials_ref(logits: torch.Tensor, block_n: int) -> TileArgmax:
+    """Torch reference of :class:`TileArgmax` from logits [M, N] (any float dtype; compared in fp32/fp64)."""
+    m, n = logits.shape
+    v = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    v = torch.where(v.isnan(), float("inf"), v)
+    maxes, firsts = [], []
+    for lo in range(0, n, block_n):
+        tile = v[:, lo:lo + block_n]
+        best = tile.max(dim=1).values
+        maxes.append(best.float())
+        firsts.append((tile == best[:, None]).int().argmax(dim=1).int() + lo)
+    return TileArgmax(torch.stack(maxes).contiguous(), torch.stack(firsts).contiguous())
+
+
+def argmax_from_tiles_ref(part: TileArgmax) -> torch.Tensor:
+    """The greedy token [M] int64 of each row from its partials: the first tile with the largest maximum."""
+    best = part.tile_max.max(dim=0).values
+    first_tile = (part.tile_max == best[None, :]).int().argmax(dim=0)
+    return part.tile_index.gather(0, first_tile[None, :])[0].long()
+
+
 def check_swiglu_config(config: GemmConfig) -> None:
     """ValueError unless ``config`` can run :func:`gemm_swiglu` (split_k 1: the activation needs the whole sum)."""
     if config.split_k != 1:
@@ -414,15 +517,20 @@ def _max_shared_bytes(device: torch.device) -> int:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: bool,
-            next_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Run one of the kernels over ``n`` output columns; [M, n] (split_k 1) or fp32 partials [S, M, n]."""
+            next_weight: torch.Tensor | None = None, argmax: "TileArgmax | None" = None, store: bool = True
+            ) -> torch.Tensor | None:
+    """Run one of the kernels over ``n`` output columns; [M, n] (split_k 1) or fp32 partials [S, M, n], or
+    None without ``store``. ``argmax``: partials the kernel also fills (split_k 1; :func:`gemm_argmax`)."""
     m, k = x.shape
     block_m = max(16, triton.next_power_of_2(m))
     tiles_per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
-    if c.split_k == 1:
+    if not store:
+        out = torch.empty((1, 1, 1), device=x.device, dtype=x.dtype)      # a pointer the kernel never writes
+    elif c.split_k == 1:
         out = torch.empty((1, m, n), device=x.device, dtype=x.dtype)
     else:
         out = torch.empty((c.split_k, m, n), device=x.device, dtype=torch.float32)
+    tiles = (argmax.tile_max, argmax.tile_index) if argmax is not None else (out, out)
     grid = (triton.cdiv(n, c.block_n), c.split_k)
     stages = num_stages_that_fit(c, block_m, x.device, 2 if glu else 1, x.element_size())
     use_pdl = c.pdl and pdl.active(x)
@@ -434,15 +542,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
         _gemm_tma_kernel[grid](x_desc, w_desc, out, weight, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
-                               weight.stride(0), *region, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
-                               PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k, NEXT=next_lines > 0,
-                               **launch)
+                               weight.stride(0), *region, *tiles, BLOCK_N=c.block_n, BLOCK_M=block_m,
+                               BLOCK_K=c.block_k, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k,
+                               NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store, **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
-                           out.stride(0), *region, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k, EVEN=even,
-                           DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k,
-                           NEXT=next_lines > 0, **launch)
+                           out.stride(0), *region, *tiles, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
+                           EVEN=even, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k,
+                           NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store, **launch)
+    if not store:
+        return None
     return out[0] if c.split_k == 1 else out
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gemm import TileArgmax, argmax_from_tiles_ref
 
 
 @triton.jit
@@ -56,19 +57,20 @@ def _gather_rows_kernel(row_slot_ptr, row_depth_ptr, last_token_ptr, embed_ptr, 
 
 
 @triton.jit
-def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
-    """Index of the largest of ``vocab`` logits at ``row_ptr``, the first one on ties (torch.argmax's rule);
-    NaN counts as larger than any number. Compared in ``ACC`` (fp32, which holds bf16/fp16/fp32 exactly; fp64
-    for fp64 logits). Chunks in order, strictly-greater updates: the first index wins."""
+def _argmax_row(row_ptr, count, stride, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+    """Index of the largest of ``count`` values ``stride`` elements apart from ``row_ptr``, the first one on ties
+    (torch.argmax's rule); NaN counts as larger than any number. Compared in ``ACC`` (fp32, which holds
+    bf16/fp16/fp32 exactly; fp64 for fp64 logits). Chunks in order, strictly-greater updates: the first index
+    wins."""
     offs = tl.arange(0, BLOCK_V)
     best = tl.full((), float("-inf"), ACC)
     best_i = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK_V):
+    for start in range(0, count, BLOCK_V):
         idx = start + offs
-        v = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(ACC)
+        v = tl.load(row_ptr + idx * stride, mask=idx < count, other=float("-inf")).to(ACC)
         v = tl.where(v != v, float("inf"), v)
         m = tl.max(v, axis=0)
-        i = tl.min(tl.where(v == m, idx, vocab), axis=0).to(tl.int64)
+        i = tl.min(tl.where(v == m, idx, count), axis=0).to(tl.int64)
         take = m > best
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
@@ -76,16 +78,23 @@ def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _apply_rows_kernel(exit_ptr, logits_ptr, x_ptr, s_ptr, trig_ptr, sl_ptr, row_slot_ptr,
+def _apply_rows_kernel(exit_ptr, logits_ptr, tile_index_ptr, x_ptr, s_ptr, trig_ptr, sl_ptr, row_slot_ptr,
                        hidden_ptr, survival_ptr, triggered_ptr, out_tokens_ptr, n_out_ptr, last_token_ptr,
                        exit_out_ptr, exit_slot_ptr, token_ptr,
                        hidden_size, vocab, stride_l, stride_x, stride_h, stride_ot,
-                       BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr,
+                       TILES: tl.constexpr = False):
+    """TILES: ``logits_ptr`` / ``tile_index_ptr`` are a gemm.TileArgmax's [vocab tiles, N] partials, stride_l
+    apart per tile; the row's token is the index stored at its first tile of the largest maximum."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
     pdl.wait(PDL)
-    token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, BLOCK_V, ACC)
+    if TILES:
+        tile = _argmax_row(logits_ptr + row, vocab, stride_l, BLOCK_V, ACC)
+        token = tl.load(tile_index_ptr + tile * stride_l + row).to(tl.int64)
+    else:
+        token = _argmax_row(logits_ptr + row.to(tl.int64) * stride_l, vocab, 1, BLOCK_V, ACC)
     sl = tl.load(sl_ptr + row)
     slot = tl.load(row_slot_ptr + row)
     exit_now = tl.load(exit_ptr + row) & (slot >= 0)
@@ -165,21 +174,22 @@ def gather_rows(row_slot: torch.Tensor, row_depth: torch.Tensor, last_token: tor
     return sl, x, s_prev, t_prev
 
 
-def apply_rows(exit_now: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, s: torch.Tensor, trig: torch.Tensor,
-               sl: torch.Tensor, row_slot: torch.Tensor, hidden: torch.Tensor, survival: torch.Tensor,
-               triggered: torch.Tensor, out_tokens: torch.Tensor, n_out: torch.Tensor, last_token: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def apply_rows(exit_now: torch.Tensor, logits: "torch.Tensor | TileArgmax", x: torch.Tensor, s: torch.Tensor,
+               trig: torch.Tensor, sl: torch.Tensor, row_slot: torch.Tensor, hidden: torch.Tensor,
+               survival: torch.Tensor, triggered: torch.Tensor, out_tokens: torch.Tensor, n_out: torch.Tensor,
+               last_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample each row greedily and write the loop's results into the rows' slots; never synchronises with
     the host.
 
     Args:
         exit_now ``[N] bool`` (the policy's decision), logits ``[N, vocab]`` (unit last stride; the greedy
         token is their argmax, the first index on ties as torch.argmax; NaN counts as the largest value,
-        which differs from torch only where a row holds +inf before its first NaN), x ``[N, hidden]`` (the loop
-        output), s ``[N]`` float and trig ``[N] bool`` (exit state after the loop), sl ``[N] int64`` and
-        row_slot ``[N] int32`` (from :func:`gather_rows` and the descriptor); the slot state, updated in
-        place: hidden ``[S + 1, hidden]``, survival ``[S + 1]``, triggered ``[S + 1] bool``, out_tokens
-        ``[S + 1, max_model_len] int64``, n_out and last_token ``[S + 1] int64``.
+        which differs from torch only where a row holds +inf before its first NaN) or lm_head's
+        ``gemm.TileArgmax`` of N rows (the same token from per-tile maxima, without the logits), x ``[N,
+        hidden]`` (the loop output), s ``[N]`` float and trig ``[N] bool`` (exit state after the loop), sl ``[N]
+        int64`` and row_slot ``[N] int32`` (from :func:`gather_rows` and the descriptor); the slot state,
+        updated in place: hidden ``[S + 1, hidden]``, survival ``[S + 1]``, triggered ``[S + 1] bool``,
+        out_tokens ``[S + 1, max_model_len] int64``, n_out and last_token ``[S + 1] int64``.
 
     Returns:
         (exit ``[N] bool``: exit_now on real rows, exit_slot ``[N] int32``: the slot of an exiting row, else
@@ -187,8 +197,15 @@ def apply_rows(exit_now: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, s:
         ValueError naming the argument for a wrong shape, stride or dtype (``s`` must be survival's dtype).
     """
     n = _check_rows(exit_now=exit_now, s=s, trig=trig, sl=sl, row_slot=row_slot)
-    if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < 1 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [{n}, vocab >= 1] with unit last stride, got {tuple(logits.shape)}")
+    tiles = isinstance(logits, TileArgmax)
+    if tiles:
+        if logits.rows != n:
+            raise ValueError(f"the TileArgmax has {logits.rows} rows, expected {n}")
+        values, index, count = logits.tile_max, logits.tile_index, logits.tile_max.shape[0]
+    else:
+        if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < 1 or logits.stride(1) != 1:
+            raise ValueError(f"logits must be [{n}, vocab >= 1] with unit last stride, got {tuple(logits.shape)}")
+        values, index, count = logits, logits, logits.shape[1]
     _check_slots(hidden, survival=(survival, s.dtype), triggered=(triggered, torch.bool),
                  out_tokens=(out_tokens, torch.int64), n_out=(n_out, torch.int64), last_token=(last_token, torch.int64))
     if sl.dtype != torch.int64 or exit_now.dtype != torch.bool or trig.dtype != torch.bool:
@@ -201,13 +218,13 @@ def apply_rows(exit_now: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, s:
     token = torch.empty(n, dtype=torch.int64, device=row_slot.device)
     if n:
         use_pdl = pdl.active(row_slot)
-        block_v = min(_BLOCK_V, triton.next_power_of_2(logits.shape[1]))
-        _apply_rows_kernel[(n,)](exit_now, logits, x, s, trig, sl, row_slot, hidden, survival, triggered, out_tokens,
-                                 n_out, last_token, exit_out, exit_slot, token, hidden.shape[1], logits.shape[1],
-                                 logits.stride(0), x.stride(0), hidden.stride(0), out_tokens.stride(0),
+        block_v = min(_BLOCK_V, triton.next_power_of_2(count))
+        _apply_rows_kernel[(n,)](exit_now, values, index, x, s, trig, sl, row_slot, hidden, survival, triggered,
+                                 out_tokens, n_out, last_token, exit_out, exit_slot, token, hidden.shape[1], count,
+                                 values.stride(0), x.stride(0), hidden.stride(0), out_tokens.stride(0),
                                  BLOCK=triton.next_power_of_2(hidden.shape[1]), BLOCK_V=block_v,
-                                 ACC=tl.float64 if logits.dtype == torch.float64 else tl.float32, PDL=pdl.mode(use_pdl),
-                                 **pdl.launch_options(use_pdl, num_warps=_APPLY_WARPS))
+                                 ACC=tl.float64 if values.dtype == torch.float64 else tl.float32, PDL=pdl.mode(use_pdl),
+                                 TILES=tiles, **pdl.launch_options(use_pdl, num_warps=_APPLY_WARPS))
     return exit_out, exit_slot, token
 
 
@@ -232,7 +249,7 @@ def gather_rows_ref(row_slot, row_depth, last_token, embed, hidden, survival, tr
 def apply_rows_ref(exit_now, logits, x, s, trig, sl, row_slot, hidden, survival, triggered, out_tokens, n_out,
                    last_token):
     """:func:`apply_rows` in torch (the runner's own path where the Triton kernels do not run)."""
-    token = logits.argmax(-1)
+    token = argmax_from_tiles_ref(logits) if isinstance(logits, TileArgmax) else logits.argmax(-1)
     exit_now = exit_now & (row_slot >= 0)
     hidden.index_copy_(0, sl, x)
     survival.index_copy_(0, sl, s)

@@ -178,7 +178,8 @@ class LoopEngine:
         host_tokens = any(self.policy.needs_host_tokens(r.req) for r in exr)
         if ex and (self.config.keep_logits or host_tokens):
             idx = to_device_async(np.array(ex, dtype=np.int64), self.model.device)
-            self._keep_logits(exr, logits[idx])
+            if self.config.keep_logits:
+                self._keep_logits(exr, logits[idx])
             if host_tokens:
                 for r, t in zip(exr, tok[idx].tolist()):
                     r.host_tokens.append(t)

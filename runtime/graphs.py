@@ -144,7 +144,7 @@ class CudaGraphs:
     Owns the buckets, the static inputs of each graph (allocated on a bucket's first use, then reused),
     the padding of a decode step and the slicing of its outputs. ``decode_fn(slot, depth, pos,
     first_alias, forced)`` takes [bucket] int32 rows and returns (exit [bucket] bool, token [bucket]
-    int64, logits [bucket, vocab], triggered [bucket] bool); ``prefill_fn(x, slot, depth, positions,
+    int64, logits [bucket, vocab] or None, triggered [bucket] bool); ``prefill_fn(x, slot, depth, positions,
     tiles)`` takes x [rows, hidden], [rows] int32 rows and [3, num_tiles] int32 query tiles and returns
     (x_out [rows, hidden],). Neither may synchronise with the host.
     """
@@ -166,7 +166,7 @@ class CudaGraphs:
         """Run the decode core on a descriptor bank ([DESC_ROWS, bucket] int32 host view; ``host`` its numpy
         view, the first n columns written): pads the rest, publishes it into the bucket's static
         descriptor and replays (or captures, or falls back eagerly on the same shape).
-        Returns (exit [n] bool, token [n] int64, logits [n, vocab], triggered [n] bool): views of the graph's static outputs,
+        Returns (exit [n] bool, token [n] int64, logits [n, vocab] or None, triggered [n] bool): views of the graph's static outputs,
         valid until the next decode step."""
         bucket = host.shape[1]
         host[:, n:] = PADDING_COLUMNS
@@ -176,7 +176,7 @@ class CudaGraphs:
         outs = self.decode.run(
             bucket, tuple(static), publish=lambda: self.banks.publish(bank, into=static),
             warm_inputs=lambda: static.copy_(torch.from_numpy(PADDING_COLUMNS)))
-        return outs if n == bucket else tuple(o[:n] for o in outs)
+        return outs if n == bucket else tuple(None if o is None else o[:n] for o in outs)
 
 
     def run_prefill(self, xs: list[torch.Tensor], meta: np.ndarray, rows: int) -> torch.Tensor:

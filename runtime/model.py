@@ -216,6 +216,9 @@ class OuroModel:
         # next projection's weight into L2 before their PDL wait, while the kernels between run below the
         # bandwidth ceiling. No result depends on it. {PREFETCH_TARGETS key: fraction in (0, 1]}.
         self.prefetch_next = check_prefetch_next(prefetch_next)
+        # Decode samples from lm_head's per-tile maxima (greedy_partials) where lm_head runs on our GEMM; False
+        # writes the logits and samples from them (the same tokens; the throughput probe's --greedy-from-logits).
+        self.greedy_tiles = True
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -382,6 +385,17 @@ class OuroModel:
         """h = sigmoid(early_exit_gate(x)): [N] in fp32 (fp64 for an fp64 model). x: [N, hidden]."""
         logit = F.linear(x, self.gate_w, self.gate_b)[:, 0]
         return torch.sigmoid(logit.to(self.rope_dtype))
+
+    def greedy_partials(self, x: torch.Tensor):
+        """lm_head with greedy sampling's first pass in its epilogue, without writing the logits
+        (``gemm.gemm_argmax``): a ``gemm.TileArgmax`` of x's N rows, whose token is bitwise
+        ``logits(x).argmax(-1)``; None where lm_head does not run on our GEMM at N rows or ``greedy_tiles`` is
+        off (then use :meth:`logits`). x: [N, hidden] model dtype."""
+        from loopbench.kernels import gemm
+        cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, self.lm_head, x, None)
+        if cfg is None or cfg.split_k != 1 or not self.greedy_tiles:
+            return None
+        return gemm.gemm_argmax(x, self.lm_head, cfg)[0]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """lm_head on exited rows. x: [N, hidden] -> [N, vocab] model dtype."""

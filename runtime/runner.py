@@ -217,7 +217,8 @@ class Runner:
     # ------------------------------------------------------------------------------------- decode
     def decode(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One resident loop for the plan's decode rows (graph or eager; no host sync).
-        Returns (exit [n] bool, token [n] int64, logits [n, vocab], triggered [n] bool) on the device."""
+        Returns (exit [n] bool, token [n] int64, logits [n, vocab] or None (:meth:`decode_core`), triggered [n]
+        bool) on the device."""
         n = len(plan.decode)
         bank = self.banks.acquire(self.decode_rows(n))
         host = bank.numpy()
@@ -226,7 +227,7 @@ class Runner:
             return self.graphs.run_decode(bank, host, n)
         host[:, n:] = PADDING_COLUMNS
         outs = self.decode_core(*self.banks.publish(bank))
-        return outs if n == host.shape[1] else tuple(o[:n] for o in outs)
+        return outs if n == host.shape[1] else tuple(None if o is None else o[:n] for o in outs)
 
     def decode_core(self, row_slot, row_depth, row_pos, row_fa, row_forced):
         """One resident decode step for N rows, entirely on the device (no host sync; graph-capturable).
@@ -236,7 +237,8 @@ class Runner:
         tokens for all rows and, for the exiting ones, updates the resident last token, output tokens and
         count, and publishes the exit (alias) or fills the skipped planes (native). Rows with slot < 0 are
         padding: they read and write only the scratch slot S and skip every KV write.
-        Returns (exit [N] bool, token [N] int64, logits [N, vocab], triggered [N] bool: the delayed exit
+        Returns (exit [N] bool, token [N] int64, logits [N, vocab] or None (written only with the config's
+        keep_logits or trace_loops, or where lm_head runs on cuBLAS), triggered [N] bool: the delayed exit
         test held at this loop or an earlier one of the token, what ``ouro_delayed`` consumes next loop).
         """
         kv, be, cfg = self.kv, self.backend, self.config
@@ -254,10 +256,13 @@ class Runner:
         rope_write = self._rope_write(row_slot, row_depth, row_pos) if fused else None
         x_out, hazard = self.model.run_loop(x, row_pos, attend, rope_write=rope_write)
         exit_now, s, trig = self.policy.device_step(hazard, row_depth, s_prev, t_prev, row_forced, self, sl)
-        logits = self.model.logits(x_out)
-        exit_now, exit_slot, tok = self._apply_rows(exit_now, logits, x_out, s, trig, sl, row_slot, self.hidden,
-                                                    self.survival, self.triggered, self.out_tokens, self.n_out,
-                                                    self.last_token)
+        # The logits are written only when the engine reads them; else lm_head keeps each tile's maximum and
+        # the apply kernel samples from those (the same token, bitwise; model.greedy_partials).
+        head = None if cfg.keep_logits or cfg.trace_loops else self.model.greedy_partials(x_out)
+        logits = self.model.logits(x_out) if head is None else None
+        exit_now, exit_slot, tok = self._apply_rows(exit_now, logits if head is None else head, x_out, s, trig, sl,
+                                                    row_slot, self.hidden, self.survival, self.triggered,
+                                                    self.out_tokens, self.n_out, self.last_token)
         if cfg.kv_layout == KVLayout.ALIAS:
             be.publish_exits(kv.exit_map, exit_slot, row_pos, row_depth)
         else:

@@ -254,3 +254,9 @@ def test_attention_config_reaches_every_decode_attention_call_of_the_engine(tiny
     torch_engine = LoopEngine(model, EngineConfig(max_model_len=16, attention_backend="torch"))
     with pytest.raises(ValueError, match="needs the triton attention backend, got 'torch'"):
         throughput.with_attention_config(torch_engine, {"block_n": 64})
+
+
+def test_greedy_from_logits_is_a_variant_option_left_unset_unless_given():
+    assert throughput._variant("--greedy-from-logits").greedy_from_logits is True
+    assert throughput._variant("--prefetch-tiles 2").greedy_from_logits is None      # the probe's own setting
+    assert throughput.parse_args(["--greedy-from-logits"]).greedy_from_logits is True

@@ -257,3 +257,61 @@ def test_next_weight_prefetch_changes_no_bit_cuda(shape):
     if shape == (11264, 2048):
         glu = gm.SWIGLU_CONFIGS[shape]
         assert torch.equal(gm.gemm_swiglu(x, w, glu, nxt), gm.gemm_swiglu(x, w, glu))
+
+
+def _argmax_inputs(m, n, k, block_n, device):
+    """x, w whose logits hold greedy ties within a tile and across a tile edge (columns 2, block_n - 1 and
+    block_n), and a larger value in the last tile (column n - 1)."""
+    x, w = _inputs(m, n, k, device)
+    w[block_n - 1] = w[block_n] = w[2]
+    w[n - 1] = w[5] * 3
+    return x, w
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk", [(1, 200, 64, 64, 64), (5, 130, 96, 64, 32), (18, 256, 128, 64, 64)])
+def test_gemm_argmax_partials_cpu(m, n, k, bn, bk):
+    """The epilogue's per-tile maxima and first columns == argmax_partials_ref of the logits gemm writes, and
+    the token from them == torch.argmax of those logits; with and without writing the logits."""
+    x, w = _argmax_inputs(m, n, k, bn, "cpu")
+    cfg = gm.GemmConfig(block_n=bn, block_k=bk)
+    logits = gm.gemm(x, w, cfg)
+    part, written = gm.gemm_argmax(x, w, cfg, logits=True)
+    assert torch.equal(written, logits)
+    want = gm.argmax_partials_ref(logits, bn)
+    assert part.tile_max.shape == (triton.cdiv(n, bn), m)
+    assert torch.equal(part.tile_max, want.tile_max) and torch.equal(part.tile_index, want.tile_index)
+    assert torch.equal(gm.argmax_from_tiles_ref(part), logits.argmax(-1))
+    alone, none = gm.gemm_argmax(x, w, cfg)
+    assert none is None and torch.equal(alone.tile_index, part.tile_index)
+    # a NaN logit wins its row, as torch.argmax's first NaN does
+    w[7, 0] = float("nan")
+    nan_part, nan_logits = gm.gemm_argmax(x, w, cfg, logits=True)
+    assert gm.argmax_from_tiles_ref(nan_part).tolist() == nan_logits.argmax(-1).tolist() == [7] * m
+
+
+def test_gemm_argmax_refuses_split_k():
+    x, w = _inputs(4, 64, 64, "cpu")
+    with pytest.raises(ValueError, match="split_k == 1"):
+        gm.gemm_argmax(x, w, gm.GemmConfig(block_n=64, block_k=32, split_k=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [c for c in GPU_VARIANTS if c.split_k == 1] + [gm.CONFIGS[(49152, 2048)]], ids=str)
+@pytest.mark.parametrize("m,n,k", [(5, 200, 328), (16, 49152, 2048), (32, 49152, 2048)])
+def test_gemm_argmax_bitwise_cuda(cfg, m, n, k):
+    """On CUDA, every split_k 1 variant and lm_head's configuration: the same logits bits as gemm, partials ==
+    the reference of those logits, the sampled token == their torch.argmax, also captured in a CUDA graph."""
+    x, w = _argmax_inputs(m, n, k, cfg.block_n, "cuda")
+    logits = gm.gemm(x, w, cfg)
+    part, written = gm.gemm_argmax(x, w, cfg, logits=True)
+    assert torch.equal(written, logits)
+    want = gm.argmax_partials_ref(logits, cfg.block_n)
+    assert torch.equal(part.tile_max, want.tile_max) and torch.equal(part.tile_index, want.tile_index)
+    assert torch.equal(gm.argmax_from_tiles_ref(part), logits.argmax(-1))
+    graph = torch.cuda.CUDAGraph()
+    gm.gemm_argmax(x, w, cfg)                    # compile outside the capture
+    with torch.cuda.graph(graph):
+        captured, _ = gm.gemm_argmax(x, w, cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.tile_index, part.tile_index) and torch.equal(captured.tile_max, part.tile_max)

@@ -105,6 +105,43 @@ def test_argmax_across_the_module_chunks(device):
     assert tokens[0] == tokens[1] == [min(cols) for cols in ties], tokens
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_v", [256, None])     # partials in several chunks, and in one
+def test_apply_from_tile_partials_samples_the_logits_token(device, block_v, monkeypatch):
+    """apply_rows on lm_head's per-tile partials (gemm.TileArgmax) == apply_rows on the logits they come from,
+    kernel and torch: ties inside a tile, across tile edges and across the kernel's chunks of tiles, a row
+    of -inf, a NaN, the last column; the partials are a row slice of a larger batch's (stride M, as a graph
+    bucket's outputs are sliced to the live rows)."""
+    from loopbench.kernels import gemm
+    if block_v is not None:
+        monkeypatch.setattr(ss, "_BLOCK_V", block_v)
+    state = _state(device, torch.bfloat16, torch.float32)
+    n, vocab, bn = 6, 40_000, 64                 # 625 tiles
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(n + 2, vocab, generator=g)
+    logits[0, [bn - 1, bn]] = 9.0                # across a tile edge
+    logits[1, [300 * bn + 3, 300 * bn + 1]] = 9.0     # within one tile
+    logits[2, [256 * bn + 5, 255 * bn + 9]] = 9.0     # across the kernel's 256-tile chunks
+    logits[3] = float("-inf")
+    logits[4, [vocab - 1, 12_345]] = float("nan")
+    logits[5, vocab - 1] = 9.0
+    logits = logits.to(torch.bfloat16)
+    part = gemm.argmax_partials_ref(logits, bn)
+    part = gemm.TileArgmax(part.tile_max.to(device), part.tile_index.to(device))[:n]
+    logits = logits[:n].to(device)
+    args = (torch.ones(n, dtype=torch.bool), None, state["hidden"][:n].clone(), torch.ones(n),
+            torch.zeros(n, dtype=torch.bool), torch.arange(n), torch.arange(n, dtype=torch.int32))
+    tokens = []
+    for fn in (ss.apply_rows, ss.apply_rows_ref):
+        for head in (logits, part):
+            st = {k: v.clone() for k, v in state.items()}
+            a = tuple(head if t is None else t.to(device) for t in args)
+            tokens.append(fn(*a, st["hidden"], st["survival"], st["triggered"], st["out_tokens"], st["n_out"],
+                             st["last_token"])[2].tolist())
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3] == [bn - 1, 300 * bn + 1, 255 * bn + 9, 0, 12_345,
+                                                                 vocab - 1], tokens
+
+
 def test_rejects_rows_of_different_lengths():
     state = _state("cpu", torch.float32, torch.float32)
     with pytest.raises(ValueError, match="row_depth has 2 rows"):

@@ -118,3 +118,18 @@ def test_cross_kernel_prefetch_changes_no_token_exit_or_logit():
                 assert outs == ref_outs, f"prefetch {plan} graphs={g}: {first_difference(ref_outs, outs)}"
                 for rid, rows in ref_logits.items():
                     assert all(torch.equal(a, b) for a, b in zip(rows, logits[rid])), f"prefetch {plan} {rid}"
+
+
+@pytest.mark.parametrize("max_num_seqs", [16, 32])
+def test_sampling_from_lm_head_tiles_equals_sampling_from_logits(max_num_seqs):
+    """Without keep_logits a decode step samples from lm_head's per-tile maxima (model.greedy_partials) and
+    writes no logits; with it, from the written logits. Same tokens and exits, graphs and eager, at the batch
+    sizes where lm_head runs on our GEMM."""
+    model = OuroModel.from_tensors(PRESETS["ouro-1.4b"], random_ouro_tensors(), device="cuda", dtype=torch.bfloat16,
+                                   rope_len=MAX_MODEL_LEN)
+    assert model.greedy_partials(torch.zeros(max_num_seqs, 2048, device="cuda", dtype=torch.bfloat16)) is not None
+    reqs = requests(max_num_seqs + max_num_seqs // 2 + 1)
+    for graphs in (True, False):
+        _, tiles = run(model, reqs, max_num_seqs, exit_policy="ouro", cuda_graphs=graphs)
+        _, logits = run(model, reqs, max_num_seqs, exit_policy="ouro", cuda_graphs=graphs, keep_logits=True)
+        assert tiles == logits, f"graphs={graphs}: first difference {first_difference(logits, tiles)}"
