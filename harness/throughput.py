@@ -263,6 +263,16 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
                          "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
 
 
+def _variant_values_joined(argv: list[str]) -> list[str]:
+    """``--variant OPTIONS`` as ``--variant=OPTIONS``: argparse would take a value that looks like one option
+    (``--variant --greedy-from-logits``) for an option of the probe's own and report --variant's value missing."""
+    out, it = [], iter(argv)
+    for a in it:
+        value = next(it, None) if a == "--variant" else None
+        out.append(a if value is None else f"--variant={value}")      # a trailing --variant: argparse's error
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The probe's options; a bad value is an argparse error (exit 2) naming it, before anything runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -311,7 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sample-hz", type=float, default=20.0, help="the sampler's rate (as telemetry.sample_hz)")
     ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
                     help="keep the profiler's Chrome trace here (with --policy both: PATH's stem + .natural/.replay)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(_variant_values_joined(sys.argv[1:] if argv is None else list(argv)))
     if args.trace is not None and args.profile is None:
         ap.error(f"--trace {str(args.trace)!r} needs --profile (the trace is of the profiled run)")
     try:

@@ -260,3 +260,9 @@ def test_greedy_from_logits_is_a_variant_option_left_unset_unless_given():
     assert throughput._variant("--greedy-from-logits").greedy_from_logits is True
     assert throughput._variant("--prefetch-tiles 2").greedy_from_logits is None      # the probe's own setting
     assert throughput.parse_args(["--greedy-from-logits"]).greedy_from_logits is True
+
+
+def test_a_variant_of_one_flag_is_its_value_not_an_option():
+    """``--variant --greedy-from-logits`` (one option, no space) is --variant's value, as a quoted list is."""
+    args = throughput.parse_args(["--variant", "", "--variant", "--greedy-from-logits"])
+    assert [v.greedy_from_logits for v in args.variant] == [None, True]
