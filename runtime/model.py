@@ -211,10 +211,10 @@ class OuroModel:
         # GPUs run cuBLAS until measured.
         self.small_m_gemm = (small_m_gemm and self.fused and self.device.type == "cuda"
                              and torch.version.hip is None and torch.cuda.get_device_capability(self.device) == (9, 0))
-        # Cross-kernel L2 prefetch (off by default; not yet measured on a GPU): where a projection runs on our
-        # small-M GEMM with PDL, its programs bring the first ``fraction`` of the K columns of every row of the
-        # next projection's weight into L2 before their PDL wait, while the kernels between run below the
-        # bandwidth ceiling. No result depends on it. {PREFETCH_TARGETS key: fraction in (0, 1]}.
+        # Cross-kernel L2 prefetch (off by default; measured slower, 0.81-0.95x at B16 / B32 on an H200:
+        # kernels/results/README.md): where a projection runs on our small-M GEMM with PDL, its programs bring
+        # the first ``fraction`` of the K columns of every row of the next projection's weight into L2 before
+        # their PDL wait. No result depends on it. {PREFETCH_TARGETS key: fraction in (0, 1]}.
         self.prefetch_next = check_prefetch_next(prefetch_next)
         # Decode samples from lm_head's per-tile maxima (greedy_partials) where lm_head runs on our GEMM; False
         # writes the logits and samples from them (the same tokens; the throughput probe's --greedy-from-logits).
