@@ -88,24 +88,30 @@ def compile_sm90(fn, signature: dict, constexprs: dict, divisible_by_16: tuple[s
 
 # the kernels' region of a later weight to bring into L2 (gemm.next_weight_region)
 _REGION = {"nw_ptr": "*bf16", "nw_rows": "i32", "nw_cols": "i32", "nw_stride": "i32", "nw_lines": "i32"}
+# the GEMM kernels' greedy sampling partials (gemm.gemm_argmax)
+_ARGMAX = {"tmax_ptr": "*fp32", "targ_ptr": "*i32"}
 
 
-def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str, next_lines: int = 0) -> tuple:
+def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str, next_lines: int = 0,
+                      argmax: bool = False) -> tuple:
     """(kernel, signature, constexprs, divisible_by_16) of :func:`gemm._launch` for config ``c``;
-    ``next_lines`` > 0 compiles in the prefetch of a later weight (``NEXT``)."""
+    ``next_lines`` > 0 compiles in the prefetch of a later weight (``NEXT``); ``argmax`` the greedy partials
+    without the product (``gemm.gemm_argmax``, as the decode step runs lm_head)."""
     common = {"M": "i32", "N": "i32", "K": "i32", "tiles_per_split": "i32"}
+    flags = {"ARGMAX": argmax, "STORE": not argmax}
     if c.tma:
         sig = {"x_desc": f"tensordesc<bf16[{block_m}, {c.block_k}]>",
                "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>", "out_ptr": out_dtype, "w_ptr": "*bf16",
-               **common, "stride_om": "i32", "stride_os": "i32", "stride_wn": "i32", **_REGION}
+               **common, "stride_om": "i32", "stride_os": "i32", "stride_wn": "i32", **_REGION, **_ARGMAX}
         consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "PDL": 1, "GLU": glu,
-                  "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0}
+                  "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0, **flags}
         return gm._gemm_tma_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
             ("out_ptr", "w_ptr", "N", "K", "stride_om", "stride_os", "stride_wn", "nw_ptr")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": out_dtype, **common,
-           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_os": "i32", **_REGION}
+           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_os": "i32", **_REGION, **_ARGMAX}
     consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False,
-              "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0}
+              "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0,
+              **flags}
     return gm._gemm_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
         ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os", "nw_ptr")
 
@@ -151,7 +157,8 @@ def rows(ms: list[int], stages: list[int], sms: int = H200_SMS, next_lines: int 
             block_m = max(16, triton.next_power_of_2(m))
             for st in sorted(set(stages) | {c.num_stages}):
                 fn, sig, consts, div = (_qkv_rope_args(c, block_m, next_lines=next_lines) if kernel == "qkv_rope"
-                                        else _gemm_kernel_args(c, block_m, glu_flag, out_dtype, next_lines))
+                                        else _gemm_kernel_args(c, block_m, glu_flag, out_dtype, next_lines,
+                                                               argmax=role == "lm_head"))
                 res = compile_sm90(fn, sig, consts, div, c.num_warps, st)
                 per_sm = res.ctas_per_sm()
                 out.append(dict(role=role, kernel=kernel, m=m, runs=m <= min(up_to, gm.MAX_M), num_stages=st,
