@@ -306,7 +306,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
                          "each variant with its own captured schedule and engine, the variants alternating "
                          "within a repeat; OPTIONS: any of --prefetch-tiles, --gemm-config, --prefetch-next, "
-                         "--attention-config "
+                         "--attention-config, --greedy-from-logits "
                          "(quoted; \"\" is the probe's own configuration). Ends with each variant's median tok/s "
                          "and its ratio to the first")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
@@ -618,7 +618,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
             "prefetch_next": _prefetch_record(model),
-            "greedy_tiles": "on" if model.greedy_tiles else "off",
+            "greedy_tiles": _greedy_record(model, args),
             "attention_config": ",".join(f"{k}={v}" for k, v in (getattr(args, "attention_config", None) or {}).items())
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
@@ -637,6 +637,18 @@ def prefetch_applies(model: OuroModel) -> bool:
     (``model.small_m_gemm``: CUDA sm_90, not ``--gemm cublas``) and PDL is on (the prefetch precedes the wait)."""
     from loopbench.kernels import pdl
     return model.small_m_gemm and pdl.ENABLED
+
+
+def _greedy_record(model: OuroModel, args: argparse.Namespace) -> str:
+    """Whether decode sampled from lm_head's per-tile maxima (OuroModel.greedy_partials) in this run: "on", or
+    "off" with why (``--greedy-from-logits``; or lm_head not on our GEMM at max_num_seqs rows, or not the
+    Triton backend, where the step samples from logits whatever the switch says)."""
+    from loopbench.kernels import gemm
+    if not model.greedy_tiles:
+        return "off"
+    runs = (model.small_m_gemm and args.backend == "triton"
+            and gemm.config_for(*model.lm_head.shape, args.max_num_seqs) is not None)
+    return "on" if runs else "off (lm_head on cuBLAS at these rows, or the torch backend)"
 
 
 def _prefetch_record(model: OuroModel) -> str:

@@ -462,7 +462,8 @@ def gemm_argmax(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, logit
 
 
 def argmax_partials_ref(logits: torch.Tensor, block_n: int) -> TileArgmax:
-    """Torch reference of :class:`TileArgmax` from logits [M, N] (any float dtype; compared in fp32/fp64)."""
+    """Torch reference of :class:`TileArgmax` from logits [M, N] bf16 / fp16 / fp32 (fp32 holds each exactly;
+    fp64 logits would be rounded to fp32 and could tie where they differ)."""
     m, n = logits.shape
     v = logits.to(torch.promote_types(logits.dtype, torch.float32))
     v = torch.where(v.isnan(), float("inf"), v)

@@ -13,7 +13,7 @@ comparisons and an integer add), so they agree exactly.
   last token at depth 1, else the slot's hidden state), the survival before this loop (1 at depth 1) and
   the delayed-gate flag carried in (false at depth 1).
 - :func:`apply_rows`: the greedy token (the argmax of the row's logits, which torch's reduction took about
-  16 us a step for at B16 on an H200), the exit flag (masked to real rows), the slots' hidden state,
+  16 us a step for at B16 on an H200, or of lm_head's per-tile maxima, ``gemm.TileArgmax``), the exit flag (masked to real rows), the slots' hidden state,
   survival and flag, and for exiting rows the output token (appended, counted) and the last token; the
   slot of each exiting row (-1 for the rest), for the alias exit map or the native fill.
 

@@ -389,8 +389,9 @@ class OuroModel:
     def greedy_partials(self, x: torch.Tensor):
         """lm_head with greedy sampling's first pass in its epilogue, without writing the logits
         (``gemm.gemm_argmax``): a ``gemm.TileArgmax`` of x's N rows, whose token is bitwise
-        ``logits(x).argmax(-1)``; None where lm_head does not run on our GEMM at N rows or ``greedy_tiles`` is
-        off (then use :meth:`logits`). x: [N, hidden] model dtype."""
+        ``logits(x).argmax(-1)`` (NaN counted as the largest); None where lm_head does not run on our GEMM at N
+        rows, its configuration splits K, or ``greedy_tiles`` is off (then use :meth:`logits`). x: [N, hidden]
+        model dtype."""
         from loopbench.kernels import gemm
         cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, self.lm_head, x, None)
         if cfg is None or cfg.split_k != 1 or not self.greedy_tiles:

@@ -237,8 +237,9 @@ class Runner:
         tokens for all rows and, for the exiting ones, updates the resident last token, output tokens and
         count, and publishes the exit (alias) or fills the skipped planes (native). Rows with slot < 0 are
         padding: they read and write only the scratch slot S and skip every KV write.
-        Returns (exit [N] bool, token [N] int64, logits [N, vocab] or None (written only with the config's
-        keep_logits or trace_loops, or where lm_head runs on cuBLAS), triggered [N] bool: the delayed exit
+        Returns (exit [N] bool, token [N] int64, logits [N, vocab] or None (None where the step sampled from
+        ``model.greedy_partials``: no keep_logits or trace_loops, the Triton backend, and lm_head on our GEMM
+        with ``model.greedy_tiles``), triggered [N] bool: the delayed exit
         test held at this loop or an earlier one of the token, what ``ouro_delayed`` consumes next loop).
         """
         kv, be, cfg = self.kv, self.backend, self.config
@@ -258,7 +259,9 @@ class Runner:
         exit_now, s, trig = self.policy.device_step(hazard, row_depth, s_prev, t_prev, row_forced, self, sl)
         # The logits are written only when the engine reads them; else lm_head keeps each tile's maximum and
         # the apply kernel samples from those (the same token, bitwise; model.greedy_partials).
-        head = None if cfg.keep_logits or cfg.trace_loops else self.model.greedy_partials(x_out)
+        # Only with the Triton slot-state kernels: their argmax counts NaN as +inf, as the tiles do, while the torch
+        # path's torch.argmax takes the first NaN.
+        head = None if cfg.keep_logits or cfg.trace_loops or not fused else self.model.greedy_partials(x_out)
         logits = self.model.logits(x_out) if head is None else None
         exit_now, exit_slot, tok = self._apply_rows(exit_now, logits if head is None else head, x_out, s, trig, sl,
                                                     row_slot, self.hidden, self.survival, self.triggered,

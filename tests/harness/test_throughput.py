@@ -266,3 +266,18 @@ def test_a_variant_of_one_flag_is_its_value_not_an_option():
     """``--variant --greedy-from-logits`` (one option, no space) is --variant's value, as a quoted list is."""
     args = throughput.parse_args(["--variant", "", "--variant", "--greedy-from-logits"])
     assert [v.greedy_from_logits for v in args.variant] == [None, True]
+
+
+def test_greedy_record_says_off_where_lm_head_cannot_sample_from_tiles():
+    """The profile's greedy_tiles entry: "on" only where decode really samples from lm_head's tiles."""
+    from types import SimpleNamespace
+    lm_head = torch.empty(49152, 2048)
+    args = SimpleNamespace(backend="triton", max_num_seqs=16)
+    model = SimpleNamespace(greedy_tiles=True, small_m_gemm=True, lm_head=lm_head)
+    assert throughput._greedy_record(model, args) == "on"
+    assert throughput._greedy_record(model, SimpleNamespace(backend="triton", max_num_seqs=64)).startswith("off (")
+    assert throughput._greedy_record(model, SimpleNamespace(backend="torch", max_num_seqs=16)).startswith("off (")
+    assert throughput._greedy_record(SimpleNamespace(greedy_tiles=True, small_m_gemm=False, lm_head=lm_head),
+                                     args).startswith("off (")
+    assert throughput._greedy_record(SimpleNamespace(greedy_tiles=False, small_m_gemm=True, lm_head=lm_head),
+                                     args) == "off"
