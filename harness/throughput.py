@@ -643,11 +643,9 @@ def _greedy_record(model: OuroModel, args: argparse.Namespace) -> str:
     """Whether decode sampled from lm_head's per-tile maxima (OuroModel.greedy_partials) in this run: "on", or
     "off" with why (``--greedy-from-logits``; or lm_head not on our GEMM at max_num_seqs rows, or not the
     Triton backend, where the step samples from logits whatever the switch says)."""
-    from loopbench.kernels import gemm
     if not model.greedy_tiles:
         return "off"
-    runs = (model.small_m_gemm and args.backend == "triton"
-            and gemm.config_for(*model.lm_head.shape, args.max_num_seqs) is not None)
+    runs = args.backend == "triton" and model.greedy_tiles_config(args.max_num_seqs) is not None
     return "on" if runs else "off (lm_head on cuBLAS at these rows, or the torch backend)"
 
 

@@ -393,10 +393,18 @@ class OuroModel:
         rows, its configuration splits K, or ``greedy_tiles`` is off (then use :meth:`logits`). x: [N, hidden]
         model dtype."""
         from loopbench.kernels import gemm
-        cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, self.lm_head, x, None)
-        if cfg is None or cfg.split_k != 1 or not self.greedy_tiles:
+        cfg = self.greedy_tiles_config(x.shape[0])
+        return None if cfg is None else gemm.gemm_argmax(x, self.lm_head, cfg)[0]
+
+    def greedy_tiles_config(self, rows: int):
+        """lm_head's ``gemm.GemmConfig`` where :meth:`greedy_partials` samples from its tiles at ``rows`` rows:
+        ``greedy_tiles`` on, our small-M GEMM, a configuration for lm_head's shape at these rows that does not
+        split K; else None."""
+        from loopbench.kernels import gemm
+        if not (self.greedy_tiles and self.small_m_gemm and self.dtype in gemm.DTYPES):
             return None
-        return gemm.gemm_argmax(x, self.lm_head, cfg)[0]
+        cfg = gemm.config_for(*self.lm_head.shape, rows)
+        return cfg if cfg is not None and cfg.split_k == 1 else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """lm_head on exited rows. x: [N, hidden] -> [N, vocab] model dtype."""

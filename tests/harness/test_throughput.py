@@ -272,12 +272,16 @@ def test_greedy_record_says_off_where_lm_head_cannot_sample_from_tiles():
     """The profile's greedy_tiles entry: "on" only where decode really samples from lm_head's tiles."""
     from types import SimpleNamespace
     lm_head = torch.empty(49152, 2048)
+
+    def stub(greedy_tiles, small_m_gemm):       # the model's own rule (OuroModel.greedy_tiles_config) on a stand-in
+        m = SimpleNamespace(greedy_tiles=greedy_tiles, small_m_gemm=small_m_gemm, lm_head=lm_head, dtype=torch.bfloat16)
+        m.greedy_tiles_config = lambda rows: throughput.OuroModel.greedy_tiles_config(m, rows)
+        return m
+
     args = SimpleNamespace(backend="triton", max_num_seqs=16)
-    model = SimpleNamespace(greedy_tiles=True, small_m_gemm=True, lm_head=lm_head)
+    model = stub(True, True)
     assert throughput._greedy_record(model, args) == "on"
     assert throughput._greedy_record(model, SimpleNamespace(backend="triton", max_num_seqs=64)).startswith("off (")
     assert throughput._greedy_record(model, SimpleNamespace(backend="torch", max_num_seqs=16)).startswith("off (")
-    assert throughput._greedy_record(SimpleNamespace(greedy_tiles=True, small_m_gemm=False, lm_head=lm_head),
-                                     args).startswith("off (")
-    assert throughput._greedy_record(SimpleNamespace(greedy_tiles=False, small_m_gemm=True, lm_head=lm_head),
-                                     args) == "off"
+    assert throughput._greedy_record(stub(True, False), args).startswith("off (")
+    assert throughput._greedy_record(stub(False, True), args) == "off"
