@@ -277,7 +277,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The probe's options; a bad value is an argparse error (exit 2) naming it, before anything runs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cache = os.path.join(os.path.expanduser(os.environ.get("LOOPBENCH_CACHE", "~/.cache/loopbench")), "checkpoints")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No abbreviations: "--var X" would be --variant without _variant_values_joined's care, and an abbreviation
+    # can come to mean another option when one is added.
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--preset", default="tiny", help="synthetic model preset (tiny, ouro-1.4b)")
     ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (overrides --preset)")
     ap.add_argument("--cache", default=cache, help="where synthetic checkpoints are written and reused")

@@ -268,6 +268,17 @@ def test_a_variant_of_one_flag_is_its_value_not_an_option():
     assert [v.greedy_from_logits for v in args.variant] == [None, True]
 
 
+def test_an_abbreviated_option_is_an_error_naming_it(capsys):
+    """``--var X`` is no abbreviation of --variant (nor any prefix of any option): argparse would otherwise take
+    ``--var --greedy-from-logits`` as a missing value, and a prefix can come to mean another option."""
+    with pytest.raises(SystemExit) as e:
+        throughput.parse_args(["--var", "--greedy-from-logits"])
+    assert e.value.code == 2
+    assert "--var" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--max-num", "8"])
+
+
 def test_greedy_record_says_off_where_lm_head_cannot_sample_from_tiles():
     """The profile's greedy_tiles entry: "on" only where decode really samples from lm_head's tiles."""
     from types import SimpleNamespace
