@@ -1,5 +1,5 @@
-"""Fused elementwise kernels for the recurrent core: RMSNorm, residual-add + RMSNorm pairs, rotary
-embedding in place, and SwiGLU's silu(gate) * up.
+"""Fused elementwise kernels for the recurrent core: RMSNorm, residual-add + RMSNorm pairs (the loop's last
+one with the exit gate), rotary embedding in place, and SwiGLU's silu(gate) * up.
 
 Why: in plain PyTorch one Ouro layer launches ~50 small elementwise kernels (an fp32 RMSNorm alone is
 seven), so at decode batch sizes the loop is launch-bound (BRIEF section 3: RMSNorm 19% and residual /
@@ -10,7 +10,7 @@ of the fp32 mean-of-squares reduction.
 
 Formulas: RMSNorm ``y = w * x / sqrt(mean(x^2) + eps)`` in fp32 (Zhang & Sennrich 2019, as in the HF
 Ouro/Qwen2 RMSNorm); rotary embedding, rotate-half form (RoFormer, arXiv 2104.09864); SwiGLU
-``silu(g) * u`` (Shazeer 2020).
+``silu(g) * u`` (Shazeer 2020); exit gate ``sigmoid(w . h + b)`` (Ouro's ``early_exit_gate``, BRIEF section 1).
 
 On sm_90+ NVIDIA GPUs the two norm kernels launch with programmatic dependent launch (kernels/pdl.py): they
 load their weights, wait for the previous kernel, load their inputs and release the next kernel before
@@ -42,14 +42,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, B
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hidden,
+def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, gw_ptr, gb_ptr, hazard_ptr, hidden,
                          stride_x, stride_y, stride_ys, stride_xo, stride_ho, eps, BLOCK: tl.constexpr,
-                         SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                         SPLIT: tl.constexpr, PDL: tl.constexpr = False, GATE: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # weights: no kernel writes them
     w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATE:
+        gw = tl.load(gw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        gb = tl.load(gb_ptr).to(tl.float32)
     pdl.wait(PDL)
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
     if SPLIT > 1:       # fp32 split-K partials of a projection: their sum in split order, rounded once
@@ -65,7 +68,11 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, hid
     tl.store(x_out_ptr + row * stride_xo + offs, x_new, mask=mask)
     xf = x_new.to(tl.float32)
     inv_x = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    tl.store(h_out_ptr + row * stride_ho + offs, (w2 * (xf * inv_x)).to(h_out_ptr.dtype.element_ty), mask=mask)
+    h = (w2 * (xf * inv_x)).to(h_out_ptr.dtype.element_ty)
+    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
+    if GATE:    # the exit gate on the stored h: its logit rounded to h's dtype, as F.linear's output is
+        logit = (tl.sum(h.to(tl.float32) * gw, axis=0) + gb).to(h_out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(hazard_ptr + row, 1.0 / (1.0 + tl.exp(-logit)))
 
 
 @triton.jit
@@ -137,6 +144,27 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.T
     summed in order s = 0, 1, ... and rounded to x.dtype first, as ``gemm.reduce_partials`` does.
     Returns (x_new, h), both [N, hidden] in x.dtype. Raises ValueError for a y of another shape.
     """
+    return _add_rms_norm(x, y, w1, w2, eps, None, None)[:2]
+
+
+def add_rms_norm_gate(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, eps: float,
+                      gate_w: torch.Tensor, gate_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` for a loop's last layer, with the exit gate on h in the same pass (one launch where
+    ``F.linear`` + the slice's cast + ``torch.sigmoid`` took three): hazard = sigmoid(gate_w . h + gate_b), the
+    logit rounded to x.dtype first, as ``F.linear``'s output is (BRIEF section 1: the early-exit gate is
+    ``Linear(hidden, 1, bias=True)`` on the loop's normed output). gate_w: [1, hidden] or [hidden]; gate_b: [1];
+    both read before the PDL wait. Returns (x_new, h, hazard [N] fp32). The logit's fp32 sum runs in another
+    order than cuBLAS's, so hazard agrees with the unfused gate to rounding, not bitwise.
+    """
+    gate_w = gate_w.reshape(-1)
+    if gate_w.shape[0] != w1.shape[0] or gate_w.stride(0) != 1 or gate_b.numel() != 1:
+        raise ValueError(f"gate_w must be [1, {w1.shape[0]}] or [{w1.shape[0]}] with unit stride and gate_b one "
+                         f"value, got {tuple(gate_w.shape)} and {tuple(gate_b.shape)}")
+    return _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b)
+
+
+def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b):
+    """Both entry points: (x_new, h, hazard or None); the gate runs where ``gate_w`` is given."""
     hidden = w1.shape[0]
     _check_rows("x", x, hidden)
     split = 1
@@ -151,13 +179,16 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.T
         stride_ys, y2 = 0, y
     _check_rows("y", y2, hidden)
     x_new, h = torch.empty_like(x), torch.empty_like(x)
+    gate = gate_w is not None
+    hazard = torch.empty(x.shape[0], device=x.device, dtype=torch.float32) if gate else None
     if x.shape[0]:
         use_pdl = pdl.active(x)
-        _add_rms_norm_kernel[(x.shape[0],)](x, y2, w1, w2, x_new, h, hidden, x.stride(0), y2.stride(0), stride_ys,
+        _add_rms_norm_kernel[(x.shape[0],)](x, y2, w1, w2, x_new, h, gate_w if gate else w1, gate_b if gate else w1,
+                                            hazard if gate else x_new, hidden, x.stride(0), y2.stride(0), stride_ys,
                                             x_new.stride(0), h.stride(0), eps,
                                             BLOCK=triton.next_power_of_2(hidden), SPLIT=split, PDL=pdl.mode(use_pdl),
-                                            **pdl.launch_options(use_pdl, num_warps=8))
-    return x_new, h
+                                            GATE=gate, **pdl.launch_options(use_pdl, num_warps=8))
+    return x_new, h, hazard
 
 
 def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -208,6 +239,12 @@ def add_rms_norm_ref(x, y, w1, w2, eps):
         y = total.to(x.dtype)
     x_new = x + rms_norm_ref(y, w1, eps)
     return x_new, rms_norm_ref(x_new, w2, eps)
+
+
+def add_rms_norm_gate_ref(x, y, w1, w2, eps, gate_w, gate_b):
+    x_new, h = add_rms_norm_ref(x, y, w1, w2, eps)
+    logit = F.linear(h, gate_w.reshape(1, -1), gate_b.reshape(1))[:, 0]
+    return x_new, h, torch.sigmoid(logit.to(torch.promote_types(h.dtype, torch.float32)))
 
 
 def rope_ref(qkv, cos, sin, positions, num_rotated_heads, head_dim):

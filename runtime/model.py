@@ -314,7 +314,9 @@ class OuroModel:
         gives ``rope_write``), and silu(gate) * up is one kernel. With ``small_m_gemm`` the projections run
         on kernels/gemm.py where it has a configuration: o_proj's and down's split-K partials go straight
         into the norm kernel, and where kernels/qkv_rope.py and ``gemm.gemm_swiglu`` have one, the qkv
-        projection does RoPE and the KV write and gate_up does SwiGLU in their epilogues."""
+        projection does RoPE and the KV write and gate_up does SwiGLU in their epilogues. The last layer's norm
+        kernel, which applies the final norm, also runs the exit gate (``fused_ops.add_rms_norm_gate``; an fp64
+        model, whose hazard is fp64, keeps :meth:`hazard`)."""
         from loopbench.kernels import fused_ops as fo
         from loopbench.kernels import gemm, qkv_rope
         cfg = self.cfg
@@ -344,8 +346,11 @@ class OuroModel:
             act = (gemm.gemm_swiglu(h, w.gate_up, glu_cfg, pf_down) if glu_cfg
                    else fo.silu_mul(proj(h, w.gate_up, gemm_rows, False, pf_down)))
             mlp = proj(act, w.down, gemm_rows, True, self._prefetch_region("qkv", nxt_layer.qkv))
-            x, h = fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps)
-        return h, self.hazard(h)
+            gate = i + 1 == len(self.layers) and self.rope_dtype == torch.float32
+            x, h, hazard = (fo.add_rms_norm_gate(x, mlp, w.ln_post2, nxt, eps, self.gate_w, self.gate_b) if gate
+                            else (*fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps), None))
+        # the last norm kernel ran the exit gate, except for an fp64 model (whose hazard is fp64: the torch gate)
+        return h, self.hazard(h) if hazard is None else hazard
 
     def _fused_config(self, configs: dict, faster_up_to: dict, w: torch.Tensor, x: torch.Tensor,
                       gemm_rows: int | None):

@@ -35,6 +35,42 @@ def test_norms(device, dtype, rows, hidden):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,split", [(1, 64, 1), (5, 96, 3), (17, 2048, 4)])
+def test_add_rms_norm_gate(device, dtype, rows, hidden, split):
+    """The last layer's norm with the exit gate: x_new and h bitwise those of add_rms_norm (same kernel, same
+    code path), the hazard that of F.linear + sigmoid on that h up to the logit's last bit (another fp32 sum order,
+    then rounded to the model dtype: at most one ulp of the logit, times sigmoid's slope <= 1/4)."""
+    g = torch.Generator().manual_seed(rows * hidden + split)
+    x = torch.randn(rows, hidden, generator=g).to(device, dtype)
+    y = (torch.randn(split, rows, hidden, generator=g).to(device) if split > 1
+         else torch.randn(rows, hidden, generator=g).to(device, dtype))
+    w1, w2 = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype), torch.randn(hidden, generator=g).to(device, dtype)
+    gate_w = (torch.randn(1, hidden, generator=g) / hidden ** 0.5).to(device, dtype)
+    gate_b = torch.randn(1, generator=g).to(device, dtype)
+    xn, h, hazard = fo.add_rms_norm_gate(x, y, w1, w2, 1e-6, gate_w, gate_b)
+    xa, ha = fo.add_rms_norm(x, y, w1, w2, 1e-6)
+    assert torch.equal(xn, xa) and torch.equal(h, ha), "the gate changed x_new or h"
+    assert hazard.dtype == torch.float32 and hazard.shape == (rows,)
+    ref = torch.sigmoid(torch.nn.functional.linear(h, gate_w, gate_b)[:, 0].float())
+    logit_ulp = torch.finfo(dtype).eps * torch.logit(ref.double()).abs().clamp(min=1.0)
+    diff = (hazard.double() - ref.double()).abs()
+    assert bool((diff <= 0.25 * logit_ulp + 1e-6).all()), f"hazard: max diff {diff.max().item():.3e}"
+    xr, hr, href = fo.add_rms_norm_gate_ref(x, y, w1, w2, 1e-6, gate_w, gate_b)
+    _close(xn, xr, "add_rms_norm_gate x")
+    _close(h, hr, "add_rms_norm_gate h")
+    assert href.dtype == torch.float32 and href.shape == (rows,)
+
+
+def test_add_rms_norm_gate_names_a_bad_gate():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"gate_w must be \[1, 8\]"):
+        fo.add_rms_norm_gate(x, x, torch.ones(8), torch.ones(8), 1e-6, torch.ones(1, 4), torch.zeros(1))
+    with pytest.raises(ValueError, match="gate_b one value"):
+        fo.add_rms_norm_gate(x, x, torch.ones(8), torch.ones(8), 1e-6, torch.ones(1, 8), torch.zeros(2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (4, 2, 24), (16, 16, 128)])
 def test_rope_in_place(device, dtype, heads, kv_heads, head_dim):
     from loopbench.runtime.model import OuroConfig, rope_tables

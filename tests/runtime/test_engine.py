@@ -445,3 +445,37 @@ def test_prefetch_next_gives_each_projection_the_next_ones_weight(tiny_ckpt, mon
         expected += [(qkv_kernel, f"{i}.qkv", f"{i}.o"), ("gemm", f"{i}.o", f"{i}.gate_up"),
                      (glu_kernel, f"{i}.gate_up", f"{i}.down"), ("gemm", f"{i}.down", f"{nxt}.qkv")]
     assert log == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_loop_runs_the_exit_gate_in_its_last_norm(tiny_ckpt, monkeypatch, dtype):
+    """The fused loop's hazard comes from the last layer's norm kernel (fused_ops.add_rms_norm_gate, one launch
+    instead of F.linear + cast + sigmoid), and is the torch gate's on the loop output up to the logit's last bit."""
+    from loopbench.kernels import fused_ops as fo
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=dtype, fused=True)
+    calls = []
+    gate = fo.add_rms_norm_gate
+    monkeypatch.setattr(fo, "add_rms_norm_gate", lambda *a: calls.append(a[3]) or gate(*a))
+    monkeypatch.setattr(model, "hazard", lambda h: pytest.fail("the fused loop ran the torch gate"))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, cfg.hidden_size, generator=g).to(dtype)
+    h, hazard = model.run_loop(x, torch.arange(5, dtype=torch.int32), lambda i, q, k, v: q)
+    assert len(calls) == 1 and calls[0] is model.norm, "the gate must run once, in the final norm's pass"
+    monkeypatch.undo()
+    ref = model.hazard(h)
+    assert hazard.dtype == ref.dtype == torch.float32 and hazard.shape == (5,)
+    logit_ulp = torch.finfo(dtype).eps * torch.logit(ref.double()).abs().clamp(min=1.0)   # sigmoid' <= 1/4
+    diff = (hazard.double() - ref.double()).abs()
+    assert bool((diff <= 0.25 * logit_ulp + 1e-6).all()), f"hazard: max diff {diff.max().item():.3e}"
+
+
+def test_fp64_fused_loop_keeps_the_torch_gate(tiny_ckpt, monkeypatch):
+    """An fp64 model's hazard is fp64 (rope_dtype), which the fp32 gate kernel does not give: the torch gate."""
+    from loopbench.kernels import fused_ops as fo
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float64, fused=True)
+    monkeypatch.setattr(fo, "add_rms_norm_gate", lambda *a: pytest.fail("fp64 took the fp32 gate kernel"))
+    x = torch.randn(3, cfg.hidden_size, dtype=torch.float64)
+    h, hazard = model.run_loop(x, torch.arange(3, dtype=torch.int32), lambda i, q, k, v: q)
+    assert hazard.dtype == torch.float64 and torch.equal(hazard, model.hazard(h))
