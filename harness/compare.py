@@ -210,7 +210,7 @@ def bundle_line(path: Path) -> str:
     preset = plan.get("checkpoint", {}).get("preset") or "checkpoint"
     results = headline(summary) if summary else "no summary"
     if summary and not summary.get("verdicts_published", True):     # bundle formats before 2 have no such key
-        barred = ", ".join(map(str, summary.get("verdicts_barred_by") or [])) or "see its report"
+        barred = summary.get("verdicts_barred_by") or "see its report"     # a string (bundle_format.json)
         results = f"no verdicts ({barred}); measured, not evidence: {results}"
     return f"{path.name}  {plan.get('name')}  model {preset}  {status} (audit {audit})  code {sha}  {results}"
 

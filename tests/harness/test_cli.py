@@ -195,7 +195,7 @@ def test_show_all_marks_the_speedups_of_a_bundle_whose_verdicts_are_barred(tmp_p
     published = compare.bundle_line(bundle)
     assert "no verdicts" not in published and re.search(r" [01]\.\d{4}x", published)
     summary = json.loads((bundle / "summary.json").read_text())
-    summary.update(status="incomplete", verdicts_published=False, verdicts_barred_by=["stopped"])
+    summary.update(status="incomplete", verdicts_published=False, verdicts_barred_by="run incomplete")   # a string
     (bundle / "summary.json").write_text(json.dumps(summary))
     line = compare.bundle_line(bundle)
-    assert "incomplete (audit " in line and "no verdicts (stopped); measured, not evidence: " in line
+    assert "incomplete (audit " in line and "no verdicts (run incomplete); measured, not evidence: " in line
