@@ -37,12 +37,12 @@ checkpoints and frozen references; a reference is reused when its inputs hash th
 
 
 def _run_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
-    from . import keys
+    from . import conf, keys
 
     p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"{RUN_EPILOG}\n\n{keys.help_text()}\n\n{EXIT_STATUS}")
     p.add_argument("--config-name", "-cn", dest="config_name", metavar="PRESET",
-                   help="preset of configs/ (cpu-smoke, ouro-1.4b)")
+                   help=f"preset of configs/ ({', '.join(conf.presets())})")
     p.add_argument("-m", "--multirun", action="store_true",
                    help="Hydra multirun: KEY=A,B runs one benchmark per combination, each into its own bundle")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (keys below)")
@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("bundle", type=Path, metavar="BUNDLE")
     p = sub.add_parser("show", help="a bundle's result tables, or one line per bundle with --all",
-                       description="a bundle's result tables and status, or (--all) one line per bundle: name, "
-                                   "preset, status and audit, code SHA, headline speedups", epilog=EXIT_STATUS,
+                       description="a bundle's result tables and status, or (--all) one line per bundle: folder, "
+                                   "the plan's name, model, status and audit, code SHA, headline speedups", epilog=EXIT_STATUS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, nargs="?", metavar="BUNDLE")
     p.add_argument("--all", action="store_true", help="every bundle of --results")
@@ -138,7 +138,7 @@ def _show(args) -> int:
     from . import compare
 
     if args.all == (args.bundle is not None):
-        print("loopbench show: give a BUNDLE or --all", file=sys.stderr)
+        print(f"loopbench show: give a BUNDLE or --all{', not both' if args.all else ''}", file=sys.stderr)
         return 2
     if args.all:
         from .executors import REPO_ROOT
@@ -171,12 +171,28 @@ def _compare(args) -> int:
     except ValueError as exc:
         print(f"loopbench compare: {exc}", file=sys.stderr)
         return 2
+    if Path(args.a).resolve() == Path(args.b).resolve():
+        print("loopbench compare: A and B are the same bundle, so every change below is zero by construction (two "
+              "bundles of one commit show the noise between runs)", file=sys.stderr)
     print(text)
     return 0 if comparable else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand; returns the exit status."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()      # a pipe's buffer is written here, inside the try, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader of stdout went away (`loopbench show --all | head -1`): stop without a traceback. stdout now
+        # points at /dev/null so that the interpreter's own flush at exit cannot fail again (Python's docs, "Note
+        # on SIGPIPE"); 1, as Python itself exits on EPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--quiet" in argv or "-q" in argv:   # anywhere, so that `loopbench bench -q` and `loopbench -q bench` agree
         argv = [a for a in argv if a not in ("--quiet", "-q")]
@@ -196,6 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.bundle.is_dir():
             print(f"loopbench {args.command}: no bundle folder at {args.bundle}", file=sys.stderr)
             return 2
+        if not (args.bundle / "plan.json").is_file():    # refused before the auditor writes its audit.json there
+            print(f"loopbench {args.command}: {args.bundle} is not a bundle (no plan.json); a folder that a run made "
+                  "and left without one holds nothing measured", file=sys.stderr)
+            return 2
+        if args.command == "audit" and not (args.bundle / "summary.json").is_file():
+            from .compare import unpublished_hint
+
+            print(f"loopbench audit: {args.bundle} is not published (no summary.json): nothing to audit yet"
+                  + unpublished_hint(args.bundle), file=sys.stderr)
+            return 3
         if args.command == "finish":
             from .bench import finish_main
 

@@ -44,9 +44,17 @@ class Bundle:
         path = Path(path)
         missing = [f for f in ("plan.json", "summary.json", "tables/arms.parquet") if not (path / f).is_file()]
         if missing:
-            raise ValueError(f"{path}: not a published bundle (no {', '.join(missing)})")
+            raise ValueError(f"{path}: not a published bundle (no {', '.join(missing)})" + unpublished_hint(path))
         return cls(path, json.loads((path / "plan.json").read_text()), json.loads((path / "summary.json").read_text()),
                    pd.read_parquet(path / "tables" / "arms.parquet"))
+
+
+def unpublished_hint(path: Path) -> str:
+    """For a folder with a plan but no published summary: how to publish it (a run still going publishes itself)."""
+    if (Path(path) / "plan.json").is_file() and not (Path(path) / "summary.json").is_file():
+        return (f"; if its run is over (its controller died), `loopbench finish {path}` publishes it as incomplete, "
+                "and `resume=` measures the rest")
+    return ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -196,7 +204,8 @@ def headline(summary: dict) -> str:
 
 
 def bundle_line(path: Path) -> str:
-    """``show --all``'s line for one bundle folder: name, preset, status (and audit), code SHA, headline."""
+    """``show --all``'s line for one bundle folder: folder, the plan's name, model, status (and audit), code SHA,
+    headline."""
     try:
         plan = json.loads((path / "plan.json").read_text())
     except (OSError, ValueError) as exc:

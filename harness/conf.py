@@ -304,12 +304,32 @@ def to_plain(cfg: DictConfig | BenchConf) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
 
 
-def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
-    """Compose a preset outside ``@hydra.main`` (tests, tools); the same checks as the command line."""
-    from hydra import compose as _compose, initialize_config_dir
+def presets() -> list[str]:
+    """The preset names of ``configs/`` (``--config-name``)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
+
+def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
+    """Compose a preset outside ``@hydra.main`` (tests, tools); the same checks as the command line.
+
+    ValueError names an unknown preset with the ones there are, and a misspelt key with the keys of its level
+    (Hydra's own message for it advises appending the key with ``+``, which only moves the error on)."""
+    from hydra import compose as _compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    if config_name not in presets():
+        raise ValueError(f"unknown preset {config_name!r}; configs/ has {presets()}")
+    overrides = list(overrides or [])
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return _compose(config_name=config_name, overrides=list(overrides or []))
+        try:
+            return _compose(config_name=config_name, overrides=overrides)
+        except ConfigCompositionException as exc:
+            try:    # every plain override forced in ("++"), then our key check names the one that is not a key
+                forced = _compose(config_name=config_name, overrides=[o if o[:1] in "+~" else "++" + o for o in overrides])
+            except ConfigCompositionException:
+                raise exc     # keeps Hydra's cause, which names the bad value
+            rules.check_keys(to_plain(forced), BenchConf)
+            raise
 
 
 def validate(cfg: DictConfig | dict) -> BenchSpec:

@@ -161,7 +161,9 @@ def capture_references(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path, e
     ex = spec.executor
     n = len(spec.points)
     progress.say("references", f"natural run of arm {spec.reference} at {n} point{'s' * (n != 1)} on "
-                               f"{got.devices[0]['label']} (reused by hash when cached)")
+                               f"{got.devices[0]['label']} ("
+                               + ("reused by hash when cached" if spec.reuse_references else "captured again: "
+                                  "reuse_references=false") + ")")
     children = [c.to_dict() for c in executor.run([ref_spec], progress=_log_echo(ref_spec.log_file, "reference "),
                                                   poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)]
     write_children(bundle, children)

@@ -176,6 +176,43 @@ def test_show_and_compare_refuse_what_is_no_bundle(tmp_path, capsys):
     assert cli.main(["compare", str(tmp_path), str(tmp_path)]) == 2
 
 
+def test_audit_and_finish_refuse_a_folder_that_is_no_bundle_and_write_nothing_there(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a bundle")
+    for command in ("audit", "finish"):
+        assert cli.main([command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path} is not a bundle (no plan.json)" in err and "delete" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "the auditor wrote into a non-bundle folder"
+
+
+def test_an_unpublished_bundle_is_incomplete_to_audit_and_show_and_both_name_finish(tmp_path, capsys):
+    shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "plan.json")
+    assert cli.main(["audit", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "is not published (no summary.json)" in err and f"loopbench finish {tmp_path}" in err, err
+    assert cli.main(["show", str(tmp_path)]) == 2
+    assert f"loopbench finish {tmp_path}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    """`loopbench show --all | head -1`: the pipe's reader leaves before the output is written."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "loopbench", "show", "--all"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                 # before the command has imported anything, let alone printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_show_of_both_and_compare_of_one_bundle_with_itself_say_so(capsys):
+    a = str(REPO / "results" / "2026-12-01-ouro-1.4b-c16d2c0")
+    assert cli.main(["show", "--all", a]) == 2
+    assert "give a BUNDLE or --all, not both" in capsys.readouterr().err
+    assert cli.main(["compare", a, a]) == 0
+    assert "A and B are the same bundle" in capsys.readouterr().err
+
+
 def test_compare_names_its_level_from_the_config_or_the_flag_and_refuses_a_bad_one(capsys):
     a, b = (str(REPO / "results" / n) for n in ("2026-11-30-ouro-1.4b-nogit", "2026-12-01-ouro-1.4b-c16d2c0"))
     assert cli.main(["compare", a, b, "--confidence", "0.9"]) == 0

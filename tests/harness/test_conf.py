@@ -36,17 +36,31 @@ def test_presets_compose_and_validate():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("workload.promt_len=3", "workload.promt_len"),
-    ("arms.native.kv_layot=alias", "arms.native.kv_layot"),
     ("pairs=abc", "pairs"),
     ("model.dtype=bf16", "model.dtype"),
     ("arms.alias.cuda_graphs=maybe", "arms.alias.cuda_graphs"),
     ("comparisons=[{baseline:native,candidat:alias}]", "candidat"),
 ])
-def test_misspelt_key_or_wrong_type_fails_at_composition(override, key):
+def test_wrong_type_fails_at_composition(override, key):
     with pytest.raises(ConfigCompositionException) as err:
         conf.compose("cpu-smoke", [override])
     assert key in _error_text(err.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("pairz=3", "unknown config key 'pairz'; BenchConf has ['arms', "),
+    ("workload.promt_len=3", "unknown config key 'workload.promt_len'; WorkloadConf has ['output_len', 'prompt_len', "),
+    ("arms.native.kv_layot=alias", "unknown config key 'arms.native.kv_layot'; ArmConf has "),
+])
+def test_misspelt_key_is_named_with_the_keys_of_its_level_not_hydras_append_hint(override, message):
+    with pytest.raises(ValueError) as err:
+        conf.compose("cpu-smoke", [override])
+    assert message in str(err.value) and "+" + override not in str(err.value)
+
+
+def test_unknown_preset_is_named_with_the_presets_there_are():
+    with pytest.raises(ValueError, match=r"unknown preset 'nope'; configs/ has \[.*'cpu-smoke'.*'ouro-1.4b'"):
+        conf.compose("nope")
 
 
 @pytest.mark.parametrize("override, key", [
