@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no bundle directory at {argv[0]!r}\nusage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
         return EXIT_CODES["usage"]
     bundle = Path(argv[0])
+    if not (bundle / "plan.json").is_file():     # any folder is not a bundle: write no audit.json into it
+        print(f"{argv[0]!r} is not a bundle (no plan.json)\nusage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
+        return EXIT_CODES["usage"]
     verdict = audit(bundle)
     path = write_verdict(bundle, verdict)
     checked = ", ".join(f"{k} {v:,}" for k, v in sorted(verdict["checked"].items()))

@@ -34,3 +34,11 @@ def test_auditor_runs_with_the_harness_unimportable(bundle):
     proc = subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], capture_output=True, text=True,
                           cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 1 and "audit FAIL" in proc.stdout and "exit_depth" in proc.stdout
+
+
+def test_auditor_refuses_a_folder_without_plan_json_and_writes_nothing_there(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a bundle")
+    proc = subprocess.run([sys.executable, "-m", "loopbench.audit", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "is not a bundle (no plan.json)" in proc.stderr, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
