@@ -6,6 +6,11 @@ that measured the same thing (``compare.differences``) on the same kind of devic
 child's wall time, and per point the median of an arm run's warmup + measured seconds plus each
 session's fixed cost (model load, engine builds: its wall time minus those runs). Without such a
 bundle the estimate is unknown, and the plan says so rather than guess.
+
+With ``resume=<bundle>`` the plan runs every check the resume would make before changing anything
+(``resume.check_resume``: a refusal is the same one line and exit 2 as ``loopbench bench``'s) and, in
+place of the fresh measurement order, says what the resume would do: arms kept, arms left, records
+discarded; its estimate is of the arms left (the bundle's references are frozen).
 """
 from __future__ import annotations
 
@@ -126,10 +131,37 @@ def _order_lines(spec, order) -> list[str]:
     return lines
 
 
+def _resume_lines(check) -> list[str]:
+    """What a resume would do (``resume.ResumeCheck``), in place of the fresh measurement order."""
+    state = ("published incomplete" if check.status == "incomplete" else
+             "unpublished: its controller died (the resume marks its running children lost)" if check.status is None
+             else f"published, status {check.status}")
+    per_device = "; ".join(f"{name} seqs {seqs[0]}-{seqs[-1]}" if seqs else f"{name} none"
+                           for name, seqs in check.todo.items())
+    lines = [f"  resume: {check.bundle} ({state}); this run's plan and environment are the bundle's",
+             f"  resume keeps {check.kept} of {check.planned} arms, {check.left} to measure ({per_device}), on the "
+             "bundle's frozen references, in its planned order"]
+    if not check.checkpoint_compared:
+        lines.append("  resume: checkpoint not compared yet (the synthetic checkpoint is not in the cache and plan "
+                     "writes none; bench synthesizes it and refuses the resume if its sha256 differs)")
+    if check.discard:
+        lines.append(f"  resume discards {_n(len(check.discard), 'record')} whose pair's other arm was not recorded "
+                     "(measured again with it): " + ", ".join(str(p.relative_to(check.bundle)) for p in check.discard))
+    else:
+        lines.append("  resume discards no records")
+    return lines
+
+
 def plan_text(config_name: str, overrides: list[str]) -> str:
-    """The plan of one configuration as text (nothing is written); raises one of ``CONFIG_ERRORS``."""
+    """The plan of one configuration as text (nothing is written); raises one of ``CONFIG_ERRORS``
+    (``resume.ResumeRefused`` among them, a ValueError, when ``resume=`` names a bundle a resume refuses)."""
     spec, got = check(config_name, overrides)
     order = measurement_order(spec)
+    resuming = None
+    if spec.resume is not None:
+        from .resume import check_resume   # imports the controller: only when resuming
+
+        resuming = check_resume(spec, got)
     plain = spec.to_plain()
     m, wl, ex = plain["model"], plain["workload"], plain["exit"]
     if spec.model.checkpoint:
@@ -151,12 +183,18 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
              f"  comparisons: {', '.join(c.name + (' (A/A)' if c.baseline == c.candidate else '') for c in spec.comparisons)}",
              f"  arms: {len(order)} measured runs per device = {_n(len(spec.points), 'point')} x "
              f"{_n(n_comp, 'comparison')} x {_n(spec.pairs, 'pair')} x {_n(spec.sessions, 'session')} x 2 arms, each after {'one untimed warmup' if spec.warmup else 'no warmup'}; "
-             f"reference arm {spec.reference} (natural run per point, reused from the cache when its inputs match)",
-             "  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
+             f"reference arm {spec.reference} ("
+             + ("frozen in the bundle)" if resuming else "natural run per point, reused from the cache when its inputs match)")]
+    if resuming is None:
+        lines += ["  measurement order (each pair's two arms, balanced and seeded):", *_order_lines(spec, order)]
+    else:
+        lines += _resume_lines(resuming)
+        # devices measure side by side: the resume lasts as long as the device with the most arms left
+        order = [order[seq] for seq in max(resuming.todo.values(), key=len, default=())]
     from .online.plan import describe as describe_online   # the online track's line, when there is one
 
-    return "\n".join(lines + [_estimate_line(spec, got, order, plain), _effect_line(spec)] + natural_lines(plain, spec)
-                     + describe_online(spec))
+    return "\n".join(lines + [_estimate_line(spec, got, order, plain, resuming is not None), _effect_line(spec)]
+                     + natural_lines(plain, spec) + describe_online(spec))
 
 
 def _point_text(pt) -> str:
@@ -187,7 +225,7 @@ def _effect_line(spec) -> str:
             f"({eff['noise']['source']}))")
 
 
-def _estimate_line(spec, got, order, plain) -> str:
+def _estimate_line(spec, got, order, plain, resuming: bool = False) -> str:
     results = Path(spec.results_dir)
     if not results.is_absolute():
         from .executors import REPO_ROOT
@@ -202,6 +240,9 @@ def _estimate_line(spec, got, order, plain) -> str:
         return (f"  estimated duration: unknown (no complete earlier bundle of this model, workload and devices in "
                 f"{results}; one run gives the figures)")
     ref_s, sessions_s = estimate_s(earlier, order)
+    if resuming:   # the bundle's references are frozen: no capture
+        return (f"  estimated duration: about {progress.duration(sessions_s)} of measuring the arms left, plus "
+                f"set-up and audit; from {earlier.path.name}")
     return (f"  estimated duration: about {progress.duration(ref_s + sessions_s)} of measuring (reference "
             f"{progress.duration(ref_s)} unless reused, sessions {progress.duration(sessions_s)}), plus set-up and "
             f"audit; from {earlier.path.name}")

@@ -14,6 +14,9 @@
   new session child ``<name>.r<k>`` per restart left (``<name>.s<j>.r<k>``, controller.run_restarts), which reuses the bundle's frozen references (never recaptured)
   and continues the same seeded order. Every record names the session that measured it and
   ``children.json`` lists every session of every run. A complete bundle is never resumed.
+- :func:`check_resume`: every check a resume makes before it changes anything, and what it would then
+  do (arms kept, arms left, records discarded), without the locks and without writing; ``resume``
+  runs it under its lock and ``loopbench plan resume=<bundle>`` prints it, so the two cannot disagree.
 
 Both take the bundle's locks first (:func:`evidence.try_lock`): the bundle folder, held by a live
 controller, and ``jobs/``, held by a live child; while either is held they refuse.
@@ -195,15 +198,32 @@ def _unlike_manifest(bundle: Path) -> str | None:
     return None
 
 
-def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict) -> tuple[BenchSpec, inputs.Inputs, dict]:
+def _checkpoint_at_hand(spec: BenchSpec, cache: Path) -> bool:
+    """Whether the checkpoint can be hashed without writing: a real one, or the synthetic one already cached."""
+    path = inputs.checkpoint_path(spec) or inputs.synthetic_checkpoint_path(spec, cache)
+    return (path / "config.json").is_file()
+
+
+def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.Inputs | None,
+                        synthesize: bool) -> tuple[BenchSpec, inputs.Inputs, dict, bool]:
     """This run's plan must be the bundle's: ValueError naming each difference, before anything changes.
 
-    Returns (this run's spec with the bundle's locations, its inputs, the bundle's environment).
+    ``got``: this run's inputs where the caller gathered them already (``planning.check``; they do not
+    depend on ``resume`` or ``results_dir``), else gathered here. ``synthesize``: write a synthetic
+    checkpoint missing from the cache to compare its sha256 (a resume); without it (``loopbench plan``,
+    which creates nothing) such a checkpoint is left out of the comparison.
+
+    Returns (this run's spec with the bundle's locations, its inputs, the bundle's environment, whether
+    the checkpoint was compared).
     """
     ours = _as_planned(spec, plan["config"])
-    got = inputs.gather(ours)
-    fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache), point_entries(ours))
-    diffs = _differences(_comparable_plan(plan), _comparable_plan(_as_json(fresh)))
+    got = inputs.gather(ours) if got is None else got
+    compared = synthesize or _checkpoint_at_hand(ours, got.cache)
+    fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache) if compared else None, point_entries(ours))
+    old, new = _comparable_plan(plan), _comparable_plan(_as_json(fresh))
+    if not compared:   # a resume compares it once synthesized (seeded, but calibrated on this host's device)
+        del old["checkpoint"], new["checkpoint"]
+    diffs = _differences(old, new)
     if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
         diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
     env = json.loads((bundle / "environment.json").read_text())
@@ -223,23 +243,71 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict) -> tuple[Benc
     if changed:
         raise ResumeRefused(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
                          "resume would publish them again as measured")
-    return ours, got, env
+    return ours, got, env, compared
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeCheck:
+    """What a resume of ``bundle`` would do, found by :func:`check_resume` with nothing changed."""
+
+    bundle: Path
+    status: str | None                  # the published summary's status; None: unpublished (its controller died)
+    planned: int                        # arm runs of the plan, every device
+    todo: dict[str, tuple[int, ...]]    # per device, the planned seqs a resume measures (the rest of its order)
+    discard: tuple[Path, ...]           # lone arms (their pair's other arm unrecorded): measured again with it
+    checkpoint_compared: bool           # False: a synthetic checkpoint not yet cached (plan writes none)
+
+    @property
+    def left(self) -> int:
+        return sum(len(seqs) for seqs in self.todo.values())
+
+    @property
+    def kept(self) -> int:
+        return self.planned - self.left
+
+
+def _bundle_of(spec: BenchSpec) -> Path:
+    bundle = Path(spec.resume).expanduser()
+    return (bundle if bundle.is_absolute() else Path.cwd() / bundle).resolve()
+
+
+def _check(spec: BenchSpec, got: inputs.Inputs | None,
+           synthesize: bool) -> tuple[ResumeCheck, BenchSpec, inputs.Inputs, dict, dict]:
+    """:func:`check_resume`, with what ``resume`` goes on with: (check, this run's spec with the bundle's
+    locations, its inputs, the bundle's environment, the bundle's plan)."""
+    bundle = _bundle_of(spec)
+    if not (bundle / "plan.json").is_file():
+        raise ResumeRefused(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
+    plan = json.loads((bundle / "plan.json").read_text())
+    status = _published_status(bundle)
+    if status == "complete":
+        raise ResumeRefused(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
+                         "resumed (start a new run instead)")
+    ours, got, env, compared = _refuse_unlike_plan(spec, bundle, plan, got, synthesize)
+    todo, discard = _kept_and_todo(bundle, plan)
+    check = ResumeCheck(bundle=bundle, status=status, planned=sum(len(v) for v in plan["order"].values()),
+                        todo={name: tuple(seqs) for name, seqs in todo.items()}, discard=tuple(discard),
+                        checkpoint_compared=compared)
+    return check, ours, got, env, plan
+
+
+def check_resume(spec: BenchSpec, got: inputs.Inputs | None = None) -> ResumeCheck:
+    """Every check :func:`resume` makes of ``spec.resume`` before it changes anything (plan.json, not
+    complete, this run's plan the bundle's, completed pairs a prefix of the order), and what it would
+    then do; ResumeRefused (a ValueError) naming the first problem. Reads only: no lock (so a running
+    controller may still be adding records), no card claimed, and a synthetic checkpoint missing from
+    the cache is not written but left out of the comparison (``checkpoint_compared``). ``got``: this
+    run's inputs, if gathered already."""
+    return _check(spec, got, synthesize=False)[0]
 
 
 def resume(spec: BenchSpec) -> RunResult:
     """Measure the rest of the incomplete bundle ``spec.resume`` (see the module docstring)."""
-    bundle = Path(spec.resume).expanduser()
-    bundle = (bundle if bundle.is_absolute() else Path.cwd() / bundle).resolve()
-    if not (bundle / "plan.json").is_file():
-        raise ResumeRefused(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
-    lock, held = _claim(bundle), []
+    lock, held = _claim(_bundle_of(spec)), []
     try:
-        plan = json.loads((bundle / "plan.json").read_text())
-        if _published_status(bundle) == "complete":
-            raise ResumeRefused(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
-                             "resumed (start a new run instead)")
-        ours, got, env = _refuse_unlike_plan(spec, bundle, plan)
-        todo, discard = _kept_and_todo(bundle, plan)
+        # under the lock: no controller adds records while the kept ones are counted
+        check, ours, got, env, plan = _check(spec, None, synthesize=True)
+        bundle, todo = check.bundle, check.todo
         held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
 
         # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions
@@ -247,20 +315,19 @@ def resume(spec: BenchSpec) -> RunResult:
         current = {c["name"]: c for c in children}
         devices = [d for d in plan["devices"] if todo[d["name"]] or current.get(d["name"], {}).get("state") != "completed"]
         evidence.unpublish(bundle)
-        for path in discard:
+        for path in check.discard:
             print(f"loopbench: discarding {path.relative_to(bundle)} (its pair's other arm was not recorded; the "
                   "resume measures the pair again)", flush=True)
             path.unlink()
         attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
-        planned, left = sum(len(v) for v in plan["order"].values()), sum(len(v) for v in todo.values())
-        print(f"loopbench: resuming {bundle} (run {attempt}): {planned - left} of {planned} arms kept, {left} to "
-              "measure", flush=True)
+        print(f"loopbench: resuming {bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, {check.left} "
+              "to measure", flush=True)
         write_children(bundle, children)
         with StopSignals() as stop:
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)
                 children += run_restarts(ours.executor, executor, bundle, plan, devices, children, stop, attempt,
-                                         {d["name"]: todo[d["name"]] for d in devices})
+                                         {d["name"]: list(todo[d["name"]]) for d in devices})
             return publish(bundle, plan, children, env)
     finally:
         os.close(lock)

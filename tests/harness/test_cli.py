@@ -105,14 +105,22 @@ def test_multirun_makes_two_audited_bundles_with_progress_and_no_hydra_folders(t
         assert line in proc.stderr, line
 
 
-def test_resuming_a_complete_bundle_is_bad_usage_named_in_one_line(two_bundles, tmp_path):
+def test_resuming_a_complete_bundle_is_bad_usage_named_in_one_line(two_bundles, tmp_path, monkeypatch, capsys):
     _, work, (a, _) = two_bundles
     before = sorted((p.relative_to(a), p.stat().st_mtime_ns) for p in a.rglob("*"))
-    proc = loopbench(work, "bench", *TINY, f"results_dir={a.parent}", f"cache_dir={tmp_path / 'c'}", f"resume={a}")
+    args = [*TINY, f"results_dir={a.parent}", f"cache_dir={tmp_path / 'c'}", f"resume={a}"]
+    proc = loopbench(work, "bench", *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "loopbench: bad configuration: resume = " in proc.stderr
     assert "a complete bundle cannot be resumed" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted((p.relative_to(a), p.stat().st_mtime_ns) for p in a.rglob("*")) == before
+    monkeypatch.chdir(tmp_path)   # plan refuses it too, with bench's line, and creates nothing
+    assert cli.main(["plan", *args]) == 2
+    out, err = capsys.readouterr()
+    refusal = [line for line in proc.stderr.splitlines() if "bad configuration" in line]
+    assert out == "" and err.splitlines() == refusal and len(refusal) == 1
+    assert sorted((p.relative_to(a), p.stat().st_mtime_ns) for p in a.rglob("*")) == before
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):

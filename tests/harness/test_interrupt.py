@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loopbench.audit.auditor import audit
-from loopbench.harness import conf, controller, executors, identity, inputs
+from loopbench.harness import cli, conf, controller, executors, identity, inputs
 
 REPO = Path(__file__).resolve().parents[2]
 # 12 arms of a tiny model: long enough that a signal after the second record finds the session measuring
@@ -269,13 +269,27 @@ def test_signals_become_a_stop_request_while_children_run():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.fixture
+def plan(dirs, capsys, monkeypatch, tmp_path):
+    """``loopbench plan`` of a resume of a bundle, in-process: (exit status, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)   # where Hydra would leave outputs/, were it to write any
+
+    def run(bundle: Path, *extra: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli.main(["plan", "--config-name", "cpu-smoke", *_overrides(dirs), f"resume={bundle}", *extra])
+        return rc, *capsys.readouterr()
+    return run
+
+
 @pytest.mark.parametrize("override, named", [
     ("pairs=7", "config.pairs (bundle 6, this run 7)"),
     ("workload.prompt_seed=1", "config.workload.prompt_seed"),
     ("model.seed=1", "checkpoint.sha256"),
+    ("reuse_references=false", "config.reuse_references (bundle true, this run false)"),
     (None, "code.code_sha256"),
 ])
-def test_resume_refuses_a_different_plan_naming_what_differs(stopped, dirs, tmp_path, monkeypatch, override, named):
+def test_resume_refuses_a_different_plan_naming_what_differs(stopped, dirs, tmp_path, monkeypatch, plan, override,
+                                                             named):
     bundle = _copy(stopped["bundle"], tmp_path / "b")
     before = _tree(bundle)
     if override is None:   # the runtime sources changed since the bundle was planned
@@ -285,6 +299,44 @@ def test_resume_refuses_a_different_plan_naming_what_differs(stopped, dirs, tmp_
         _resume(dirs, bundle, *([override] if override else []))
     assert named in str(err.value)
     assert _tree(bundle) == before    # refused before anything was changed or measured
+    # `loopbench plan` refuses it as bench does (exit 2, bench's line), and changes nothing either
+    rc, out, err_text = plan(bundle, *([override] if override else []))
+    assert rc == 2 and out == "", out
+    assert [line for line in err_text.splitlines() if "bad configuration" in line] == \
+        [f"loopbench: bad configuration: {err.value}"]
+    assert _tree(bundle) == before and list(tmp_path.iterdir()) == [bundle]
+
+
+def test_plan_of_a_resume_says_what_it_would_keep_and_measure_and_changes_nothing(stopped, dirs, tmp_path, plan):
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    seqs = sorted(json.loads(p.read_text())["seq"] for p in (bundle / "raw" / "cpu0").glob("*.json"))
+    kept = len(seqs) // 2 * 2     # whole pairs; a lone last arm is discarded and measured again
+    lone = sorted((bundle / "raw" / "cpu0").glob("*.json"))[kept:]
+    before, cache = _tree(bundle), sorted(dirs["cache"].rglob("*"))
+    rc, out, err = plan(bundle)
+    assert rc == 0, err
+    assert seqs == list(range(len(seqs))) and 2 <= kept < 12
+    assert f"  resume: {bundle.resolve()} (published incomplete); this run's plan and environment are" in out
+    assert f"  resume keeps {kept} of 12 arms, {12 - kept} to measure (cpu0 seqs {kept}-11)," in out
+    assert (f"resume discards 1 record whose pair's other arm was not recorded (measured again with it): "
+            f"raw/cpu0/{lone[0].name}" if lone else "resume discards no records") in out
+    assert "measurement order" not in out and "checkpoint not compared" not in out
+    assert "  model: " in out and "  points: B2/C3" in out and "  detectable effect: " in out
+    assert _tree(bundle) == before and sorted(dirs["cache"].rglob("*")) == cache
+    assert list(tmp_path.iterdir()) == [bundle]
+
+    # the checkpoint missing from the cache: plan writes none, and says it did not compare it
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    (dirs["cache"] / "checkpoints").rename(shelf / "checkpoints")
+    try:
+        rc, out, err = plan(bundle)
+        assert not (dirs["cache"] / "checkpoints").exists()
+    finally:
+        (shelf / "checkpoints").rename(dirs["cache"] / "checkpoints")
+    assert rc == 0, err
+    assert "checkpoint not compared yet" in out and f"  resume keeps {kept} of 12 arms" in out
+    assert _tree(bundle) == before
 
 
 def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs, tmp_path):
