@@ -173,6 +173,7 @@ class Variant:
     prefetch_next: dict[str, float] | None = None
     attention_config: dict[str, int | bool] | None = None
     greedy_from_logits: bool | None = None
+    norm_in_gemm: bool | None = None
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -191,7 +192,7 @@ def _variant(text: str) -> Variant:
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan,
-                   ns.attention_config, ns.greedy_from_logits)
+                   ns.attention_config, ns.greedy_from_logits, ns.norm_in_gemm)
 
 
 def attention_knobs() -> dict[str, type]:
@@ -258,6 +259,10 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--greedy-from-logits", action="store_true", default=None,
                     help="decode writes lm_head's logits and samples from them (OuroModel.greedy_tiles off) "
                          "instead of from lm_head's per-tile maxima: the same tokens, the A/B of that fusion")
+    ap.add_argument("--norm-in-gemm", action="store_true", default=None,
+                    help="o_proj and down run the norm step after them in their own launch (OuroModel.norm_in_gemm, "
+                         "kernels/gemm_norm.py; off by default): one kernel fewer after each, where they run on our "
+                         "split-K GEMM")
     ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
                     help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
                          "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
@@ -308,7 +313,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
                          "each variant with its own captured schedule and engine, the variants alternating "
                          "within a repeat; OPTIONS: any of --prefetch-tiles, --gemm-config, --prefetch-next, "
-                         "--attention-config, --greedy-from-logits "
+                         "--attention-config, --greedy-from-logits, --norm-in-gemm "
                          "(quoted; \"\" is the probe's own configuration). Ends with each variant's median tok/s "
                          "and its ratio to the first")
     ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
@@ -443,6 +448,7 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
                                    small_m_gemm=getattr(args, "gemm", "ours") == "ours",
                                    prefetch_next=getattr(args, "prefetch_next", None))
     model.greedy_tiles = not getattr(args, "greedy_from_logits", None)
+    model.norm_in_gemm = bool(getattr(args, "norm_in_gemm", None))
     asked = getattr(args, "prefetch_next", None) or any(v.prefetch_next for v in getattr(args, "variant", []))
     if asked and not prefetch_applies(model):
         print(f"note: --prefetch-next changes nothing in this run ({PREFETCH_IDLE})", file=sys.stderr)
@@ -621,6 +627,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
             "prefetch_next": _prefetch_record(model),
             "greedy_tiles": _greedy_record(model, args),
+            "norm_in_gemm": _norm_record(model, args),
             "attention_config": ",".join(f"{k}={v}" for k, v in (getattr(args, "attention_config", None) or {}).items())
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
@@ -649,6 +656,17 @@ def _greedy_record(model: OuroModel, args: argparse.Namespace) -> str:
         return "off"
     runs = args.backend == "triton" and model.greedy_tiles_config(args.max_num_seqs) is not None
     return "on" if runs else "off (lm_head on cuBLAS at these rows, or the torch backend)"
+
+
+def _norm_record(model: OuroModel, args: argparse.Namespace) -> str:
+    """Whether o_proj and down ran their norm step in their own launch (OuroModel.norm_in_gemm): "on", or "off"
+    with why where the switch is on but o_proj does not run on a split-K pointer config at max_num_seqs rows."""
+    from loopbench.kernels import gemm
+    if not model.norm_in_gemm:
+        return "off"
+    hidden = model.cfg.hidden_size
+    c = gemm.config_for(hidden, hidden, args.max_num_seqs) if model.small_m_gemm else None
+    return "on" if c is not None and not c.tma and c.split_k > 1 else "off (o_proj not on a split-K pointer GEMM here)"
 
 
 def _prefetch_record(model: OuroModel) -> str:
@@ -737,23 +755,24 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
     model = load(args, device, max_len)
     reqs = make_requests(model.cfg.vocab_size, args)
     arm = arm_spec(args, device)
-    base, own_plan, own_greedy = snapshot_tables(), model.prefetch_next, model.greedy_tiles
+    base, own_plan, own_greedy, own_norm = snapshot_tables(), model.prefetch_next, model.greedy_tiles, model.norm_in_gemm
     states = []
     try:
         for v in args.variant:
             apply_variant(model.cfg, v, base)
             model.prefetch_next = own_plan if v.prefetch_next is None else v.prefetch_next
             model.greedy_tiles = own_greedy if v.greedy_from_logits is None else not v.greedy_from_logits
+            model.norm_in_gemm = own_norm if v.norm_in_gemm is None else v.norm_in_gemm
             knobs = {**(args.attention_config or {}), **(v.attention_config or {})}
             schedule = capture(model, arm, args, max_len, reqs, knobs)
             pe = PolicyEngine(f"replay [{v.label}]", with_attention_config(LoopEngine(model, engine_config(
                 arm, args, max_len, "replay", schedule)), knobs), schedule)
             print(pe.run(reqs, "warmup").line(), flush=True)
-            states.append((v, snapshot_tables(), (model.prefetch_next, model.greedy_tiles), pe, []))
+            states.append((v, snapshot_tables(), (model.prefetch_next, model.greedy_tiles, model.norm_in_gemm), pe, []))
         for i in range(1, args.repeats + 1):
-            for v, tables, (plan, greedy), pe, runs in (states if i % 2 else states[::-1]):
+            for v, tables, (plan, greedy, norm), pe, runs in (states if i % 2 else states[::-1]):
                 load_tables(tables)
-                model.prefetch_next, model.greedy_tiles = plan, greedy
+                model.prefetch_next, model.greedy_tiles, model.norm_in_gemm = plan, greedy, norm
                 runs.append(pe.run(reqs, f"run {i}"))
                 print(runs[-1].line(), flush=True)
     except ScheduleMismatchError as e:
@@ -762,7 +781,7 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
         return 1
     finally:
         load_tables(base)
-        model.prefetch_next, model.greedy_tiles = own_plan, own_greedy
+        model.prefetch_next, model.greedy_tiles, model.norm_in_gemm = own_plan, own_greedy, own_norm
     first = statistics.median(r.tokens_per_s for r in states[0][4])
     print(f"| variant | median tok/s | vs {states[0][0].label!r} | runs |\n|---|---|---|---|")
     for v, _, _, _, runs in states:

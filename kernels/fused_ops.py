@@ -50,29 +50,58 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, gw_
     mask = offs < hidden
     w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # weights: no kernel writes them
     w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gw, gb = load_gate(gw_ptr, gb_ptr, offs, mask, GATE)
+    pdl.wait(PDL)
+    y = sum_partials(y_ptr + row * stride_y, offs, mask, stride_ys, SPLIT, x_out_ptr.dtype.element_ty, "")
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl.release(PDL)
+    norm_pair_store(x, y, w1, w2, gw, gb, x_out_ptr + row * stride_xo, h_out_ptr + row * stride_ho, hazard_ptr + row,
+                    offs, mask, hidden, eps, GATE)
+
+
+@triton.jit
+def load_gate(gw_ptr, gb_ptr, offs, mask, GATE: tl.constexpr):
+    """The exit gate's weight row and bias in fp32 (zeros without ``GATE``; nothing is loaded then)."""
     if GATE:
         gw = tl.load(gw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         gb = tl.load(gb_ptr).to(tl.float32)
-    pdl.wait(PDL)
-    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
-    if SPLIT > 1:       # fp32 split-K partials of a projection: their sum in split order, rounded once
+    else:
+        gw = tl.zeros(offs.shape, tl.float32)
+        gb = 0.0
+    return gw, gb
+
+
+@triton.jit
+def sum_partials(y_row, offs, mask, stride_ys, SPLIT: tl.constexpr, OUT: tl.constexpr, CACHE: tl.constexpr):
+    """One row of a projection's output: with ``SPLIT > 1`` its fp32 split-K partials (``stride_ys`` apart) summed
+    in split order and rounded once to ``OUT`` (as ``gemm.reduce_partials``), else the row as stored. ``CACHE``:
+    the loads' cache modifier ("" or ".cg", which reads past L1: rows another SM wrote in the same launch)."""
+    y = tl.load(y_row + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+    if SPLIT > 1:
         for s in tl.static_range(1, SPLIT):
-            y += tl.load(y_ptr + s * stride_ys + row * stride_y + offs, mask=mask, other=0.0)
-        y = y.to(x_out_ptr.dtype.element_ty)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    pdl.release(PDL)
+            y += tl.load(y_row + s * stride_ys + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+        y = y.to(OUT)
+    return y
+
+
+@triton.jit
+def norm_pair_store(x, y, w1, w2, gw, gb, x_out_row, h_out_row, hazard_at, offs, mask, hidden, eps,
+                    GATE: tl.constexpr):
+    """The sandwich-norm step of one row from its loaded residual ``x`` (fp32) and projection ``y``, rounding where
+    ``add_rms_norm_ref`` does: stores x_new = x + RMSNorm(y; w1) and h = RMSNorm(x_new; w2), and with ``GATE``
+    the exit gate's hazard on the stored h (the logit rounded to h's dtype, as ``F.linear``'s output is)."""
     y = y.to(tl.float32)
     inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / hidden + eps)
-    normed = (w1 * (y * inv_y)).to(x_out_ptr.dtype.element_ty).to(tl.float32)   # rounded like the ref
-    x_new = (x + normed).to(x_out_ptr.dtype.element_ty)
-    tl.store(x_out_ptr + row * stride_xo + offs, x_new, mask=mask)
+    normed = (w1 * (y * inv_y)).to(x_out_row.dtype.element_ty).to(tl.float32)   # rounded like the ref
+    x_new = (x + normed).to(x_out_row.dtype.element_ty)
+    tl.store(x_out_row + offs, x_new, mask=mask)
     xf = x_new.to(tl.float32)
     inv_x = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    h = (w2 * (xf * inv_x)).to(h_out_ptr.dtype.element_ty)
-    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
-    if GATE:    # the exit gate on the stored h: its logit rounded to h's dtype, as F.linear's output is
-        logit = (tl.sum(h.to(tl.float32) * gw, axis=0) + gb).to(h_out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(hazard_ptr + row, 1.0 / (1.0 + tl.exp(-logit)))
+    h = (w2 * (xf * inv_x)).to(h_out_row.dtype.element_ty)
+    tl.store(h_out_row + offs, h, mask=mask)
+    if GATE:
+        logit = (tl.sum(h.to(tl.float32) * gw, axis=0) + gb).to(h_out_row.dtype.element_ty).to(tl.float32)
+        tl.store(hazard_at, 1.0 / (1.0 + tl.exp(-logit)))
 
 
 @triton.jit

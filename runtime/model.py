@@ -219,6 +219,11 @@ class OuroModel:
         # Decode samples from lm_head's per-tile maxima (greedy_partials) where lm_head runs on our GEMM; False
         # writes the logits and samples from them (the same tokens; the throughput probe's --greedy-from-logits).
         self.greedy_tiles = True
+        # o_proj and down run their norm step in their own launch (kernels/gemm_norm.py) where they run on our
+        # split-K GEMM: one kernel fewer after each. Off by default until it is measured in the decode loop (the
+        # throughput probe's --norm-in-gemm); its arrival counters are allocated here, outside any graph capture.
+        self.norm_in_gemm = False
+        self._norm_counters = torch.zeros(2, dtype=torch.int32, device=self.device) if self.fused else None
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -339,18 +344,36 @@ class OuroModel:
                     rope_write(i, qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
-            o = proj(a.reshape(n, H * D), w.o, gemm_rows, True, self._prefetch_region("gate_up", w.gate_up))
-            x, h = fo.add_rms_norm(x, o, w.ln_in2, w.ln_post, eps)
+            x, h, _ = self._project_norm(a.reshape(n, H * D), w.o, x, w.ln_in2, w.ln_post, gemm_rows,
+                                         self._prefetch_region("gate_up", w.gate_up), gate=False)
             nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
             pf_down = self._prefetch_region("down", w.down)
             act = (gemm.gemm_swiglu(h, w.gate_up, glu_cfg, pf_down) if glu_cfg
                    else fo.silu_mul(proj(h, w.gate_up, gemm_rows, False, pf_down)))
-            mlp = proj(act, w.down, gemm_rows, True, self._prefetch_region("qkv", nxt_layer.qkv))
             gate = i + 1 == len(self.layers) and self.rope_dtype == torch.float32
-            x, h, hazard = (fo.add_rms_norm_gate(x, mlp, w.ln_post2, nxt, eps, self.gate_w, self.gate_b) if gate
-                            else (*fo.add_rms_norm(x, mlp, w.ln_post2, nxt, eps), None))
-        # the last norm kernel ran the exit gate, except for an fp64 model (whose hazard is fp64: the torch gate)
+            x, h, hazard = self._project_norm(act, w.down, x, w.ln_post2, nxt, gemm_rows,
+                                              self._prefetch_region("qkv", nxt_layer.qkv), gate)
+        # the last norm step ran the exit gate, except for an fp64 model (whose hazard is fp64: the torch gate)
         return h, self.hazard(h) if hazard is None else hazard
+
+    def _project_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, w1: torch.Tensor,
+                      w2: torch.Tensor, gemm_rows: int | None, next_weight: torch.Tensor | None, gate: bool):
+        """o_proj or down and the norm step after it: (x_new, h, hazard or None), hazard only with ``gate`` (the
+        exit gate on h, ``fused_ops.add_rms_norm_gate``). One launch (``gemm_norm.gemm_add_rms_norm``) with
+        ``norm_in_gemm`` where the projection runs on our split-K pointer GEMM, every program fits on the GPU at
+        once and no L2 prefetch is asked for (that kernel has none); else the projection, then the norm kernel."""
+        from loopbench.kernels import fused_ops as fo
+        from loopbench.kernels import gemm, gemm_norm
+        eps = self.cfg.rms_norm_eps
+        gate_wb = (self.gate_w, self.gate_b) if gate else None
+        cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, weight, a, gemm_rows) if self.norm_in_gemm else None
+        if (cfg is not None and not cfg.tma and cfg.split_k > 1 and next_weight is None
+                and a.shape[0] <= -(-weight.shape[0] // cfg.block_n) * cfg.split_k and gemm_norm.fits(a, cfg, weight.shape[0])):
+            out = gemm_norm.gemm_add_rms_norm(a, weight, cfg, x, w1, w2, eps, self._norm_counters, gate_wb)
+        else:
+            y = self._project(a, weight, gemm_rows, True, next_weight)
+            out = fo.add_rms_norm_gate(x, y, w1, w2, eps, *gate_wb) if gate else fo.add_rms_norm(x, y, w1, w2, eps)
+        return out if gate else (*out, None)
 
     def _fused_config(self, configs: dict, faster_up_to: dict, w: torch.Tensor, x: torch.Tensor,
                       gemm_rows: int | None):

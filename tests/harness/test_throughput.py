@@ -262,6 +262,23 @@ def test_greedy_from_logits_is_a_variant_option_left_unset_unless_given():
     assert throughput.parse_args(["--greedy-from-logits"]).greedy_from_logits is True
 
 
+def test_norm_in_gemm_is_a_variant_option_left_unset_unless_given():
+    assert throughput._variant("--norm-in-gemm").norm_in_gemm is True
+    assert throughput._variant("").norm_in_gemm is None                       # the probe's own setting
+    assert throughput.parse_args(["--norm-in-gemm"]).norm_in_gemm is True
+    assert throughput.parse_args([]).norm_in_gemm is None
+
+
+def test_norm_record_says_off_with_why_where_o_proj_is_not_on_a_split_k_pointer_gemm():
+    from types import SimpleNamespace
+    model = SimpleNamespace(norm_in_gemm=False, small_m_gemm=True, cfg=SimpleNamespace(hidden_size=2048))
+    assert throughput._norm_record(model, SimpleNamespace(max_num_seqs=16)) == "off"
+    model.norm_in_gemm = True
+    assert throughput._norm_record(model, SimpleNamespace(max_num_seqs=16)) == "on"       # o_proj: split-K 4
+    model.small_m_gemm = False                                                            # --gemm cublas
+    assert throughput._norm_record(model, SimpleNamespace(max_num_seqs=16)).startswith("off (")
+
+
 def test_a_variant_of_one_flag_is_its_value_not_an_option():
     """``--variant --greedy-from-logits`` (one option, no space) is --variant's value, as a quoted list is."""
     args = throughput.parse_args(["--variant", "", "--variant", "--greedy-from-logits"])

@@ -479,3 +479,33 @@ def test_fp64_fused_loop_keeps_the_torch_gate(tiny_ckpt, monkeypatch):
     x = torch.randn(3, cfg.hidden_size, dtype=torch.float64)
     h, hazard = model.run_loop(x, torch.arange(3, dtype=torch.int32), lambda i, q, k, v: q)
     assert hazard.dtype == torch.float64 and torch.equal(hazard, model.hazard(h))
+
+
+def test_norm_in_gemm_gives_the_loop_the_bits_of_the_separate_norm_kernels_on_the_interpreter(tiny_ckpt, monkeypatch):
+    """OuroModel.norm_in_gemm: o_proj and down run their norm step in their own launch (kernels/gemm_norm.py);
+    on the interpreter (the last program runs every row) the loop's output and hazard are bitwise those of the
+    projection followed by the norm kernel, and the counters are left zero."""
+    from loopbench.kernels import gemm as gm
+    from loopbench.kernels import gemm_norm as gn
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    split = gm.GemmConfig(block_n=64, block_k=16, split_k=4, num_stages=1)
+
+    def config(configs, faster, w, x, rows):       # o_proj and down on a split-K pointer config, the rest unfused
+        return split if configs is gm.CONFIGS and w.shape[0] == cfg.hidden_size else None
+
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "_fused_config", config)
+    launches = []
+    fused = gn.gemm_add_rms_norm
+    monkeypatch.setattr(gn, "gemm_add_rms_norm", lambda *a: launches.append(a[1].shape) or fused(*a))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    pos = torch.arange(3, dtype=torch.int32)
+    want = model.run_loop(x, pos, lambda i, q, k, v: q)
+    assert launches == []
+    model.norm_in_gemm = True
+    got = model.run_loop(x, pos, lambda i, q, k, v: q)
+    assert len(launches) == 2 * cfg.num_hidden_layers, "o_proj and down of every layer take their norm step"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert model._norm_counters.tolist() == [0, 0]
