@@ -659,14 +659,20 @@ def _greedy_record(model: OuroModel, args: argparse.Namespace) -> str:
 
 
 def _norm_record(model: OuroModel, args: argparse.Namespace) -> str:
-    """Whether o_proj and down ran their norm step in their own launch (OuroModel.norm_in_gemm): "on", or "off"
-    with why where the switch is on but o_proj does not run on a split-K pointer config at max_num_seqs rows."""
-    from loopbench.kernels import gemm
+    """Where o_proj and down ran their norm step in their own launch (OuroModel.norm_in_gemm) at max_num_seqs rows,
+    as the model decides it (``norm_gemm_config``, with this run's GEMM tables and prefetch plan): "on", "o_proj
+    only", "down only", or "off" (with why where the switch is on)."""
     if not model.norm_in_gemm:
         return "off"
-    hidden = model.cfg.hidden_size
-    c = gemm.config_for(hidden, hidden, args.max_num_seqs) if model.small_m_gemm else None
-    return "on" if c is not None and not c.tma and c.split_k > 1 else "off (o_proj not on a split-K pointer GEMM here)"
+    w, cfg = model.layers[0], model.cfg
+    rows = args.max_num_seqs
+    fused = [name for name, weight, k, nxt in (
+        ("o_proj", w.o, cfg.num_attention_heads * cfg.head_dim, model._prefetch_region("gate_up", w.gate_up)),
+        ("down", w.down, cfg.intermediate_size, model._prefetch_region("qkv", w.qkv)))
+        if model.norm_gemm_config(torch.empty(rows, k, dtype=model.dtype, device="meta"), weight, None, nxt)]
+    if len(fused) == 2:
+        return "on"
+    return f"{fused[0]} only" if fused else "off (neither runs on a split-K pointer GEMM that fits here)"
 
 
 def _prefetch_record(model: OuroModel) -> str:

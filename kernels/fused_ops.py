@@ -185,17 +185,34 @@ def add_rms_norm_gate(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: to
     both read before the PDL wait. Returns (x_new, h, hazard [N] fp32). The logit's fp32 sum runs in another
     order than cuBLAS's, so hazard agrees with the unfused gate to rounding, not bitwise.
     """
-    gate_w = gate_w.reshape(-1)
-    if gate_w.shape[0] != w1.shape[0] or gate_w.stride(0) != 1 or gate_b.numel() != 1:
-        raise ValueError(f"gate_w must be [1, {w1.shape[0]}] or [{w1.shape[0]}] with unit stride and gate_b one "
-                         f"value, got {tuple(gate_w.shape)} and {tuple(gate_b.shape)}")
-    return _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b)
+    return _add_rms_norm(x, y, w1, w2, eps, *check_gate(gate_w, gate_b, w1.shape[0], x.device))
+
+
+def check_vectors(device, hidden: int, **vectors: torch.Tensor) -> None:
+    """ValueError naming a norm weight that is not ``[hidden]`` with unit stride on ``device`` (the kernels read
+    it at ``ptr + offs``: a strided view would read other elements)."""
+    for name, v in vectors.items():
+        if v.shape != (hidden,) or v.stride(0) != 1 or v.device != device:
+            raise ValueError(f"{name} must be [{hidden}] with unit stride on {device}, got {tuple(v.shape)} strides "
+                             f"{v.stride()} on {v.device}")
+
+
+def check_gate(gate_w: torch.Tensor, gate_b: torch.Tensor, hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exit gate's (weight as ``[hidden]``, bias) for a kernel; ValueError naming a weight that is not ``[1,
+    hidden]`` or ``[hidden]`` with unit last stride, or a bias that is not one value, on ``device``."""
+    if gate_w.shape not in ((1, hidden), (hidden,)) or gate_w.stride(-1) != 1 or gate_b.numel() != 1 \
+            or gate_w.device != device or gate_b.device != device:
+        raise ValueError(f"the gate must be a [1, {hidden}] or [{hidden}] weight with unit last stride and a one-value "
+                         f"bias on {device}, got {tuple(gate_w.shape)} strides {gate_w.stride()} on {gate_w.device} "
+                         f"and {tuple(gate_b.shape)} on {gate_b.device}")
+    return gate_w.reshape(-1), gate_b
 
 
 def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b):
     """Both entry points: (x_new, h, hazard or None); the gate runs where ``gate_w`` is given."""
     hidden = w1.shape[0]
     _check_rows("x", x, hidden)
+    check_vectors(x.device, hidden, w1=w1, w2=w2)
     split = 1
     if y.dim() == 3:
         if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[1:] != x.shape:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import gemm as gm
 from . import pdl
-from .fused_ops import load_gate, norm_pair_store, sum_partials
+from .fused_ops import check_gate, check_vectors, load_gate, norm_pair_store, sum_partials
 
 
 def new_counters(device) -> torch.Tensor:
@@ -120,33 +120,37 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fits(x: torch.Tensor, config: gm.GemmConfig, n: int) -> bool:
-    """Whether :func:`gemm_add_rms_norm` may run this launch with waiting programs: CUDA, and a grid of at most
-    one program per SM, so every program is resident at once (the interpreter has no such limit)."""
-    if not x.is_cuda:
+def fits(device, config: gm.GemmConfig, n: int) -> bool:
+    """Whether :func:`gemm_add_rms_norm` may run an ``n``-column launch on ``device`` with waiting programs: a grid
+    of at most one program per SM on a CUDA device, so every program is resident at once, given the whole GPU (no
+    other stream or MPS client holding SMs); anything goes on the CPU (the interpreter does not wait)."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return True
     programs = triton.cdiv(n, config.block_n) * config.split_k
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return programs <= _sm_count(index)
+    return programs <= _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, config: gm.GemmConfig, residual: torch.Tensor,
                       w1: torch.Tensor, w2: torch.Tensor, eps: float, counters: torch.Tensor,
-                      gate: tuple[torch.Tensor, torch.Tensor] | None = None):
+                      gate: tuple[torch.Tensor, torch.Tensor] | None = None, *, spin: bool | None = None):
     """``fused_ops.add_rms_norm(residual, gemm(x, weight, config), w1, w2, eps)`` in one launch (module docstring).
 
     Args:
         x: ``[M, K]`` bf16/fp16 (M <= 128); weight: ``[N, K]``, N = hidden; config: a pointer-load (``tma`` off)
         :class:`gemm.GemmConfig` with ``split_k > 1``; residual: ``[M, N]`` x's dtype, unit last stride; w1, w2:
         ``[N]`` norm weights (parameters: read after the PDL wait here); counters: :func:`new_counters` on x's
-        device; gate: the exit gate's (weight ``[1, N]``, bias ``[1]``), as ``fused_ops.add_rms_norm_gate``.
+        device; gate: the exit gate's (weight ``[1, N]``, bias ``[1]``), as ``fused_ops.add_rms_norm_gate``;
+        spin: the CUDA protocol (the last M programs wait and take a row each; default on CUDA only). Tests run it on
+        the interpreter at M = 1, where the one waiting program is the last to arrive.
 
     Returns:
         (x_new, h), or (x_new, h, hazard [M] fp32) with ``gate``.
 
     Raises:
         ValueError: a TMA or split_k 1 config, more rows than the grid has programs, a grid larger than the
-        GPU's SM count (:func:`fits`), or a tensor of the wrong shape; else as ``gemm.gemm``.
+        GPU's SM count (:func:`fits`), a tensor of the wrong shape, stride or device, or ``spin`` on the
+        interpreter with M > 1; else as ``gemm.gemm``.
     """
     if config.tma or config.split_k < 2:
         raise ValueError(f"gemm_add_rms_norm needs a pointer-load config with split_k > 1, got {config}")
@@ -156,20 +160,20 @@ def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, config: gm.GemmConf
     programs = triton.cdiv(n, config.block_n) * config.split_k
     if m > programs:
         raise ValueError(f"{m} rows but {programs} programs: each of the last M programs takes one row")
-    if not fits(x, config, n):
+    if not fits(x.device, config, n):
         raise ValueError(f"{programs} programs exceed the GPU's SM count: waiting programs could keep others off")
-    if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype:
-        raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with unit last stride, got {tuple(residual.shape)} "
-                         f"{residual.dtype}")
-    if w1.shape != (n,) or w2.shape != (n,):
-        raise ValueError(f"w1 and w2 must be [{n}], got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with unit last stride on {x.device}, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    check_vectors(x.device, n, w1=w1, w2=w2)
     if counters.dtype != torch.int32 or counters.numel() != 2 or counters.device != x.device:
         raise ValueError(f"counters must be new_counters({x.device}), got {counters.dtype} {tuple(counters.shape)} "
                          f"on {counters.device}")
-    gw, gb = gate if gate is not None else (w1, w1)
-    gw = gw.reshape(-1)
-    if gate is not None and (gw.shape != (n,) or gw.stride(0) != 1 or gb.numel() != 1):
-        raise ValueError(f"gate must be ([1, {n}], [1]), got {tuple(gate[0].shape)} and {tuple(gate[1].shape)}")
+    gw, gb = check_gate(*gate, n, x.device) if gate is not None else (w1, w1)
+    spin = x.is_cuda if spin is None else spin
+    if spin and not x.is_cuda and m > 1:
+        raise ValueError("spin on the interpreter needs M = 1: its programs run one after another, so a program "
+                         "that waits for a later one waits for ever")
     block_m = max(16, triton.next_power_of_2(m))
     tiles_per_split = triton.cdiv(triton.cdiv(k, config.block_k), config.split_k)
     part = torch.empty((config.split_k, m, n), device=x.device, dtype=torch.float32)
@@ -184,7 +188,7 @@ def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, config: gm.GemmConf
                             BLOCK_N=config.block_n, BLOCK_M=block_m, BLOCK_K=config.block_k,
                             BLOCK_H=triton.next_power_of_2(n), SPLIT=config.split_k,
                             EVEN=n % config.block_n == 0 and k % config.block_k == 0, DOT_FP32=not x.is_cuda,
-                            PDL=pdl.mode(use_pdl), SPIN=x.is_cuda, GATE=gate is not None,
+                            PDL=pdl.mode(use_pdl), SPIN=spin, GATE=gate is not None,
                             PREFETCH_K=gm.prefetch_elements(config, k, use_pdl, x.element_size()),
                             **pdl.launch_options(use_pdl, num_warps=config.num_warps, num_stages=stages))
     return (x_new, h) if gate is None else (x_new, h, hazard)

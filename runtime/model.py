@@ -222,6 +222,7 @@ class OuroModel:
         # o_proj and down run their norm step in their own launch (kernels/gemm_norm.py) where they run on our
         # split-K GEMM: one kernel fewer after each. Off by default until it is measured in the decode loop (the
         # throughput probe's --norm-in-gemm); its arrival counters are allocated here, outside any graph capture.
+        # One pair serves every loop on one stream: two streams running this model's loops at once would share them.
         self.norm_in_gemm = False
         self._norm_counters = torch.zeros(2, dtype=torch.int32, device=self.device) if self.fused else None
         expected = tensor_shapes(cfg)
@@ -363,17 +364,31 @@ class OuroModel:
         ``norm_in_gemm`` where the projection runs on our split-K pointer GEMM, every program fits on the GPU at
         once and no L2 prefetch is asked for (that kernel has none); else the projection, then the norm kernel."""
         from loopbench.kernels import fused_ops as fo
-        from loopbench.kernels import gemm, gemm_norm
+        from loopbench.kernels import gemm_norm
         eps = self.cfg.rms_norm_eps
         gate_wb = (self.gate_w, self.gate_b) if gate else None
-        cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, weight, a, gemm_rows) if self.norm_in_gemm else None
-        if (cfg is not None and not cfg.tma and cfg.split_k > 1 and next_weight is None
-                and a.shape[0] <= -(-weight.shape[0] // cfg.block_n) * cfg.split_k and gemm_norm.fits(a, cfg, weight.shape[0])):
+        cfg = self.norm_gemm_config(a, weight, gemm_rows, next_weight)
+        if cfg is not None:
             out = gemm_norm.gemm_add_rms_norm(a, weight, cfg, x, w1, w2, eps, self._norm_counters, gate_wb)
         else:
             y = self._project(a, weight, gemm_rows, True, next_weight)
             out = fo.add_rms_norm_gate(x, y, w1, w2, eps, *gate_wb) if gate else fo.add_rms_norm(x, y, w1, w2, eps)
         return out if gate else (*out, None)
+
+    def norm_gemm_config(self, a: torch.Tensor, weight: torch.Tensor, gemm_rows: int | None = None,
+                         next_weight: torch.Tensor | None = None):
+        """The GemmConfig with which o_proj or down (``weight``, on rows ``a`` [N, K]; a meta tensor will do) runs
+        its norm step in its own launch (``gemm_norm.gemm_add_rms_norm``), or None where it cannot: ``norm_in_gemm``
+        off, not on our GEMM at these rows, a TMA or split_k 1 configuration, an L2 prefetch asked for
+        (``next_weight``; that kernel has none), more rows than programs, or a grid larger than the SM count."""
+        from loopbench.kernels import gemm, gemm_norm
+        if not self.norm_in_gemm or next_weight is not None:
+            return None
+        cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, weight, a, gemm_rows)
+        if cfg is None or cfg.tma or cfg.split_k < 2:
+            return None
+        programs = -(-weight.shape[0] // cfg.block_n) * cfg.split_k
+        return cfg if a.shape[0] <= programs and gemm_norm.fits(self.device, cfg, weight.shape[0]) else None
 
     def _fused_config(self, configs: dict, faster_up_to: dict, w: torch.Tensor, x: torch.Tensor,
                       gemm_rows: int | None):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loopbench.harness import throughput
+from loopbench.runtime.model import OuroModel
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 SMALL = ["--preset", "tiny", "--max-num-seqs", "2", "--num-requests", "2", "--prompt-len", "4", "--output-len", "3",
@@ -269,14 +270,26 @@ def test_norm_in_gemm_is_a_variant_option_left_unset_unless_given():
     assert throughput.parse_args([]).norm_in_gemm is None
 
 
-def test_norm_record_says_off_with_why_where_o_proj_is_not_on_a_split_k_pointer_gemm():
+def test_norm_record_says_where_the_model_fuses_the_norm_step(tiny_ckpt, monkeypatch):
+    """The profile's norm_in_gemm entry asks the model (OuroModel.norm_gemm_config), so the prefetch plan and
+    the GEMM tables of the run count: "on", "<role> only", or "off" with why."""
     from types import SimpleNamespace
-    model = SimpleNamespace(norm_in_gemm=False, small_m_gemm=True, cfg=SimpleNamespace(hidden_size=2048))
-    assert throughput._norm_record(model, SimpleNamespace(max_num_seqs=16)) == "off"
+    from loopbench.kernels import gemm as gm
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    split = gm.GemmConfig(block_n=64, block_k=16, split_k=4, num_stages=1)
+    chosen = {"config": split}
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "_fused_config", lambda configs, faster, w, x, rows: chosen["config"])
+    args = SimpleNamespace(max_num_seqs=4)
+    assert throughput._norm_record(model, args) == "off"
     model.norm_in_gemm = True
-    assert throughput._norm_record(model, SimpleNamespace(max_num_seqs=16)) == "on"       # o_proj: split-K 4
-    model.small_m_gemm = False                                                            # --gemm cublas
-    assert throughput._norm_record(model, SimpleNamespace(max_num_seqs=16)).startswith("off (")
+    assert throughput._norm_record(model, args) == "on"
+    model.prefetch_next = {"gate_up": 1.0}                 # o_proj prefetches gate_up's weight: it keeps its norm kernel
+    assert throughput._norm_record(model, args) == "down only"
+    model.prefetch_next = {}
+    chosen["config"] = gm.GemmConfig(block_n=64, split_k=4, tma=True)
+    assert throughput._norm_record(model, args).startswith("off (")
 
 
 def test_a_variant_of_one_flag_is_its_value_not_an_option():

@@ -51,22 +51,40 @@ def test_add_rms_norm_gate(device, dtype, rows, hidden, split):
     xa, ha = fo.add_rms_norm(x, y, w1, w2, 1e-6)
     assert torch.equal(xn, xa) and torch.equal(h, ha), "the gate changed x_new or h"
     assert hazard.dtype == torch.float32 and hazard.shape == (rows,)
-    ref = torch.sigmoid(torch.nn.functional.linear(h, gate_w, gate_b)[:, 0].float())
-    logit_ulp = torch.finfo(dtype).eps * torch.logit(ref.double()).abs().clamp(min=1.0)
-    diff = (hazard.double() - ref.double()).abs()
-    assert bool((diff <= 0.25 * logit_ulp + 1e-6).all()), f"hazard: max diff {diff.max().item():.3e}"
+    assert_hazard(hazard, torch.sigmoid(torch.nn.functional.linear(h, gate_w, gate_b)[:, 0].float()), dtype)
     xr, hr, href = fo.add_rms_norm_gate_ref(x, y, w1, w2, 1e-6, gate_w, gate_b)
     _close(xn, xr, "add_rms_norm_gate x")
     _close(h, hr, "add_rms_norm_gate h")
     assert href.dtype == torch.float32 and href.shape == (rows,)
+    assert_hazard(hazard, href, dtype, ulps=2)           # the reference's h differs from the kernel's by an ulp
 
 
-def test_add_rms_norm_gate_names_a_bad_gate():
+def assert_hazard(hazard, ref, dtype, ulps=1):
+    """hazard = sigmoid(logit) with the logit rounded to ``dtype``: within ``ulps`` of the logit (times sigmoid's
+    slope, at most 1/4) of ``ref``, and, for a 2-byte dtype, its logit on that dtype's grid (to fp32 error, where
+    sigmoid is not flat), which a logit left unrounded would miss by up to half a spacing."""
+    logit = torch.logit(ref.double())
+    diff = (hazard.double() - ref.double()).abs()
+    tol = ulps * 0.25 * torch.finfo(dtype).eps * logit.abs().clamp(min=1.0) + 1e-6
+    assert bool((diff <= tol).all()), f"hazard: max diff {diff.max().item():.3e}"
+    if dtype in (torch.bfloat16, torch.float16):
+        h = hazard.double()
+        inner = (h > 0.01) & (h < 0.99)
+        got = torch.log(h[inner] / (1 - h[inner]))
+        off = (got - got.to(dtype).double()).abs()
+        assert bool((off <= 1e-4 * got.abs().clamp(min=1.0)).all()), f"logit off the {dtype} grid by {off.max().item():.2e}"
+
+
+def test_add_rms_norm_gate_names_a_bad_gate_or_norm_weight():
     x = torch.zeros(2, 8)
-    with pytest.raises(ValueError, match=r"gate_w must be \[1, 8\]"):
+    with pytest.raises(ValueError, match=r"the gate must be a \[1, 8\] or \[8\] weight .* got \(1, 4\)"):
         fo.add_rms_norm_gate(x, x, torch.ones(8), torch.ones(8), 1e-6, torch.ones(1, 4), torch.zeros(1))
-    with pytest.raises(ValueError, match="gate_b one value"):
+    with pytest.raises(ValueError, match=r"got \(2, 4\)"):          # as many elements as hidden, another shape
+        fo.add_rms_norm_gate(x, x, torch.ones(8), torch.ones(8), 1e-6, torch.ones(2, 4), torch.zeros(1))
+    with pytest.raises(ValueError, match="one-value bias"):
         fo.add_rms_norm_gate(x, x, torch.ones(8), torch.ones(8), 1e-6, torch.ones(1, 8), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"w2 must be \[8\] with unit stride"):   # a strided view reads other elements
+        fo.add_rms_norm(x, x, torch.ones(8), torch.ones(16)[::2], 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -34,12 +34,16 @@ def _inputs(m, n, k, dtype, device, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("m,n,spin", [(1, 128, False), (5, 128, False), (8, 128, False), (3, 96, False),
+                                      (8, 200, False), (1, 128, True), (1, 200, True)])
 @pytest.mark.parametrize("with_gate", [False, True])
-def test_gemm_add_rms_norm_is_the_separate_kernels_bitwise_on_the_interpreter(dtype, m, with_gate):
-    x, w, res, w1, w2, gate = _inputs(m, 128, 320, dtype, "cpu", seed=m)      # 2 column tiles x 4 splits; K 5 tiles
+def test_gemm_add_rms_norm_is_the_separate_kernels_bitwise_on_the_interpreter(dtype, m, n, spin, with_gate):
+    """Column tiles of 64 over N 96-200 (uneven, masked), K 320 in 5 tiles over 4 splits, M up to the grid's size.
+    ``spin``: the CUDA protocol itself (the one waiting program at M 1 is the last to arrive, so it does not wait
+    on the interpreter): the rank-to-row mapping, the done counter and both resets."""
+    x, w, res, w1, w2, gate = _inputs(m, n, 320, dtype, "cpu", seed=m + n)
     counters = gn.new_counters("cpu")
-    got = gn.gemm_add_rms_norm(x, w, SMALL, res, w1, w2, 1e-6, counters, gate if with_gate else None)
+    got = gn.gemm_add_rms_norm(x, w, SMALL, res, w1, w2, 1e-6, counters, gate if with_gate else None, spin=spin)
     part = gm.gemm(x, w, SMALL)
     want = (fo.add_rms_norm_gate(res, part, w1, w2, 1e-6, *gate) if with_gate else fo.add_rms_norm(res, part, w1, w2, 1e-6))
     assert len(got) == len(want)
@@ -62,8 +66,15 @@ def test_gemm_add_rms_norm_names_what_it_cannot_run():
         gn.gemm_add_rms_norm(x, w, SMALL, res[:, :64], w1, w2, 1e-6, c)
     with pytest.raises(ValueError, match="counters must be new_counters"):
         gn.gemm_add_rms_norm(x, w, SMALL, res, w1, w2, 1e-6, torch.zeros(2))
-    with pytest.raises(ValueError, match=r"gate must be \(\[1, 128\], \[1\]\)"):
+    with pytest.raises(ValueError, match=r"the gate must be a \[1, 128\] or \[128\] weight .* got \(1, 64\)"):
         gn.gemm_add_rms_norm(x, w, SMALL, res, w1, w2, 1e-6, c, (gate[0][:, :64], gate[1]))
+    with pytest.raises(ValueError, match=r"got \(2, 64\)"):                 # as many elements, another shape
+        gn.gemm_add_rms_norm(x, w, SMALL, res, w1, w2, 1e-6, c, (gate[0].reshape(2, 64), gate[1]))
+    with pytest.raises(ValueError, match=r"w1 must be \[128\] with unit stride"):
+        gn.gemm_add_rms_norm(x, w, SMALL, res, torch.ones(256, dtype=w1.dtype)[::2], w2, 1e-6, c)
+    with pytest.raises(ValueError, match="spin on the interpreter needs M = 1"):
+        gn.gemm_add_rms_norm(x, w, SMALL, res, w1, w2, 1e-6, c, spin=True)
+    assert c.tolist() == [0, 0], "a refused call must not touch the counters"
 
 
 def _close(a, b, what, ulps=2):
@@ -104,7 +115,7 @@ def test_ouro_shapes_on_cuda_match_the_separate_kernels(shape, m, with_gate):
         pytest.skip("needs CUDA")
     n, k = shape
     cfg = gm.config_for(n, k, m)
-    if cfg is None or cfg.tma or cfg.split_k < 2 or not gn.fits(torch.empty(1, device="cuda"), cfg, n):
+    if cfg is None or cfg.tma or cfg.split_k < 2 or not gn.fits("cuda", cfg, n):
         pytest.skip(f"no split-K pointer config that fits for {shape} at M={m}: {cfg}")
     x, w, res, w1, w2, gate = _inputs(m, n, k, torch.bfloat16, "cuda", seed=m)
     counters = gn.new_counters("cuda")

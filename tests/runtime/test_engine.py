@@ -465,9 +465,8 @@ def test_fused_loop_runs_the_exit_gate_in_its_last_norm(tiny_ckpt, monkeypatch, 
     monkeypatch.undo()
     ref = model.hazard(h)
     assert hazard.dtype == ref.dtype == torch.float32 and hazard.shape == (5,)
-    logit_ulp = torch.finfo(dtype).eps * torch.logit(ref.double()).abs().clamp(min=1.0)   # sigmoid' <= 1/4
-    diff = (hazard.double() - ref.double()).abs()
-    assert bool((diff <= 0.25 * logit_ulp + 1e-6).all()), f"hazard: max diff {diff.max().item():.3e}"
+    from tests.kernels.test_fused import assert_hazard
+    assert_hazard(hazard, ref, dtype)
 
 
 def test_fp64_fused_loop_keeps_the_torch_gate(tiny_ckpt, monkeypatch):
@@ -509,3 +508,33 @@ def test_norm_in_gemm_gives_the_loop_the_bits_of_the_separate_norm_kernels_on_th
     assert len(launches) == 2 * cfg.num_hidden_layers, "o_proj and down of every layer take their norm step"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert model._norm_counters.tolist() == [0, 0]
+
+
+def test_norm_gemm_config_falls_back_wherever_the_fused_launch_cannot_run(tiny_ckpt, monkeypatch):
+    """OuroModel.norm_gemm_config, which _project_norm and the probe's record both ask: a split-K pointer config
+    only with norm_in_gemm on, no L2 prefetch, rows <= programs and a grid that fits the GPU; else None."""
+    from loopbench.kernels import gemm as gm
+    from loopbench.kernels import gemm_norm as gn
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    weight = model.layers[0].o
+    programs = -(-weight.shape[0] // 64) * 4
+    split = gm.GemmConfig(block_n=64, block_k=16, split_k=4, num_stages=1)
+    chosen = {"config": split}
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "_fused_config", lambda configs, faster, w, x, rows: chosen["config"])
+
+    def rows(n):
+        return torch.empty(n, weight.shape[1], dtype=torch.bfloat16, device="meta")
+
+    assert model.norm_gemm_config(rows(programs), weight) is None                  # norm_in_gemm off
+    model.norm_in_gemm = True
+    assert model.norm_gemm_config(rows(programs), weight) is split
+    assert model.norm_gemm_config(rows(programs + 1), weight) is None              # a row without its program
+    assert model.norm_gemm_config(rows(1), weight, None, model.gate_w) is None       # an L2 prefetch asked for
+    for other in (None, gm.GemmConfig(block_n=64, split_k=4, tma=True), gm.GemmConfig(block_n=64, split_k=1)):
+        chosen["config"] = other                                                  # cuBLAS, TMA, no split
+        assert model.norm_gemm_config(rows(1), weight) is None, other
+    chosen["config"] = split
+    monkeypatch.setattr(gn, "fits", lambda device, c, n: False)                    # more programs than SMs
+    assert model.norm_gemm_config(rows(1), weight) is None
