@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from loopbench.kernels import step_state
+from loopbench.kernels import exit_rule, step_state
 from loopbench.kernels.prefill_attention import DEFAULT_BLOCK_M as PREFILL_BLOCK_M
 from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefill_attention, prefill_tiles
 
@@ -256,7 +256,7 @@ class Runner:
 
         rope_write = self._rope_write(row_slot, row_depth, row_pos) if fused else None
         x_out, hazard = self.model.run_loop(x, row_pos, attend, rope_write=rope_write)
-        exit_now, s, trig = self.policy.device_step(hazard, row_depth, s_prev, t_prev, row_forced, self, sl)
+        exit_now, s, trig, row_max = self._exit_rule(hazard, row_depth, s_prev, t_prev, row_forced, sl)
         # The logits are written only when the engine reads them; else lm_head keeps each tile's maximum and
         # the apply kernel samples from those (the same token, bitwise; model.greedy_partials).
         # Only with the Triton slot-state kernels: their argmax counts NaN as +inf, as the tiles do, while the torch
@@ -269,8 +269,17 @@ class Runner:
         if cfg.kv_layout == KVLayout.ALIAS:
             be.publish_exits(kv.exit_map, exit_slot, row_pos, row_depth)
         else:
-            be.native_fill(kv.k, kv.v, kv.block_tables, exit_slot, row_pos, row_depth, self.max_loops[sl])
+            be.native_fill(kv.k, kv.v, kv.block_tables, exit_slot, row_pos, row_depth, row_max)
         return exit_now, tok, logits, trig
+
+    def _exit_rule(self, hazard, depth, s_prev, t_prev, forced, sl):
+        """The policy's exit rule for the step's rows, and each row's max_loops (which the native fill reads): one
+        launch (kernels/exit_rule.py, bitwise the policy's torch step) where the loop runs on Triton kernels, else
+        the policy's ``device_step``. Returns (exit_now, S_r, triggered, max_loops) [N] each."""
+        if self.fused_kv_write:
+            return exit_rule.exit_rule(self.policy.name, hazard, depth, s_prev, t_prev, forced, sl, self.min_loops,
+                                       self.max_loops, self.threshold)
+        return (*self.policy.device_step(hazard, depth, s_prev, t_prev, forced, self, sl), self.max_loops[sl])
 
     def host_tokens(self, slot: int, n: int) -> torch.Tensor:
         """The slot's first n output tokens [n] int64 on the host; on CUDA an async copy into pinned memory
