@@ -9,7 +9,9 @@ the token's next loop); ``replay`` takes the exits the schedule forces and still
 bounds (min_loops, max_loops, threshold) are read per row from the runner's [S + 1] tables; each row's
 max_loops is also returned, which the native fill needs after the step.
 
-One program per ``BLOCK`` rows; no host synchronisation, so it runs inside the decode step's CUDA graph.
+One program per ``BLOCK`` rows; no host synchronisation, so it runs inside the decode step's CUDA graph. On
+sm_90+ it launches with programmatic dependent launch like the step's other kernels (kernels/pdl.py): it waits
+before its first load and releases the next kernel after its loads.
 """
 from __future__ import annotations
 
@@ -17,21 +19,25 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 POLICIES = ("fixed", "ouro", "ouro_delayed", "replay")
 
 
 @triton.jit
 def _exit_rule_kernel(hazard_ptr, depth_ptr, survival_ptr, triggered_ptr, forced_ptr, sl_ptr, min_loops_ptr,
                       max_loops_ptr, threshold_ptr, exit_ptr, s_ptr, trig_ptr, row_max_ptr, n,
-                      POLICY: tl.constexpr, BLOCK: tl.constexpr):
+                      POLICY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    pdl.wait(PDL)                 # the hazard and the carried state are the step's earlier kernels' outputs
     hazard = tl.load(hazard_ptr + offs, mask=mask, other=0.0)
     survival = tl.load(survival_ptr + offs, mask=mask, other=1.0)
     depth = tl.load(depth_ptr + offs, mask=mask, other=0)
     triggered = tl.load(triggered_ptr + offs, mask=mask, other=0) != 0
     sl = tl.load(sl_ptr + offs, mask=mask, other=0)
     max_loops = tl.load(max_loops_ptr + sl, mask=mask, other=0)
+    pdl.release(PDL)
     s = survival * (1.0 - hazard)                              # S_r, as exit_step computes it
     if POLICY == 3:                                            # replay: the schedule's exits
         exit_now = tl.load(forced_ptr + offs, mask=mask, other=0) > 0
@@ -97,7 +103,9 @@ def exit_rule(policy: str, hazard: torch.Tensor, depth: torch.Tensor, survival: 
     row_max = torch.empty(n, dtype=torch.int32, device=hazard.device)
     if n:
         block = min(1024, triton.next_power_of_2(n))
+        use_pdl = pdl.active(hazard)
         _exit_rule_kernel[(triton.cdiv(n, block),)](hazard, depth, survival, triggered, forced, sl, min_loops,
                                                     max_loops, threshold, exit_now, s, trig, row_max, n,
-                                                    POLICY=POLICIES.index(policy), BLOCK=block, num_warps=1)
+                                                    POLICY=POLICIES.index(policy), BLOCK=block, PDL=pdl.mode(use_pdl),
+                                                    **pdl.launch_options(use_pdl, num_warps=1))
     return exit_now, s, trig, row_max
