@@ -9,9 +9,15 @@ the token's next loop); ``replay`` takes the exits the schedule forces and still
 bounds (min_loops, max_loops, threshold) are read per row from the runner's [S + 1] tables; each row's
 max_loops is also returned, which the native fill needs after the step.
 
+Bitwise needs one compile option: Triton contracts a multiply and an add into one fused multiply-add by default,
+and ``1 - survival * (1 - hazard)`` compiled that way (seen in the sm_90 PTX: ``fma.rn.f32``) skips the
+rounding of S_r that torch does before the subtraction, which flips an exit whose ``1 - S_r`` lies within an ulp
+of the threshold. The launch sets ``enable_fp_fusion=False``.
+
 One program per ``BLOCK`` rows; no host synchronisation, so it runs inside the decode step's CUDA graph. On
 sm_90+ it launches with programmatic dependent launch like the step's other kernels (kernels/pdl.py): it waits
-before its first load and releases the next kernel after its loads.
+before its first load and releases the next kernel once it has the rows' own inputs (what it loads after that,
+forced and the slot bounds, no kernel of the step writes).
 """
 from __future__ import annotations
 
@@ -107,5 +113,5 @@ def exit_rule(policy: str, hazard: torch.Tensor, depth: torch.Tensor, survival: 
         _exit_rule_kernel[(triton.cdiv(n, block),)](hazard, depth, survival, triggered, forced, sl, min_loops,
                                                     max_loops, threshold, exit_now, s, trig, row_max, n,
                                                     POLICY=POLICIES.index(policy), BLOCK=block, PDL=pdl.mode(use_pdl),
-                                                    **pdl.launch_options(use_pdl, num_warps=1))
+                                                    **pdl.launch_options(use_pdl, num_warps=1, enable_fp_fusion=False))
     return exit_now, s, trig, row_max

@@ -22,6 +22,13 @@ def _rows(n, slots, device, seed):
     max_loops = torch.randint(2, 5, (slots + 1,), generator=g, dtype=torch.int32)
     threshold = torch.rand(slots + 1, generator=g)
     threshold[::3] = 1.0                                                            # threshold 1: fixed depth
+    # Rows exactly on the boundary, 1 - S_r == threshold (torch's rounding of S_r first): a kernel that contracts
+    # 1 - survival * (1 - hazard) into one fused multiply-add, or tests > for >=, decides some of them otherwise.
+    first = {}
+    for i, slot in enumerate(sl.tolist()):
+        first.setdefault(slot, i)
+    for slot, i in list(first.items())[1::3]:
+        threshold[slot] = 1.0 - survival[i] * (1.0 - hazard[i])
     return [t.to(device) for t in (hazard, depth, survival, triggered, forced, sl, min_loops, max_loops, threshold)]
 
 

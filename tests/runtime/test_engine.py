@@ -282,6 +282,33 @@ def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckp
             reference(naive, r, "ouro_delayed")
 
 
+def test_the_exit_rule_kernel_is_each_policys_device_step_in_the_engine(tiny_ckpt, monkeypatch):
+    """Runner._exit_rule on the Triton path (kernels/exit_rule.py, the interpreter here) against the policy's torch
+    device_step at every decode step of fixed, ouro and a replay of the ouro run (ouro_delayed: the reference test
+    above), with a padded batch (2 requests at max_num_seqs 3)."""
+    from loopbench.runtime import runner as runner_mod
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32, fused=True)
+    steps = []
+    kernel_rule = runner_mod.Runner._exit_rule
+
+    def checked(self, hazard, depth, s_prev, t_prev, forced, sl):
+        got = kernel_rule(self, hazard, depth, s_prev, t_prev, forced, sl)
+        want = (*self.policy.device_step(hazard, depth, s_prev, t_prev, forced, self, sl), self.max_loops[sl])
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (self.policy.name, got, want)
+        steps.append(self.policy.name)
+        return got
+
+    monkeypatch.setattr(runner_mod.Runner, "_exit_rule", checked)
+    reqs = make_requests(2, 3, "ouro", seed=9, lens=[3, 17])
+    kw = dict(max_num_seqs=3, attention_backend="triton")
+    run_engine(model, make_requests(2, 3, "fixed", seed=9, lens=[3, 17]), exit_policy="fixed", **kw)
+    eng, _ = run_engine(model, reqs, exit_policy="ouro", **kw)
+    run_engine(model, reqs, exit_policy="replay", schedule=eng.capture_schedule(), **kw)
+    assert {"fixed", "ouro", "replay"} <= set(map(str, steps)), set(steps)
+
+
 def test_kv_pool_exhaustion_waits_or_fails_clearly_and_loses_nothing(model64):
     from loopbench.runtime.kv_cache import OutOfBlocksError
     a, b = make_requests(2, 3, "fixed", seed=12, lens=[5, 5])
