@@ -156,11 +156,6 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    lo = split * tiles_per_split
-    num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
-    k0 = lo * BLOCK_K
     if GLU:
         r = tl.arange(0, 2 * BLOCK_N)
         cols = pid_n * BLOCK_N + r % BLOCK_N
@@ -169,9 +164,8 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     else:
         rows = offs_n
         mask_n = offs_n[:, None] < N
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]       # [rows, BK]
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]     # [BK, BM]
-    mask_m = offs_m[None, :] < M
+    w_ptrs, x_ptrs, offs_m, offs_k, mask_m, k0, num_tiles = _split_operands(
+        x_ptr, w_ptr, rows, split, M, K, tiles_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_K)
     if PREFETCH_K:
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
@@ -208,6 +202,22 @@ def _tile_argmax(vals, offs_n, offs_m, N, M, tile, tmax_ptr, targ_ptr):
     at = tile.to(tl.int64) * M + offs_m
     tl.store(tmax_ptr + at, best, mask=offs_m < M)
     tl.store(targ_ptr + at, first.to(tl.int32), mask=offs_m < M)
+
+
+@triton.jit
+def _split_operands(x_ptr, w_ptr, rows, split, M, K, tiles_per_split, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The operands of a pointer kernel's program over weight ``rows`` in K split ``split``: (w_ptrs [rows, BK],
+    x_ptrs [BK, BM] at the split's first K tile, offs_m, offs_k, mask_m [1, BM], k0 = the split's first K
+    element, num_tiles = its K tiles, none for a split past K)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    lo = split * tiles_per_split
+    num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
+    k0 = lo * BLOCK_K
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
+    return w_ptrs, x_ptrs, offs_m, offs_k, offs_m[None, :] < M, k0, num_tiles
 
 
 @triton.jit

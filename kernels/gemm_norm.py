@@ -57,15 +57,9 @@ def _gemm_norm_kernel(x_ptr, w_ptr, part_ptr, res_ptr, w1_ptr, w2_ptr, x_out_ptr
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    lo = split * tiles_per_split
-    num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
-    k0 = lo * BLOCK_K
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]       # [BN, BK]
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]     # [BK, BM]
     mask_n = offs_n[:, None] < N
-    mask_m = offs_m[None, :] < M
+    w_ptrs, x_ptrs, offs_m, offs_k, mask_m, k0, num_tiles = gm._split_operands(
+        x_ptr, w_ptr, offs_n, split, M, K, tiles_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_K)
     if PREFETCH_K:
         gm._prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
     pdl.wait(PDL)
