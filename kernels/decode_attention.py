@@ -49,9 +49,13 @@ The dot products are fp32 elementwise products reduced with ``tl.sum``: decode h
 there is no matrix product to feed tensor cores, and the Triton interpreter computes bf16 ``tl.dot`` wrongly
 (BRIEF section 4).
 
-On sm_90+ NVIDIA GPUs both kernels launch with programmatic dependent launch (kernels/pdl.py): they wait
-for the previous kernel before their first load and release the next one before their stores (or
-right after the wait, per ``pdl.TRIGGER``). The layout
+On sm_90+ NVIDIA GPUs both kernels launch with programmatic dependent launch (kernels/pdl.py) and release the
+next kernel before their stores (or right after their wait, per ``pdl.TRIGGER``). The merge kernel waits for
+the previous kernel before its first load. The split kernel waits only after its dependent-load chain has
+started: it reads the row's metadata, looks up its first pages and loads its first K/V tile, without the key
+at the row's position, then waits, loads q and, where that first tile holds the key at the position (a split
+of one tile), loads the tile again whole. So the kernel before it (the step's KV write) may write q and the
+key at each row's position and nothing else this kernel reads; the results are the same values either way. The layout
 flags never touch that, so native, alias and alias+prefix keep the same schedule around the loop.
 
 The kernels know nothing about exit policies or the scheduler; they read the metadata tensors as given.
@@ -212,7 +216,11 @@ def _decode_attention_split_kernel(
     split = tl.program_id(2)
     kv_head = head // GROUP
 
-    pdl.wait(PDL)                          # every input here (q, the cache, the metadata) is another kernel's output
+    # Before the PDL wait: the row's metadata, its page lookups and its first K/V tile. None of it is written by
+    # the kernel launched right before this one (the step's qkv projection or KV write), which writes q and the
+    # key at ``pos`` only; every kernel before that one has completed when this kernel's programs start
+    # (kernels/pdl.py). So the dependent-load chain metadata -> block table -> K/V overlaps that kernel's tail,
+    # and only q and the key at ``pos`` are loaded after the wait.
     slot = tl.load(row_slot_ptr + row)
     depth = tl.load(row_depth_ptr + row)
     pos = tl.load(row_pos_ptr + row)
@@ -251,8 +259,8 @@ def _decode_attention_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_t = tl.arange(0, BLOCK_N)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, mask=mask_d, other=0.0)
-    q = q.to(tl.float32) * qk_scale_log2                                     # (D,)
+    # The keys this step has not written: all before ``pos`` (and every key when ``pos`` is past the cache).
+    early_end = tl.maximum(tl.minimum(split_end, pos), 0)
 
     bt_row = block_tables_ptr + slot * stride_bts
     bt_plane = bt_row + (depth - 1) * stride_btp                              # plane d's block table
@@ -267,7 +275,7 @@ def _decode_attention_split_kernel(
     block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo, split_end, depth, direct_end, direct_tiles,
                         num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
                         PREFIX)
-    k, v = _load_kv(k_head, v_head, block, tile_lo, split_end, offs_t, mask_d, stride_kb, stride_kt,
+    k, v = _load_kv(k_head, v_head, block, tile_lo, early_end, offs_t, mask_d, stride_kb, stride_kt,
                     stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
     block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 1, split_end, depth, direct_end, direct_tiles,
                         num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
@@ -276,6 +284,17 @@ def _decode_attention_split_kernel(
         if EXIT_AHEAD:      # e_p of the first tile the routed loop looks up (alias+prefix: after its direct loop)
             exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
                                    BLOCK_N, PREFIX)
+
+    pdl.wait(PDL)                          # q and the key at pos are the previous kernel's output
+    q = tl.load(q_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, mask=mask_d, other=0.0)
+    q = q.to(tl.float32) * qk_scale_log2                                     # (D,)
+    if (early_end < split_end) & (early_end < (tile_lo + 1) * BLOCK_N):
+        # The first tile holds the key at pos (a context of at most one tile per split): load it whole now.
+        k, v = _load_kv(k_head, v_head, _tile_pages(bt_row, bt_plane, exit_row, tile_lo, split_end, depth, direct_end,
+                                                    direct_tiles, num_planes, stride_btp, stride_btj, stride_emp,
+                                                    BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS, PREFIX),
+                        tile_lo, split_end, offs_t, mask_d, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N,
+                        PAGE_SIZE)
 
     # Online softmax kept per key lane (Milakov & Gimelshein 2018, applied to each of the BLOCK_N lanes
     # separately): the loop has no cross-lane reduction but the dot product over D; lanes merge once below.
@@ -562,7 +581,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
         ``h // (H // Hkv)``. Keys beyond ``min(max_blocks * block_size, max_model_len)`` are never read.
 
-    Never synchronises with the host.
+    Never synchronises with the host. Under PDL (sm_90+) it reads the metadata, the block tables, the exit map
+    and every key before ``row_pos`` before it waits for the kernel launched right before it, which may write
+    ``q`` and the keys at ``row_pos`` only (the step's KV write does; module docstring).
     """
     _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
               layout, tile_size)

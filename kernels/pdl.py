@@ -9,10 +9,13 @@ and its memory operations are visible (PTX ISA, "griddepcontrol"; CUDA C++ Progr
 becomes a programmatic graph edge, so replays overlap the same way.
 
 Every PDL kernel of this package follows one pattern, which keeps chains of them safe: ``gdc_wait`` before
-its first load of anything another kernel writes, ``gdc_launch_dependents`` only after that wait. Since
-each kernel waits for its predecessor's completion before it completes, a kernel's wait also covers every
-kernel before the predecessor. Kernels launched without PDL (torch's) wait for full completion as usual
-and break nothing. Where the trigger sits is a schedule choice that changes no value (:data:`TRIGGER`):
+its first load of anything the kernel launched right before it writes, ``gdc_launch_dependents`` only after
+that wait. So when a kernel's programs start, every program of its predecessor has passed its own wait:
+every kernel before the predecessor has completed. Before its wait a kernel may therefore read what those
+earlier kernels (or the host, before the launch) wrote, and only that: the GEMMs bring their weights into
+L2, and decode attention loads the rows' metadata, page lookups and first K/V tile, all but the key at the
+row's position, which the step's KV write (its predecessor) writes. Kernels launched without PDL (torch's)
+wait for full completion as usual and break nothing. Where the trigger sits is a schedule choice that changes no value (:data:`TRIGGER`):
 ``"late"`` after the main loop, before the stores; ``"early"`` right after the wait, so the next kernel's
 programs launch, and run the part before their own wait (a GEMM's L2 weight prefetch), while this kernel's
 last wave runs. The next kernel launches only once every program of this one has triggered, so its

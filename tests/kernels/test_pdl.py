@@ -2,7 +2,7 @@
 
 On CUDA one Ouro-shaped layer's chain of our kernels (norm, qkv projection, paged decode attention with its
 split merge, o_proj partials into the residual norm, gate_up + SwiGLU, down, the fused qkv + RoPE + KV
-write, lm_head) runs with PDL off, with PDL on, with PDL and the prefetch, and as a CUDA graph captured with
+write and attention over the key it wrote, lm_head) runs with PDL off, with PDL on, with PDL and the prefetch, and as a CUDA graph captured with
 both; every output and the written KV cache must be bitwise the same. PDL and the prefetch only move when a
 kernel starts and what sits in L2, so any difference is a race. On the CPU: the switch, the launch options,
 the prefetch arithmetic, and the probe's options.
@@ -120,7 +120,12 @@ def _layer(x, wt, case, kv_out, configs):
     pos = torch.where(meta["row_slot"] >= 0, meta["row_pos"] + 1, 0)
     qkv2 = qkv_rope_write_kv(h2, wt["qkv"], configs["qkv_rope"], cos, sin, *kv_out, meta["block_tables"],
                              meta["row_slot"], meta["row_depth"], pos, 16)
-    return [h, qkv, a, x1, h1, act, x2, h2, qkv2, gm.gemm(h2, wt["lm_head"], configs["lm_head"])]
+    # attention at that position right after the kernel that wrote its key, as in the decode loop: under PDL its
+    # programs load the earlier keys before they wait and the key at pos after (the row of context 286 has a
+    # second split of one tile, which holds that key)
+    a2 = decode_attention(qkv2[:, :2048].reshape(n, 16, 128), *kv_out, **{**meta, "row_pos": pos}, layout="alias",
+                          prefix_tiles=True)
+    return [h, qkv, a, x1, h1, act, x2, h2, qkv2, a2, gm.gemm(h2, wt["lm_head"], configs["lm_head"])]
 
 
 def _configs(prefetch_tiles):
@@ -167,7 +172,8 @@ def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         variants[f"graph replay {replay}"] = [o.clone() for o in outs] + [t.clone() for t in kv]
-    names = ["h", "qkv", "attention", "x1", "h1", "act", "x2", "h2", "qkv_rope", "lm_head", "k cache", "v cache"]
+    names = ["h", "qkv", "attention", "x1", "h1", "act", "x2", "h2", "qkv_rope", "attention after the KV write",
+             "lm_head", "k cache", "v cache"]
     for label, got in variants.items():
         for name, a, b in zip(names, got, want):
             a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)   # bits: the caches hold NaN
