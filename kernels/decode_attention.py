@@ -209,18 +209,20 @@ def _decode_attention_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0,
+    DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0, EARLY_KV: tl.constexpr = True,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // GROUP
 
-    # Before the PDL wait: the row's metadata, its page lookups and its first K/V tile. None of it is written by
-    # the kernel launched right before this one (the step's qkv projection or KV write), which writes q and the
-    # key at ``pos`` only; every kernel before that one has completed when this kernel's programs start
+    # EARLY_KV: before the PDL wait, the row's metadata, its page lookups and its first K/V tile. None of it is
+    # written by the kernel launched right before this one (the step's qkv projection or KV write), which writes q
+    # and the key at ``pos`` only; every kernel before that one has completed when this kernel's programs start
     # (kernels/pdl.py). So the dependent-load chain metadata -> block table -> K/V overlaps that kernel's tail,
     # and only q and the key at ``pos`` are loaded after the wait.
+    if not EARLY_KV:
+        pdl.wait(PDL)
     slot = tl.load(row_slot_ptr + row)
     depth = tl.load(row_depth_ptr + row)
     pos = tl.load(row_pos_ptr + row)
@@ -259,8 +261,12 @@ def _decode_attention_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_t = tl.arange(0, BLOCK_N)
     mask_d = offs_d < HEAD_DIM
-    # The keys this step has not written: all before ``pos`` (and every key when ``pos`` is past the cache).
-    early_end = tl.maximum(tl.minimum(split_end, pos), 0)
+    # The keys the first load may read: with EARLY_KV those this step has not written, all before ``pos`` (every
+    # key when ``pos`` is past the cache).
+    if EARLY_KV:
+        early_end = tl.maximum(tl.minimum(split_end, pos), 0)
+    else:
+        early_end = split_end
 
     bt_row = block_tables_ptr + slot * stride_bts
     bt_plane = bt_row + (depth - 1) * stride_btp                              # plane d's block table
@@ -285,7 +291,8 @@ def _decode_attention_split_kernel(
             exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
                                    BLOCK_N, PREFIX)
 
-    pdl.wait(PDL)                          # q and the key at pos are the previous kernel's output
+    if EARLY_KV:
+        pdl.wait(PDL)                      # q and the key at pos are the previous kernel's output
     q = tl.load(q_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, mask=mask_d, other=0.0)
     q = q.to(tl.float32) * qk_scale_log2                                     # (D,)
     if (early_end < split_end) & (early_end < (tile_lo + 1) * BLOCK_N):
@@ -516,7 +523,8 @@ def _cuda_sm_count(index: int) -> int:
 
 def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
-                maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0) -> None:
+                maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
+                early_kv: bool = True) -> None:
     """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -531,8 +539,9 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
         raise ValueError(f"num_stages must be None or an int >= 1, got {num_stages!r}")
     if maxnreg is not None and (not is_int(maxnreg) or maxnreg < 0):
         raise ValueError(f"maxnreg must be None or an int >= 0 (0: no cap), got {maxnreg!r}")
-    if not isinstance(exit_ahead, bool):
-        raise ValueError(f"exit_ahead must be true or false, got {exit_ahead!r}")
+    for name, flag in (("exit_ahead", exit_ahead), ("early_kv", early_kv)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be true or false, got {flag!r}")
     if not is_int(pipe_stages) or pipe_stages < 0:
         raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
 
@@ -545,7 +554,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
                      num_warps: int | None = None, num_stages: int | None = None,
                      maxnreg: int | None = None, exit_ahead: bool = True,
-                     pipe_stages: int = 0) -> torch.Tensor:
+                     pipe_stages: int = 0, early_kv: bool = True) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -571,11 +580,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         pipe_stages: native layout only (ignored for ``alias``): ``0`` (default) runs the hand-pipelined
             loop, one K/V tile loaded ahead; ``n >= 1`` the plain loop, software-pipelined by Triton over
             ``n`` stages. Changes no value, only the schedule.
+        early_kv: under PDL, start the dependent loads (metadata, page lookups, the first K/V tile without
+            the key at ``row_pos``) before waiting for the previous kernel (default; module docstring) instead
+            of after. Changes no value, only the schedule.
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
             layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``maxnreg``,
-            ``pipe_stages``).
+            ``pipe_stages``, ``exit_ahead``, ``early_kv``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -588,7 +600,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
               layout, tile_size)
     check_knobs(block_n=block_n, min_split_tokens=min_split_tokens, max_splits=max_splits, num_warps=num_warps,
-                num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages)
+                num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages,
+                early_kv=early_kv)
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv
@@ -630,7 +643,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
         EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl),
-        PIPE_STAGES=pipe_stages, **cfg)
+        PIPE_STAGES=pipe_stages, EARLY_KV=bool(early_kv), **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,

@@ -255,7 +255,8 @@ def test_rejects_bad_arguments():
     for bad in (-1, True, 128.0):
         with pytest.raises(ValueError, match="maxnreg"):
             decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
-    for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("block_n", 16.0), ("max_splits", 0)):
+    for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("early_kv", 0), ("block_n", 16.0),
+                      ("max_splits", 0)):
         with pytest.raises(ValueError, match=knob):
             decode_attention(case["q"], k, v, **case["meta"], **{knob: bad})
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
@@ -297,6 +298,21 @@ def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size,
     assert not torch.equal(before, plain), "the tampered exit map should change the per-key reader"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_early_kv_changes_no_bit(device):
+    # Loading the first K/V tile before the PDL wait (without the key at the row's position, reloaded after it
+    # where that tile holds it: contexts of at most one tile, and the one-tile last split of context 264) gives
+    # the bits of waiting first.
+    dtype = sweep_dtype(device)
+    case = make_case(13, device, dtype, [1, 17, 32, 33, 264], "boundary")
+    for kw in (dict(), dict(min_split_tokens=128)):
+        early = run_variants(case, **kw)
+        late = run_variants(case, early_kv=False, **kw)
+        for key in VARIANTS:
+            assert torch.equal(early[key], late[key]), f"{key} with {kw}: early_kv changed a bit"
+    check_case(case)
+
+
 def test_register_cap_follows_the_grid_not_the_layout():
     # The cap is chosen from the launch shape alone: on at a grid beyond one uncapped wave, off at or
     # below it and without an SM count (CPU / interpreter); the warps follow the tile only.
@@ -311,7 +327,7 @@ def test_register_cap_follows_the_grid_not_the_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("kw", [dict(maxnreg=0), dict(maxnreg=128), dict(exit_ahead=False),
-                                dict(pipe_stages=3)])
+                                dict(pipe_stages=3), dict(early_kv=False)])
 def test_schedule_knobs_change_no_bit(kw):
     # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
     case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,
