@@ -60,7 +60,9 @@ class GemmConfig:
     / ``num_warps``: software pipelining and warps (change no bit); ``tma``: descriptor loads (CUDA);
     ``pdl``: programmatic dependent launch (CUDA); ``prefetch_tiles``: with PDL, how many of a program's
     first K tiles of weight it prefetches into L2 before it waits for the previous kernel (none, or fewer
-    where its K range is shorter; changes no bit).
+    where its K range is shorter; changes no bit); ``early_epilogue``: kernels/qkv_rope.py only, load the
+    epilogue's descriptors, rotary-table rows and cache pages before the PDL wait rather than after the K loop
+    (changes no bit; the other kernels have no such inputs and ignore it).
     """
     block_n: int = 64
     block_k: int = 128
@@ -70,6 +72,7 @@ class GemmConfig:
     tma: bool = False
     pdl: bool = False
     prefetch_tiles: int = 0
+    early_epilogue: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -82,6 +85,9 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.prefetch_tiles, int) or isinstance(self.prefetch_tiles, bool) or self.prefetch_tiles < 0:
             raise ValueError(f"GemmConfig.prefetch_tiles must be an int >= 0, got {self.prefetch_tiles!r}")
+        for name in ("tma", "pdl", "early_epilogue"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GemmConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"GemmConfig.num_warps must be a power of two, got {self.num_warps!r}")
 

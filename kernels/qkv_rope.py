@@ -56,6 +56,7 @@ def _qkv_rope_write_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PARTS: tl.constexpr = 1, NEXT: tl.constexpr = False,
+    EARLY_EPILOGUE: tl.constexpr = True,
 ):
     head = tl.program_id(0) // PARTS
     part = tl.program_id(0) % PARTS
@@ -76,33 +77,36 @@ def _qkv_rope_write_kernel(
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + HALF + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
     if NEXT:                # a later kernel's weight (gemm.next_weight_region)
         gm._prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tl.program_id(0))
+    # EARLY_EPILOGUE: the epilogue's inputs before the PDL wait, the rows' descriptors, their rotary-table rows and
+    # their cache pages (the host's, constants and the host's block tables: no kernel of the step writes them,
+    # kernels/pdl.py), so the dependent loads descriptor -> table run under the K loop, not after it.
+    offs_d = part * Q + tl.arange(0, Q)
+    rotate = head < NUM_HEADS + NUM_KV_HEADS                       # q or k head
+    cached = head >= NUM_HEADS                                     # k or v head
+    if EARLY_EPILOGUE:
+        c, s, ok, block, in_page = _epilogue_inputs(
+            cos_ptr, sin_ptr, block_tables_ptr, row_slot_ptr, row_depth_ptr, row_pos_ptr, head, offs_m, offs_d, live,
+            num_slots, num_planes, max_blocks, stride_cos, stride_bts, stride_btp, stride_btj, NUM_HEADS,
+            NUM_KV_HEADS, BLOCK_M, PAGE_SIZE)
     pdl.wait(PDL)
     acc = gm._k_loop(w_ptrs, x_ptrs, mask_n, live[None, :], offs_k, 0, K, tl.cdiv(K, BLOCK_K), 2 * Q, BLOCK_M,
                      BLOCK_K, EVEN, DOT_FP32)
     pdl.release(PDL)
+    if not EARLY_EPILOGUE:
+        c, s, ok, block, in_page = _epilogue_inputs(
+            cos_ptr, sin_ptr, block_tables_ptr, row_slot_ptr, row_depth_ptr, row_pos_ptr, head, offs_m, offs_d, live,
+            num_slots, num_planes, max_blocks, stride_cos, stride_bts, stride_btp, stride_btj, NUM_HEADS,
+            NUM_KV_HEADS, BLOCK_M, PAGE_SIZE)
     dtype = qkv_ptr.dtype.element_ty
     halves = tl.permute(tl.reshape(acc.to(dtype), (2, Q, BLOCK_M)), (1, 2, 0))
     x1, x2 = tl.split(halves)                                     # [Q, BLOCK_M]: dims d and d + HALF
-    offs_d = part * Q + tl.arange(0, Q)
-    pos = tl.load(row_pos_ptr + offs_m, mask=live, other=0)
-    if head < NUM_HEADS + NUM_KV_HEADS:                           # q or k: rotate (fused_ops.rotate_head_)
-        c = tl.load(cos_ptr + pos[None, :].to(tl.int64) * stride_cos + offs_d[:, None], mask=live[None, :], other=0.0)
-        s = tl.load(sin_ptr + pos[None, :].to(tl.int64) * stride_cos + offs_d[:, None], mask=live[None, :], other=0.0)
+    if rotate:                                                    # q or k: rotate (fused_ops.rotate_head_)
         f1, f2 = x1.to(c.dtype), x2.to(c.dtype)
         x1, x2 = (f1 * c - f2 * s).to(dtype), (f2 * c + f1 * s).to(dtype)
     dst = qkv_ptr + offs_m[None, :].to(tl.int64) * stride_qm + head * HEAD_DIM + offs_d[:, None]
     tl.store(dst, x1, mask=live[None, :])
     tl.store(dst + HALF, x2, mask=live[None, :])
-    if head >= NUM_HEADS:                                         # k or v: into the cache too
-        slot = tl.load(row_slot_ptr + offs_m, mask=live, other=-1)
-        depth = tl.load(row_depth_ptr + offs_m, mask=live, other=1)
-        ok = live & (slot >= 0) & (slot < num_slots) & (depth >= 1) & (depth <= num_planes)
-        ok = ok & (pos >= 0) & (pos < max_blocks * PAGE_SIZE)
-        # skipped rows look up (slot 0, plane 1, pos 0), in bounds, and write nothing
-        slot, depth, pos = tl.where(ok, slot, 0), tl.where(ok, depth, 1), tl.where(ok, pos, 0)
-        block = tl.load(block_tables_ptr + slot * stride_bts + (depth - 1) * stride_btp
-                        + (pos // PAGE_SIZE) * stride_btj).to(tl.int64)
-        in_page = pos % PAGE_SIZE
+    if cached:                                                    # k or v: into the cache too
         if head < NUM_HEADS + NUM_KV_HEADS:
             kv = k_cache_ptr + block[None, :] * stride_kb + in_page[None, :] * stride_kt \
                 + (head - NUM_HEADS) * stride_kh + offs_d[:, None] * stride_kd
@@ -113,6 +117,33 @@ def _qkv_rope_write_kernel(
             step = HALF * stride_vd
         tl.store(kv, x1, mask=ok[None, :])
         tl.store(kv + step, x2, mask=ok[None, :])
+
+
+@triton.jit
+def _epilogue_inputs(cos_ptr, sin_ptr, block_tables_ptr, row_slot_ptr, row_depth_ptr, row_pos_ptr, head, offs_m,
+                     offs_d, live, num_slots, num_planes, max_blocks, stride_cos, stride_bts, stride_btp, stride_btj,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr):
+    """What the epilogue reads besides the product: the rotary tables at each row's position (cos, sin
+    [Q, BLOCK_M], zero for a v head) and where each row's k or v goes in the cache (write mask ``ok``, block
+    and in-page offset [BLOCK_M]; ``ok`` all false for a q head), with the skipping rules of kernels/kv_write.py."""
+    pos = tl.load(row_pos_ptr + offs_m, mask=live, other=0)
+    # per row lane (a row mask & a scalar test trips the Triton 3.9 interpreter's load)
+    head_rows = tl.full([BLOCK_M], 0, tl.int32) + head
+    live_rotate = live & (head_rows < NUM_HEADS + NUM_KV_HEADS)
+    live_cached = live & (head_rows >= NUM_HEADS)
+    table = pos[None, :].to(tl.int64) * stride_cos + offs_d[:, None]
+    c = tl.load(cos_ptr + table, mask=live_rotate[None, :], other=0.0)
+    s = tl.load(sin_ptr + table, mask=live_rotate[None, :], other=0.0)
+    slot = tl.load(row_slot_ptr + offs_m, mask=live_cached, other=-1)
+    depth = tl.load(row_depth_ptr + offs_m, mask=live_cached, other=1)
+    ok = live_cached & (slot >= 0) & (slot < num_slots) & (depth >= 1) & (depth <= num_planes)
+    ok = ok & (pos >= 0) & (pos < max_blocks * PAGE_SIZE)
+    # skipped rows look up (slot 0, plane 1, pos 0), in bounds, and write nothing
+    slot, depth, pos = tl.where(ok, slot, 0), tl.where(ok, depth, 1), tl.where(ok, pos, 0)
+    block = tl.load(block_tables_ptr + slot * stride_bts + (depth - 1) * stride_btp + (pos // PAGE_SIZE) * stride_btj,
+                    mask=ok, other=0).to(tl.int64)
+    return c, s, ok, block, pos % PAGE_SIZE
 
 
 def check_config(config: gm.GemmConfig, head_dim: int) -> None:
@@ -169,5 +200,5 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
         NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
         BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), PAGE_SIZE=page_size,
         PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts, NEXT=next_lines > 0,
-        **launch)
+        EARLY_EPILOGUE=c.early_epilogue, **launch)
     return qkv

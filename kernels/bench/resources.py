@@ -127,7 +127,7 @@ def _qkv_rope_args(c: gm.GemmConfig, block_m: int, heads: int = 16, kv_heads: in
     consts = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_M": block_m,
               "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False, "PDL": 1, "PAGE_SIZE": page_size,
               "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "PARTS": head_dim // c.block_n,
-              "NEXT": next_lines > 0}
+              "NEXT": next_lines > 0, "EARLY_EPILOGUE": c.early_epilogue}
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **_REGION, **dict.fromkeys(consts, "constexpr")}
     div = tuple(ptrs) + ("K", "stride_xm", "stride_wn", "stride_qm", "stride_kb", "stride_kt", "stride_kh",
                          "stride_vb", "stride_vt", "stride_vh", "nw_ptr")

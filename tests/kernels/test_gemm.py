@@ -89,6 +89,9 @@ def test_gemm_rejects_bad_input(bad, match):
         gm.gemm(x, w, gm.GemmConfig(block_n=64, block_k=64, tma=True))
     with pytest.raises(ValueError, match="power of two"):
         gm.GemmConfig(block_n=48)
+    for flag in ("tma", "pdl", "early_epilogue"):
+        with pytest.raises(ValueError, match=f"GemmConfig.{flag} must be true or false, got 1"):
+            gm.GemmConfig(**{flag: 1})
 
 
 def test_config_for_is_per_shape_up_to_its_measured_rows():

@@ -47,7 +47,10 @@ def _fused_row_order(num_heads: int, head_dim: int, parts: int) -> torch.Tensor:
 @pytest.mark.parametrize("heads,kv_heads,head_dim,hidden,block_k,parts", [
     (4, 2, 16, 96, 32, 1), (2, 2, 32, 64, 64, 1), (2, 1, 64, 80, 32, 2), (2, 1, 64, 80, 32, 4),
     (16, 16, 128, 256, 128, 1), (16, 16, 128, 256, 128, 2), (16, 16, 128, 256, 128, 4)])
-def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, head_dim, hidden, block_k, parts):
+@pytest.mark.parametrize("early", [True, False])
+def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, head_dim, hidden, block_k, parts,
+                                                      early):
+    # early: the epilogue's inputs loaded before the K loop (GemmConfig.early_epilogue) or after it, the same bits.
     # parts > 1: a head's rotary pairs over several programs (block_n = head_dim / parts), against the gemm
     # of the same block_n: the same K tiles and order, so the same bits. The interpreter's tl.dot (numpy's
     # matmul) rounds an element by where its row sits in the tile, so on the CPU the gemm gets the weight's
@@ -55,7 +58,7 @@ def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, h
     if device == "cpu" and head_dim == 128:
         pytest.skip("the Ouro head in the interpreter is slow; CUDA covers it")
     x, w, cos, sin, (k_cache, v_cache), meta = _case(device, heads, kv_heads, head_dim, hidden)
-    cfg = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k)
+    cfg = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k, early_epilogue=early)
     fused_k, fused_v = k_cache.clone(), v_cache.clone()
     fused = qkv_rope_write_kv(x, w, cfg, cos, sin, fused_k, fused_v, *meta, heads)
     two_k, two_v = k_cache.clone(), v_cache.clone()
@@ -72,7 +75,7 @@ def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, h
     written = int((fused_k != k_cache).any(-1).any(-1).sum())
     assert 0 < written <= 7, f"{written} cache cells changed; the 7 valid rows write one cell each"
     if device == "cuda":        # bringing a later weight into L2 (gemm.next_weight_region, PDL on) changes no bit
-        cfg_pdl = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k, pdl=True)
+        cfg_pdl = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k, pdl=True, early_epilogue=early)
         outs = []
         for nxt in (None, w[:, : min(hidden, 128)]):
             kc, vc = k_cache.clone(), v_cache.clone()
