@@ -13,8 +13,9 @@ its first load of anything the kernel launched right before it writes, ``gdc_lau
 that wait. So when a kernel's programs start, every program of its predecessor has passed its own wait:
 every kernel before the predecessor has completed. Before its wait a kernel may therefore read what those
 earlier kernels (or the host, before the launch) wrote, and only that: the GEMMs bring their weights into
-L2, and decode attention loads the rows' metadata, page lookups and first K/V tile, all but the key at the
-row's position, which the step's KV write (its predecessor) writes. Kernels launched without PDL (torch's)
+L2, the fused qkv + RoPE + KV write loads its epilogue's descriptors, rotary-table rows and cache pages, and
+decode attention loads the rows' metadata, page lookups and first K/V tile, all but the key at the row's
+position, which the step's KV write (its predecessor) writes. Kernels launched without PDL (torch's)
 wait for full completion as usual and break nothing. Where the trigger sits is a schedule choice that changes no value (:data:`TRIGGER`):
 ``"late"`` after the main loop, before the stores; ``"early"`` right after the wait, so the next kernel's
 programs launch, and run the part before their own wait (a GEMM's L2 weight prefetch), while this kernel's
