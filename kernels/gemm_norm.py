@@ -77,12 +77,15 @@ def _gemm_norm_kernel(x_ptr, w_ptr, part_ptr, res_ptr, w1_ptr, w2_ptr, x_out_ptr
     mask_h = offs_h < N
     if SPIN:
         if rank >= total - M:
+            row = total - 1 - rank
+            # what the row's norm step reads besides the partials, loaded while the other programs finish
+            x, w1, w2, gw, gb = _row_inputs(row, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, offs_h, mask_h, stride_res,
+                                            GATE)
             while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < total:
                 pass
             tl.debug_barrier()
-            _norm_row(total - 1 - rank, part_ptr, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, x_out_ptr, h_out_ptr,
-                      hazard_ptr, offs_h, mask_h, N, stride_pm, stride_ps, stride_res, stride_xo, stride_ho, eps,
-                      SPLIT, GATE)
+            _norm_row(row, x, w1, w2, gw, gb, part_ptr, x_out_ptr, h_out_ptr, hazard_ptr, offs_h, mask_h, N, stride_pm,
+                      stride_ps, stride_xo, stride_ho, eps, SPLIT, GATE)
             tl.debug_barrier()
             if tl.atomic_add(count_ptr + 1, 1, sem="acq_rel", scope="gpu") == M - 1:   # the last row done
                 tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
@@ -90,21 +93,30 @@ def _gemm_norm_kernel(x_ptr, w_ptr, part_ptr, res_ptr, w1_ptr, w2_ptr, x_out_ptr
     else:
         if rank == total - 1:
             for row in range(0, M):
-                _norm_row(row, part_ptr, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, x_out_ptr, h_out_ptr, hazard_ptr,
-                          offs_h, mask_h, N, stride_pm, stride_ps, stride_res, stride_xo, stride_ho, eps, SPLIT, GATE)
+                x, w1, w2, gw, gb = _row_inputs(row, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, offs_h, mask_h,
+                                                stride_res, GATE)
+                _norm_row(row, x, w1, w2, gw, gb, part_ptr, x_out_ptr, h_out_ptr, hazard_ptr, offs_h, mask_h, N,
+                          stride_pm, stride_ps, stride_xo, stride_ho, eps, SPLIT, GATE)
             tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _norm_row(row, part_ptr, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, x_out_ptr, h_out_ptr, hazard_ptr, offs, mask,
-              hidden, stride_pm, stride_ps, stride_res, stride_xo, stride_ho, eps, SPLIT: tl.constexpr,
-              GATE: tl.constexpr):
-    """Row ``row``'s norm step from the finished partials (``fused_ops.add_rms_norm`` for one row)."""
+def _row_inputs(row, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, offs, mask, stride_res, GATE: tl.constexpr):
+    """Row ``row``'s residual and the norm and gate weights in fp32: everything its norm step reads but the
+    partials (earlier kernels' outputs and parameters, so a waiting program loads them before its wait)."""
+    x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     gw, gb = load_gate(gw_ptr, gb_ptr, offs, mask, GATE)
+    return x, w1, w2, gw, gb
+
+
+@triton.jit
+def _norm_row(row, x, w1, w2, gw, gb, part_ptr, x_out_ptr, h_out_ptr, hazard_ptr, offs, mask, hidden, stride_pm,
+              stride_ps, stride_xo, stride_ho, eps, SPLIT: tl.constexpr, GATE: tl.constexpr):
+    """Row ``row``'s norm step from the finished partials and its :func:`_row_inputs` (``fused_ops.add_rms_norm``
+    for one row)."""
     y = sum_partials(part_ptr + row * stride_pm, offs, mask, stride_ps, SPLIT, x_out_ptr.dtype.element_ty, ".cg")
-    x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
     norm_pair_store(x, y, w1, w2, gw, gb, x_out_ptr + row * stride_xo, h_out_ptr + row * stride_ho, hazard_ptr + row,
                     offs, mask, hidden, eps, GATE)
 
