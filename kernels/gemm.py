@@ -62,7 +62,9 @@ class GemmConfig:
     first K tiles of weight it prefetches into L2 before it waits for the previous kernel (none, or fewer
     where its K range is shorter; changes no bit); ``early_epilogue``: kernels/qkv_rope.py only, load the
     epilogue's descriptors, rotary-table rows and cache pages before the PDL wait rather than after the K loop
-    (changes no bit; the other kernels have no such inputs and ignore it).
+    (changes no bit; the other kernels have no such inputs and ignore it); ``early_trigger``: with PDL, release
+    the next kernel right after the wait whatever ``pdl.TRIGGER`` says, so its programs start (and run what
+    they do before their own wait) during this kernel's K loop (changes no bit).
     """
     block_n: int = 64
     block_k: int = 128
@@ -73,6 +75,7 @@ class GemmConfig:
     pdl: bool = False
     prefetch_tiles: int = 0
     early_epilogue: bool = True
+    early_trigger: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -85,7 +88,7 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.prefetch_tiles, int) or isinstance(self.prefetch_tiles, bool) or self.prefetch_tiles < 0:
             raise ValueError(f"GemmConfig.prefetch_tiles must be an int >= 0, got {self.prefetch_tiles!r}")
-        for name in ("tma", "pdl", "early_epilogue"):
+        for name in ("tma", "pdl", "early_epilogue", "early_trigger"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.num_warps & (self.num_warps - 1):
@@ -560,14 +563,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
         w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
         _gemm_tma_kernel[grid](x_desc, w_desc, out, weight, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
                                weight.stride(0), *region, *tiles, BLOCK_N=c.block_n, BLOCK_M=block_m,
-                               BLOCK_K=c.block_k, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k,
-                               NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store, **launch)
+                               BLOCK_K=c.block_k, PDL=pdl.mode(use_pdl, c.early_trigger), GLU=glu,
+                               PREFETCH_K=prefetch_k, NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store,
+                               **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
                            out.stride(0), *region, *tiles, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
-                           EVEN=even, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), GLU=glu, PREFETCH_K=prefetch_k,
-                           NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store, **launch)
+                           EVEN=even, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl, c.early_trigger), GLU=glu,
+                           PREFETCH_K=prefetch_k, NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store, **launch)
     if not store:
         return None
     return out[0] if c.split_k == 1 else out

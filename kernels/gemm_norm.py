@@ -194,7 +194,7 @@ def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, config: gm.GemmConf
                             BLOCK_N=config.block_n, BLOCK_M=block_m, BLOCK_K=config.block_k,
                             BLOCK_H=triton.next_power_of_2(n), SPLIT=config.split_k,
                             EVEN=n % config.block_n == 0 and k % config.block_k == 0, DOT_FP32=not x.is_cuda,
-                            PDL=pdl.mode(use_pdl), SPIN=spin, GATE=gate is not None,
+                            PDL=pdl.mode(use_pdl, config.early_trigger), SPIN=spin, GATE=gate is not None,
                             PREFETCH_K=gm.prefetch_elements(config, k, use_pdl, x.element_size()),
                             **pdl.launch_options(use_pdl, num_warps=config.num_warps, num_stages=stages))
     return (x_new, h) if gate is None else (x_new, h, hazard)

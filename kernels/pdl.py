@@ -58,14 +58,15 @@ def active(t: torch.Tensor) -> bool:
 _SM90: dict[int, bool] = {}
 
 
-def mode(use_pdl: bool) -> int:
+def mode(use_pdl: bool, early: bool = False) -> int:
     """The ``PDL`` constexpr of a launch: 0 without PDL, else :data:`LATE` or :data:`EARLY` per
-    :data:`TRIGGER`. Raises ValueError for a ``TRIGGER`` outside :data:`TRIGGERS`."""
+    :data:`TRIGGER`, or :data:`EARLY` whatever it says with ``early`` (one kernel's own choice, e.g.
+    ``gemm.GemmConfig.early_trigger``). Raises ValueError for a ``TRIGGER`` outside :data:`TRIGGERS`."""
     if not use_pdl:
         return 0
     if TRIGGER not in TRIGGERS:
         raise ValueError(f"pdl.TRIGGER must be one of {TRIGGERS}, got {TRIGGER!r}")
-    return int(EARLY.value if TRIGGER == "early" else LATE.value)
+    return int(EARLY.value if early or TRIGGER == "early" else LATE.value)
 
 
 @triton.jit

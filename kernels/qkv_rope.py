@@ -198,7 +198,8 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *region,
         NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
-        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl), PAGE_SIZE=page_size,
+        BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl, c.early_trigger),
+        PAGE_SIZE=page_size,
         PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts, NEXT=next_lines > 0,
         EARLY_EPILOGUE=c.early_epilogue, **launch)
     return qkv

@@ -3,7 +3,9 @@
 #   - 6a7cd61 the exit gate in the last norm kernel and c416b21 the exit rule in one launch (both on by default);
 #   - 5289297 the norm step inside o_proj / down (kernels/gemm_norm.py, opt-in: --norm-in-gemm);
 #   - f446049 decode attention's loads before its PDL wait (on; off: --attention-config early_kv=false);
-#   - ff5d247 qkv_rope's epilogue inputs before its PDL wait (on; off: --gemm-config qkv_rope.early_epilogue=false).
+#   - ff5d247 qkv_rope's epilogue inputs before its PDL wait (on; off: --gemm-config qkv_rope.early_epilogue=false);
+#   - GemmConfig.early_trigger: one GEMM releases its dependents right after its wait (off; qkv_rope's lets attention's
+#     loads before its wait run under the qkv K loop, swiglu's lets down's weight prefetch run under gate_up's).
 # Run on the lent H200 from the repository root, PYTHONPATH set as for the probe and $OUT set, one stage a device call
 # (each fits the 10-minute limit; logs land in $OUT):
 #   bash kernels/results/pending_h200.sh tests   the GPU tests of what changed (gemm_norm's first launch runs in a
@@ -26,9 +28,10 @@ tests)
         | tail -15 | tee "$OUT/gpu_tests.log" ;;
 probe)
     for B in 16 32; do
-        timeout 270 python3 -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs $B \
+        timeout 285 python3 -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs $B \
             --num-requests $((2 * B)) --repeats 3 --variant "" --variant "--norm-in-gemm" \
             --variant "--attention-config early_kv=false" --variant "--gemm-config qkv_rope.early_epilogue=false" \
+            --variant "--gemm-config qkv_rope.early_trigger=true" --variant "--gemm-config swiglu.early_trigger=true" \
             --variant "--gemm-config o_proj.split_k=2 --gemm-config down.split_k=8" 2>&1 \
             | tee "$OUT/probe_b$B.log" | tail -8
     done ;;

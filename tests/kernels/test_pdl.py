@@ -32,6 +32,7 @@ def test_mode_follows_the_trigger(monkeypatch):
     assert pdl.mode(False) == 0
     monkeypatch.setattr(pdl, "TRIGGER", "late")
     assert pdl.mode(True) == pdl.LATE
+    assert pdl.mode(True, early=True) == pdl.EARLY and pdl.mode(False, early=True) == 0   # one kernel's own choice
     monkeypatch.setattr(pdl, "TRIGGER", "early")
     assert pdl.mode(True) == pdl.EARLY != pdl.LATE
     monkeypatch.setattr(pdl, "TRIGGER", "soon")
@@ -128,12 +129,13 @@ def _layer(x, wt, case, kv_out, configs):
     return [h, qkv, a, x1, h1, act, x2, h2, qkv2, a2, gm.gemm(h2, wt["lm_head"], configs["lm_head"])]
 
 
-def _configs(prefetch_tiles):
+def _configs(prefetch_tiles, early_trigger=False):
     from loopbench.kernels import qkv_rope
     c = {"qkv": gm.CONFIGS[(6144, 2048)], "o": gm.CONFIGS[(2048, 2048)], "down": gm.CONFIGS[(2048, 5632)],
          "lm_head": gm.CONFIGS[(49152, 2048)], "glu": gm.SWIGLU_CONFIGS[(11264, 2048)],
          "qkv_rope": qkv_rope.CONFIGS[(6144, 2048)]}
-    return {k: dataclasses.replace(v, prefetch_tiles=prefetch_tiles) for k, v in c.items()}
+    return {k: dataclasses.replace(v, prefetch_tiles=prefetch_tiles, early_trigger=early_trigger and k == "qkv_rope")
+            for k, v in c.items()}
 
 
 @pytest.mark.gpu
@@ -145,16 +147,17 @@ def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.active(x), "PDL must be on for this test to compare anything"
 
-    def run(enabled, prefetch, trigger="late"):
+    def run(enabled, prefetch, trigger="late", early_trigger=False):
         monkeypatch.setattr(pdl, "ENABLED", enabled)
         monkeypatch.setattr(pdl, "TRIGGER", trigger)
         kv = [t.clone() for t in kv0]
-        return _layer(x, wt, case, kv, _configs(prefetch)) + kv
+        return _layer(x, wt, case, kv, _configs(prefetch, early_trigger)) + kv
 
     want = run(False, 0)
     torch.cuda.synchronize()
     variants = {"pdl": run(True, 0), "pdl+prefetch": run(True, 2), "pdl early": run(True, 0, "early"),
-                "pdl early+prefetch": run(True, 4, "early")}
+                "pdl early+prefetch": run(True, 4, "early"),
+                "pdl late, qkv_rope early": run(True, 0, "late", early_trigger=True)}
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "TRIGGER", "early")     # the graph: the schedule with the most overlap
     kv = [t.clone() for t in kv0]
