@@ -12,10 +12,13 @@
 #                                                child with a time limit: a broken arrival protocol hangs, not fails)
 #   bash kernels/results/pending_h200.sh probe   the throughput probe at B16/C32 and B32/C64, one process each, every
 #                                                variant against as configured in alternating order
+#   bash kernels/results/pending_h200.sh explore the same for combinations: with the norm in o_proj / down, a GEMM's
+#                                                early release together with a deeper weight prefetch by its dependent
+#                                                (the dependent's programs prefetch while the releasing kernel streams)
 # Then `make bench` for a bundle of whatever the probe favours.
 set -uo pipefail
-if [[ "${1:-}" != tests && "${1:-}" != probe ]] || [[ -z "${OUT:-}" ]]; then
-    echo "usage: OUT=DIR bash kernels/results/pending_h200.sh tests|probe" >&2
+if [[ "${1:-}" != tests && "${1:-}" != probe && "${1:-}" != explore ]] || [[ -z "${OUT:-}" ]]; then
+    echo "usage: OUT=DIR bash kernels/results/pending_h200.sh tests|probe|explore" >&2
     exit 2
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -34,5 +37,15 @@ probe)
             --variant "--gemm-config qkv_rope.early_trigger=true" --variant "--gemm-config swiglu.early_trigger=true" \
             --variant "--gemm-config o_proj.split_k=2 --gemm-config down.split_k=8" 2>&1 \
             | tee "$OUT/probe_b$B.log" | tail -8
+    done ;;
+explore)
+    for B in 16 32; do
+        timeout 285 python3 -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs $B \
+            --num-requests $((2 * B)) --repeats 3 --variant "" --variant "--norm-in-gemm" \
+            --variant "--norm-in-gemm --gemm-config swiglu.early_trigger=true --gemm-config down.prefetch_tiles=8" \
+            --variant "--norm-in-gemm --gemm-config o_proj.early_trigger=true --gemm-config swiglu.prefetch_tiles=4" \
+            --variant "--norm-in-gemm --gemm-config down.early_trigger=true --gemm-config qkv_rope.prefetch_tiles=4" \
+            --variant "--norm-in-gemm --gemm-config qkv_rope.early_trigger=true" 2>&1 \
+            | tee "$OUT/explore_b$B.log" | tail -8
     done ;;
 esac
