@@ -524,7 +524,7 @@ def _cuda_sm_count(index: int) -> int:
 def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
                 maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
-                early_kv: bool = True) -> None:
+                early_kv: bool = True, early_trigger: bool = False) -> None:
     """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -539,7 +539,7 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
         raise ValueError(f"num_stages must be None or an int >= 1, got {num_stages!r}")
     if maxnreg is not None and (not is_int(maxnreg) or maxnreg < 0):
         raise ValueError(f"maxnreg must be None or an int >= 0 (0: no cap), got {maxnreg!r}")
-    for name, flag in (("exit_ahead", exit_ahead), ("early_kv", early_kv)):
+    for name, flag in (("exit_ahead", exit_ahead), ("early_kv", early_kv), ("early_trigger", early_trigger)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be true or false, got {flag!r}")
     if not is_int(pipe_stages) or pipe_stages < 0:
@@ -554,7 +554,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
                      num_warps: int | None = None, num_stages: int | None = None,
                      maxnreg: int | None = None, exit_ahead: bool = True,
-                     pipe_stages: int = 0, early_kv: bool = True) -> torch.Tensor:
+                     pipe_stages: int = 0, early_kv: bool = True, early_trigger: bool = False) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -583,11 +583,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         early_kv: under PDL, start the dependent loads (metadata, page lookups, the first K/V tile without
             the key at ``row_pos``) before waiting for the previous kernel (default; module docstring) instead
             of after. Changes no value, only the schedule.
+        early_trigger: under PDL, release the next kernel right after the wait whatever ``pdl.TRIGGER`` says
+            (``pdl.mode``), so its programs start, and run what they do before their own wait (o_proj's weight
+            prefetch), while this one runs. Changes no value, only the schedule.
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
             layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``maxnreg``,
-            ``pipe_stages``, ``exit_ahead``, ``early_kv``).
+            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -601,7 +604,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
               layout, tile_size)
     check_knobs(block_n=block_n, min_split_tokens=min_split_tokens, max_splits=max_splits, num_warps=num_warps,
                 num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages,
-                early_kv=early_kv)
+                early_kv=early_kv, early_trigger=early_trigger)
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv
@@ -642,14 +645,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n,
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
-        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl),
+        EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl, early_trigger),
         PIPE_STAGES=pipe_stages, EARLY_KV=bool(early_kv), **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,
             h * num_splits, num_splits, 1, *out.stride(),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, PDL=pdl.mode(use_pdl), **pdl.launch_options(use_pdl, num_warps=4))
+            HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad, PDL=pdl.mode(use_pdl, early_trigger),
+            **pdl.launch_options(use_pdl, num_warps=4))
     return out
 
 

@@ -255,8 +255,8 @@ def test_rejects_bad_arguments():
     for bad in (-1, True, 128.0):
         with pytest.raises(ValueError, match="maxnreg"):
             decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
-    for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("early_kv", 0), ("block_n", 16.0),
-                      ("max_splits", 0)):
+    for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("early_kv", 0), ("early_trigger", 0),
+                      ("block_n", 16.0), ("max_splits", 0)):
         with pytest.raises(ValueError, match=knob):
             decode_attention(case["q"], k, v, **case["meta"], **{knob: bad})
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
@@ -327,7 +327,7 @@ def test_register_cap_follows_the_grid_not_the_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("kw", [dict(maxnreg=0), dict(maxnreg=128), dict(exit_ahead=False),
-                                dict(pipe_stages=3), dict(early_kv=False)])
+                                dict(pipe_stages=3), dict(early_kv=False), dict(early_trigger=True)])
 def test_schedule_knobs_change_no_bit(kw):
     # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
     case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,
