@@ -49,6 +49,9 @@ from . import pdl
 
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_M = 128                     # largest batch measured; more rows go to cuBLAS (config_for returns None)
+# The kernels' NEXT constexpr: who brings a later kernel's weight region into L2 (next_weight_region).
+NEXT_OWN = tl.constexpr(1)      # every program its share, before its PDL wait
+NEXT_EXTRA = tl.constexpr(2)    # GemmConfig.prefetch_programs extra programs, and only they
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,10 @@ class GemmConfig:
     epilogue's descriptors, rotary-table rows and cache pages before the PDL wait rather than after the K loop
     (changes no bit; the other kernels have no such inputs and ignore it); ``early_trigger``: with PDL, release
     the next kernel right after the wait whatever ``pdl.TRIGGER`` says, so its programs start (and run what
-    they do before their own wait) during this kernel's K loop (changes no bit).
+    they do before their own wait) during this kernel's K loop (changes no bit); ``prefetch_programs``: where
+    the launch brings a later kernel's weight into L2 (``next_weight``, PDL on), that many extra programs beside
+    the grid do it and nothing else (rounded up to a multiple of ``split_k``), on SMs the grid leaves idle, instead
+    of every program before its wait (0; changes no bit).
     """
     block_n: int = 64
     block_k: int = 128
@@ -76,6 +82,7 @@ class GemmConfig:
     prefetch_tiles: int = 0
     early_epilogue: bool = True
     early_trigger: bool = False
+    prefetch_programs: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -86,8 +93,10 @@ class GemmConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.prefetch_tiles, int) or isinstance(self.prefetch_tiles, bool) or self.prefetch_tiles < 0:
-            raise ValueError(f"GemmConfig.prefetch_tiles must be an int >= 0, got {self.prefetch_tiles!r}")
+        for name in ("prefetch_tiles", "prefetch_programs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"GemmConfig.{name} must be an int >= 0, got {v!r}")
         for name in ("tma", "pdl", "early_epilogue", "early_trigger"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be true or false, got {getattr(self, name)!r}")
@@ -152,18 +161,22 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
                  nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tmax_ptr, targ_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                  DOT_FP32: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = False,
-                 PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+                 PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = 0, ARGMAX: tl.constexpr = False,
                  STORE: tl.constexpr = True):
     """Pointer loads. Program (n tile, split): out[split, m, n] = sum over its K tiles of x[m, k] w[n, k].
     GLU: w is [2 N, K] (gate rows, then up rows) and out[m, n] = silu(gate) * up (:func:`gemm_swiglu`); a
     tile holds the program's BLOCK_N gate rows and their BLOCK_N up rows, one 2 BLOCK_N-row product per K tile
     (so BLOCK_N 32 still feeds Hopper's 64-row warpgroup MMA).
-    PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none). NEXT: bring this
-    program's ``nw_lines`` 128-byte lines of the region ``nw_*`` (a later kernel's weight,
-    :func:`_prefetch_region_l2`) into L2 before the wait. ARGMAX (split_k 1): also each row's largest rounded
+    PREFETCH_K: weight elements per row brought into L2 before the PDL wait (0: none). NEXT (:data:`NEXT_OWN`):
+    bring this program's ``nw_lines`` 128-byte lines of the region ``nw_*`` (a later kernel's weight,
+    :func:`_prefetch_region_l2`) into L2 before the wait; :data:`NEXT_EXTRA`: only the programs past the column
+    tiles do, and nothing else (:func:`_extra_prefetch`). ARGMAX (split_k 1): also each row's largest rounded
     value of this program's columns and its first column (:func:`_tile_argmax`); STORE: write the product."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    if NEXT == NEXT_EXTRA:
+        if _extra_prefetch(pid_n, split, tl.cdiv(N, BLOCK_N), nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines):
+            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if GLU:
         r = tl.arange(0, 2 * BLOCK_N)
@@ -179,7 +192,7 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k0, N, K, stride_wn, BLOCK_N, PREFETCH_K)
-    if NEXT:
+    if NEXT == NEXT_OWN:
         _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, pid_n + split * tl.num_programs(0))
     pdl.wait(PDL)
     acc = _k_loop(w_ptrs, x_ptrs, mask_n, mask_m, offs_k, k0, K, num_tiles, (1 + GLU) * BLOCK_N, BLOCK_M,
@@ -278,6 +291,24 @@ def _prefetch_region_l2(ptr, rows, cols, stride, lines, program):
 
 
 @triton.jit
+def _extra_prefetch(program, split, tiles, nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines):
+    """Whether this program (column index ``program`` of split ``split``) is one of a launch's extra prefetch
+    programs, the columns past the ``tiles`` column tiles (:data:`NEXT_EXTRA`); if so, it has brought its share
+    of the region into L2 (it needs no PDL wait: a later kernel's weight, which no kernel writes)."""
+    share = _extra_share(program, split, tiles)
+    if share >= 0:
+        _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, share)
+    return share >= 0
+
+
+@triton.jit
+def _extra_share(program, split, tiles):
+    """Which share of the region program (``program``, ``split``) of a :data:`NEXT_EXTRA` launch takes: the extra
+    columns ``tiles ..`` of every split, numbered column-fastest from 0; -1 for a column-tile program."""
+    return tl.where(program >= tiles, (program - tiles) + split * (tl.num_programs(0) - tiles), -1)
+
+
+@triton.jit
 def _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK: tl.constexpr):
     """Element offsets of lines ``c0 .. c0 + CHUNK - 1`` of program ``program``'s share of a region of
     ``rows`` rows of ``cols`` 2-byte elements, ``stride`` elements apart, walked as 128-byte lines row by row:
@@ -312,12 +343,15 @@ def _swiglu(gate, up, dtype: tl.constexpr):
 def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, stride_om, stride_os, stride_wn,
                      nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tmax_ptr, targ_ptr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = False,
+                     GLU: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, NEXT: tl.constexpr = 0,
                      ARGMAX: tl.constexpr = False, STORE: tl.constexpr = True):
     """TMA loads (out-of-range rows and K read as zero); otherwise :func:`_gemm_kernel` (GLU: the up rows
     start at row N of the descriptor). ``w_ptr`` / ``stride_wn``: the weight again, for PREFETCH_K only."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    if NEXT == NEXT_EXTRA:
+        if _extra_prefetch(pid_n, split, tl.cdiv(N, BLOCK_N), nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines):
+            return
     lo = split * tiles_per_split
     num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - lo)
     k = lo * BLOCK_K
@@ -327,7 +361,7 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, s
         _prefetch_l2(w_ptr, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
         if GLU:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_wn, pid_n * BLOCK_N, k, N, K, stride_wn, BLOCK_N, PREFETCH_K)
-    if NEXT:
+    if NEXT == NEXT_OWN:
         _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, pid_n + split * tl.num_programs(0))
     pdl.wait(PDL)
     for _ in range(0, num_tiles):
@@ -551,12 +585,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
     else:
         out = torch.empty((c.split_k, m, n), device=x.device, dtype=torch.float32)
     tiles = (argmax.tile_max, argmax.tile_index) if argmax is not None else (out, out)
-    grid = (triton.cdiv(n, c.block_n), c.split_k)
     stages = num_stages_that_fit(c, block_m, x.device, 2 if glu else 1, x.element_size())
     use_pdl = c.pdl and pdl.active(x)
     launch = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=stages)
     prefetch_k = prefetch_elements(c, k, use_pdl, x.element_size())
-    region, next_lines = next_weight_region(next_weight, x, grid[0] * grid[1], use_pdl)
+    grid, region, next_mode = next_weight_launch(next_weight, x, triton.cdiv(n, c.block_n), c.split_k,
+                                                 c.prefetch_programs, use_pdl)
     if c.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
@@ -564,14 +598,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
         _gemm_tma_kernel[grid](x_desc, w_desc, out, weight, m, n, k, tiles_per_split, out.stride(1), out.stride(0),
                                weight.stride(0), *region, *tiles, BLOCK_N=c.block_n, BLOCK_M=block_m,
                                BLOCK_K=c.block_k, PDL=pdl.mode(use_pdl, c.early_trigger), GLU=glu,
-                               PREFETCH_K=prefetch_k, NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store,
+                               PREFETCH_K=prefetch_k, NEXT=next_mode, ARGMAX=argmax is not None, STORE=store,
                                **launch)
     else:
         even = n % c.block_n == 0 and k % c.block_k == 0
         _gemm_kernel[grid](x, weight, out, m, n, k, tiles_per_split, x.stride(0), weight.stride(0), out.stride(1),
                            out.stride(0), *region, *tiles, BLOCK_N=c.block_n, BLOCK_M=block_m, BLOCK_K=c.block_k,
                            EVEN=even, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl, c.early_trigger), GLU=glu,
-                           PREFETCH_K=prefetch_k, NEXT=next_lines > 0, ARGMAX=argmax is not None, STORE=store, **launch)
+                           PREFETCH_K=prefetch_k, NEXT=next_mode, ARGMAX=argmax is not None, STORE=store, **launch)
     if not store:
         return None
     return out[0] if c.split_k == 1 else out
@@ -587,6 +621,21 @@ def prefetch_elements(c: GemmConfig, k: int, use_pdl: bool, elem_bytes: int = 2)
     per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k) * c.block_k
     cols = min(c.prefetch_tiles * c.block_k, per_split, k)
     return 0 if cols < 64 else 1 << (cols.bit_length() - 1)
+
+
+def next_weight_launch(next_weight: torch.Tensor | None, x: torch.Tensor, columns: int, split_k: int,
+                       prefetch_programs: int, use_pdl: bool) -> tuple[tuple[int, int], tuple, int]:
+    """The grid, region arguments and ``NEXT`` mode of a launch of ``columns`` x ``split_k`` programs that may
+    bring ``next_weight`` into L2 (:func:`next_weight_region`): without a region to prefetch, that grid and 0;
+    with ``prefetch_programs`` 0, every program takes a share (:data:`NEXT_OWN`); else ``ceil(prefetch_programs /
+    split_k)`` extra columns of programs take all of it (:data:`NEXT_EXTRA`)."""
+    extra = triton.cdiv(prefetch_programs, split_k)
+    region, lines = next_weight_region(next_weight, x, (extra or columns) * split_k, use_pdl)
+    if not lines:
+        return (columns, split_k), region, 0
+    if not extra:
+        return (columns, split_k), region, int(NEXT_OWN.value)
+    return (columns + extra, split_k), region, int(NEXT_EXTRA.value)
 
 
 def next_weight_region(next_weight: torch.Tensor | None, x: torch.Tensor, programs: int, use_pdl: bool

@@ -55,9 +55,13 @@ def _qkv_rope_write_kernel(
     nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PARTS: tl.constexpr = 1, NEXT: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PARTS: tl.constexpr = 1, NEXT: tl.constexpr = 0,
     EARLY_EPILOGUE: tl.constexpr = True,
 ):
+    if NEXT == gm.NEXT_EXTRA:           # an extra program: its share of a later kernel's weight into L2, nothing else
+        if gm._extra_prefetch(tl.program_id(0), 0, (NUM_HEADS + 2 * NUM_KV_HEADS) * PARTS, nw_ptr, nw_rows, nw_cols,
+                              nw_stride, nw_lines):
+            return
     head = tl.program_id(0) // PARTS
     part = tl.program_id(0) % PARTS
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -75,7 +79,7 @@ def _qkv_rope_write_kernel(
         n_rows = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
         gm._prefetch_l2(w_ptr, head * HEAD_DIM + HALF + part * Q, 0, n_rows, K, stride_wn, Q, PREFETCH_K)
-    if NEXT:                # a later kernel's weight (gemm.next_weight_region)
+    if NEXT == gm.NEXT_OWN:  # a later kernel's weight (gemm.next_weight_region)
         gm._prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tl.program_id(0))
     # EARLY_EPILOGUE: the epilogue's inputs before the PDL wait, the rows' descriptors, their rotary-table rows and
     # their cache pages (the host's, constants and the host's block tables: no kernel of the step writes them,
@@ -191,8 +195,8 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
                                 num_stages=gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size()))
     parts = d // c.block_n
     programs = (num_heads + 2 * hkv) * parts
-    region, next_lines = gm.next_weight_region(next_weight, x, programs, use_pdl)
-    _qkv_rope_write_kernel[(programs,)](
+    grid, region, next_mode = gm.next_weight_launch(next_weight, x, programs, 1, c.prefetch_programs, use_pdl)
+    _qkv_rope_write_kernel[grid[:1]](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),
         *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
@@ -200,6 +204,6 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
         NUM_HEADS=num_heads, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_M=block_m,
         BLOCK_K=c.block_k, EVEN=k % c.block_k == 0, DOT_FP32=not x.is_cuda, PDL=pdl.mode(use_pdl, c.early_trigger),
         PAGE_SIZE=page_size,
-        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts, NEXT=next_lines > 0,
+        PREFETCH_K=gm.prefetch_elements(c, k, use_pdl, x.element_size()), PARTS=parts, NEXT=next_mode,
         EARLY_EPILOGUE=c.early_epilogue, **launch)
     return qkv

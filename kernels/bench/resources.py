@@ -92,6 +92,13 @@ _REGION = {"nw_ptr": "*bf16", "nw_rows": "i32", "nw_cols": "i32", "nw_stride": "
 _ARGMAX = {"tmax_ptr": "*fp32", "targ_ptr": "*i32"}
 
 
+def _next_mode(c: gm.GemmConfig, next_lines: int) -> int:
+    """The kernels' ``NEXT`` constexpr for ``next_lines`` lines of a later weight (``gemm.next_weight_launch``)."""
+    if not next_lines:
+        return 0
+    return int((gm.NEXT_EXTRA if c.prefetch_programs else gm.NEXT_OWN).value)
+
+
 def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str, next_lines: int = 0,
                       argmax: bool = False) -> tuple:
     """(kernel, signature, constexprs, divisible_by_16) of :func:`gemm._launch` for config ``c``;
@@ -104,13 +111,14 @@ def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str,
                "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>", "out_ptr": out_dtype, "w_ptr": "*bf16",
                **common, "stride_om": "i32", "stride_os": "i32", "stride_wn": "i32", **_REGION, **_ARGMAX}
         consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "PDL": 1, "GLU": glu,
-                  "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0, **flags}
+                  "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": _next_mode(c, next_lines), **flags}
         return gm._gemm_tma_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
             ("out_ptr", "w_ptr", "N", "K", "stride_om", "stride_os", "stride_wn", "nw_ptr")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": out_dtype, **common,
            "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_os": "i32", **_REGION, **_ARGMAX}
     consts = {"BLOCK_N": c.block_n, "BLOCK_M": block_m, "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False,
-              "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "NEXT": next_lines > 0,
+              "PDL": 1, "GLU": glu, "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1),
+              "NEXT": _next_mode(c, next_lines),
               **flags}
     return gm._gemm_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, \
         ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_os", "nw_ptr")
@@ -127,7 +135,7 @@ def _qkv_rope_args(c: gm.GemmConfig, block_m: int, heads: int = 16, kv_heads: in
     consts = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_M": block_m,
               "BLOCK_K": c.block_k, "EVEN": True, "DOT_FP32": False, "PDL": 1, "PAGE_SIZE": page_size,
               "PREFETCH_K": c.block_k * min(c.prefetch_tiles, 1), "PARTS": head_dim // c.block_n,
-              "NEXT": next_lines > 0, "EARLY_EPILOGUE": c.early_epilogue}
+              "NEXT": _next_mode(c, next_lines), "EARLY_EPILOGUE": c.early_epilogue}
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **_REGION, **dict.fromkeys(consts, "constexpr")}
     div = tuple(ptrs) + ("K", "stride_xm", "stride_wn", "stride_qm", "stride_kb", "stride_kt", "stride_kh",
                          "stride_vb", "stride_vt", "stride_vh", "nw_ptr")

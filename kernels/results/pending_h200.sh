@@ -6,7 +6,9 @@
 #   - ff5d247 qkv_rope's epilogue inputs before its PDL wait (on; off: --gemm-config qkv_rope.early_epilogue=false);
 #   - GemmConfig.early_trigger: one GEMM releases its dependents right after its wait (off; qkv_rope's lets attention's
 #     loads before its wait run under the qkv K loop, swiglu's lets down's weight prefetch run under gate_up's);
-#     decode attention's the same (--attention-config early_trigger=true: o_proj's prefetch under attention).
+#     decode attention's the same (--attention-config early_trigger=true: o_proj's prefetch under attention);
+#   - GemmConfig.prefetch_programs: extra programs on the SMs a GEMM leaves idle bring the next weight into L2
+#     (--prefetch-next down=1 --gemm-config swiglu.prefetch_programs=44: down's 23 MB on gate_up's 44 idle SMs).
 # Run on the lent H200 from the repository root, PYTHONPATH set as for the probe and $OUT set, one stage a device call
 # (each fits the 10-minute limit; logs land in $OUT):
 #   bash kernels/results/pending_h200.sh tests   the GPU tests of what changed (gemm_norm's first launch runs in a
@@ -47,7 +49,9 @@ explore)
             --variant "--norm-in-gemm --gemm-config o_proj.early_trigger=true --gemm-config swiglu.prefetch_tiles=4" \
             --variant "--norm-in-gemm --gemm-config down.early_trigger=true --gemm-config qkv_rope.prefetch_tiles=4" \
             --variant "--norm-in-gemm --gemm-config qkv_rope.early_trigger=true" \
-            --variant "--norm-in-gemm --attention-config early_trigger=true --gemm-config o_proj.prefetch_tiles=4" 2>&1 \
+            --variant "--norm-in-gemm --attention-config early_trigger=true --gemm-config o_proj.prefetch_tiles=4" \
+            --variant "--norm-in-gemm --prefetch-next down=1 --gemm-config swiglu.prefetch_programs=44" \
+            --variant "--norm-in-gemm --prefetch-next o_proj=1 --gemm-config qkv_rope.prefetch_programs=36" 2>&1 \
             | tee "$OUT/explore_b$B.log" | tail -8
     done ;;
 esac

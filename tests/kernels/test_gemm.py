@@ -4,6 +4,8 @@ Shapes cross tile boundaries (N, K not multiples of the tiles, M not a power of 
 short last split are exercised; on CUDA also the Ouro shapes of ``CONFIGS``, the TMA and PDL variants,
 graph capture, and batch invariance (the first rows of a larger M equal a smaller M's rows bitwise).
 """
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -89,7 +91,9 @@ def test_gemm_rejects_bad_input(bad, match):
         gm.gemm(x, w, gm.GemmConfig(block_n=64, block_k=64, tma=True))
     with pytest.raises(ValueError, match="power of two"):
         gm.GemmConfig(block_n=48)
-    for flag in ("tma", "pdl", "early_epilogue"):
+    with pytest.raises(ValueError, match="prefetch_programs must be an int >= 0, got -1"):
+        gm.GemmConfig(prefetch_programs=-1)
+    for flag in ("tma", "pdl", "early_epilogue", "early_trigger"):
         with pytest.raises(ValueError, match=f"GemmConfig.{flag} must be true or false, got 1"):
             gm.GemmConfig(**{flag: 1})
 
@@ -223,6 +227,34 @@ def test_prefetch_region_offsets_cover_every_line_and_stay_inside(rows, cols, st
     assert lines == triton.cdiv(len(expected), programs)
 
 
+@triton.jit
+def _extra_share_kernel(out_ptr, TILES: tl.constexpr):
+    tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+             gm._extra_share(tl.program_id(0), tl.program_id(1), TILES))
+
+
+@pytest.mark.parametrize("columns,split_k,prefetch_programs", [(88, 1, 44), (32, 4, 4), (32, 4, 5), (48, 1, 1)])
+def test_extra_prefetch_programs_take_every_share_once(columns, split_k, prefetch_programs):
+    """GemmConfig.prefetch_programs: gemm.next_weight_launch adds ceil(programs / split_k) columns, the region's
+    lines are split over exactly those programs, and each takes a different share (read back through the
+    interpreter; the column-tile programs take none)."""
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(40, 512, dtype=torch.bfloat16)
+    grid, region, mode = gm.next_weight_launch(w, x, columns, split_k, prefetch_programs, use_pdl=True)
+    extra = grid[0] - columns
+    assert grid == (columns + triton.cdiv(prefetch_programs, split_k), split_k) and mode == gm.NEXT_EXTRA.value
+    assert region[4] == triton.cdiv(40 * 512 // 64, extra * split_k)
+    shares = torch.full((split_k, grid[0]), -2, dtype=torch.int32)
+    _extra_share_kernel[grid](shares, TILES=columns)
+    assert (shares[:, :columns] == -1).all()
+    assert sorted(shares[:, columns:].flatten().tolist()) == list(range(extra * split_k))
+    # no extra programs asked for, no region, or no PDL: the grid is the column tiles
+    own = gm.NEXT_OWN.value
+    assert gm.next_weight_launch(w, x, columns, split_k, 0, use_pdl=True)[::2] == ((columns, split_k), own)
+    assert gm.next_weight_launch(None, x, columns, split_k, 8, use_pdl=True)[::2] == ((columns, split_k), 0)
+    assert gm.next_weight_launch(w, x, columns, split_k, 8, use_pdl=False)[::2] == ((columns, split_k), 0)
+
+
 def test_next_weight_region_refuses_bad_regions_and_is_off_without_pdl():
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     w = torch.zeros(8, 128, dtype=torch.bfloat16)
@@ -250,6 +282,8 @@ def test_next_weight_prefetch_changes_no_bit_cuda(shape):
     assert pdl.active(x)
     plain = gm.gemm(x, w, cfg)
     assert torch.equal(gm.gemm(x, w, cfg, nxt), plain)
+    extra = dataclasses.replace(cfg, prefetch_programs=40)      # extra programs beside the grid take the region
+    assert torch.equal(gm.gemm(x, w, extra, nxt), plain), f"{shape}: extra prefetch programs changed a bit"
     graph = torch.cuda.CUDAGraph()
     gm.gemm(x, w, cfg, nxt)                             # compiled before the capture
     with torch.cuda.graph(graph):
@@ -260,6 +294,8 @@ def test_next_weight_prefetch_changes_no_bit_cuda(shape):
     if shape == (11264, 2048):
         glu = gm.SWIGLU_CONFIGS[shape]
         assert torch.equal(gm.gemm_swiglu(x, w, glu, nxt), gm.gemm_swiglu(x, w, glu))
+        assert torch.equal(gm.gemm_swiglu(x, w, dataclasses.replace(glu, prefetch_programs=44), nxt),
+                           gm.gemm_swiglu(x, w, glu))
 
 
 def _argmax_inputs(m, n, k, block_n, device):

@@ -5,6 +5,8 @@ position must write nothing into the cache.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,10 +79,13 @@ def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, h
     if device == "cuda":        # bringing a later weight into L2 (gemm.next_weight_region, PDL on) changes no bit
         cfg_pdl = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k, pdl=True, early_epilogue=early)
         outs = []
-        for nxt in (None, w[:, : min(hidden, 128)]):
+        # no prefetch; every program a share; 36 extra programs take it all (GemmConfig.prefetch_programs)
+        for nxt, extra in ((None, 0), (w[:, : min(hidden, 128)], 0), (w[:, : min(hidden, 128)], 36)):
             kc, vc = k_cache.clone(), v_cache.clone()
-            outs.append((qkv_rope_write_kv(x, w, cfg_pdl, cos, sin, kc, vc, *meta, heads, next_weight=nxt), kc, vc))
-        assert all(torch.equal(a, b) for a, b in zip(*outs)), "qkv_rope with a later weight's prefetch differs"
+            c = dataclasses.replace(cfg_pdl, prefetch_programs=extra)
+            outs.append((qkv_rope_write_kv(x, w, c, cos, sin, kc, vc, *meta, heads, next_weight=nxt), kc, vc))
+        for out in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], out)), "a later weight's prefetch changed a bit"
 
 
 def test_fused_qkv_rope_write_rejects_a_tile_that_does_not_divide_a_head():
