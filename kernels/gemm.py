@@ -281,13 +281,13 @@ def _prefetch_l2(w_ptr, row0, k0, N, K, stride_wn, ROWS: tl.constexpr, COLS: tl.
 
 
 @triton.jit
-def _prefetch_region_l2(ptr, rows, cols, stride, lines, program):
+def _prefetch_region_l2(ptr, rows, cols, stride, lines, program, EVICT_LAST: tl.constexpr = False):
     """Ask L2 for program ``program``'s share of a region of 2-byte elements (a later kernel's weight, or its
-    first columns): :func:`_region_line_offsets`, 256 lines at a time (a bounded register cost). Loads
-    nothing; CUDA only."""
+    first columns): :func:`_region_line_offsets`, 256 lines at a time (a bounded register cost), with
+    ``EVICT_LAST`` as the lines to keep (:func:`_l2_prefetch`). Loads nothing; CUDA only."""
     CHUNK: tl.constexpr = 256
     for c0 in range(0, lines, CHUNK):
-        _l2_prefetch(ptr + _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK))
+        _l2_prefetch(ptr + _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK), EVICT_LAST)
 
 
 @triton.jit
@@ -296,8 +296,8 @@ def _extra_prefetch(program, split, tiles, nw_ptr, nw_rows, nw_cols, nw_stride, 
     programs, the columns past the ``tiles`` column tiles (:data:`NEXT_EXTRA`); if so, it has brought its share
     of the region into L2 (it needs no PDL wait: a later kernel's weight, which no kernel writes)."""
     share = _extra_share(program, split, tiles)
-    if share >= 0:
-        _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, share)
+    if share >= 0:      # evict last: the carrying kernel's own weight stream passes through L2 meanwhile
+        _prefetch_region_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, share, True)
     return share >= 0
 
 
@@ -323,11 +323,16 @@ def _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK: tl.const
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
+def _l2_prefetch(ptrs, EVICT_LAST: tl.constexpr = False):
     """One ``prefetch.global.L2`` per pointer (PTX ISA, "prefetch"): the line comes into L2, no register is
-    written and no result depends on it."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    written and no result depends on it. ``EVICT_LAST`` (``prefetch.global.L2::evict_last``, sm_80+): the line
+    is among the last L2 evicts, for a later kernel's weight that another kernel's stream passes over first."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
