@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gemm import l2_prefetch
 
 LAYOUTS = ("native", "alias")
 
@@ -160,6 +161,18 @@ def _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb, 
 
 
 @triton.jit
+def _kv_line_offsets(block, tile, offs_t, stride_b, stride_t, stride_d, BLOCK_N: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Element offsets, from a kv head's base, of the start of every 128-byte line (``LINE_ELEMS`` elements) of
+    each key's row in ``tile`` (its pages ``block``): int64 ``[BLOCK_N, max(1, HEAD_DIM_PAD // LINE_ELEMS)]``, what
+    an L2 prefetch of the tile asks for (keys past the split look up page 0: a wasted line, never a bad one)."""
+    LINES: tl.constexpr = max(1, HEAD_DIM_PAD // LINE_ELEMS)
+    in_page = ((tile * BLOCK_N + offs_t) % PAGE_SIZE).to(tl.int64)
+    lines = tl.arange(0, LINES).to(tl.int64) * LINE_ELEMS
+    return (block * stride_b + in_page * stride_t)[:, None] + lines[None, :] * stride_d
+
+
+@triton.jit
 def _widen(x):
     """``x`` in fp32, the same values as ``x.to(tl.float32)``. A bf16 value is the upper half of its fp32
     value, so bf16 tiles widen by an integer shift: Triton 3.6 then keeps a K/V tile carried across loop
@@ -210,6 +223,7 @@ def _decode_attention_split_kernel(
     BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0, EARLY_KV: tl.constexpr = True,
+    PREFETCH_KV: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
@@ -290,6 +304,17 @@ def _decode_attention_split_kernel(
         if EXIT_AHEAD:      # e_p of the first tile the routed loop looks up (alias+prefix: after its direct loop)
             exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
                                    BLOCK_N, PREFIX)
+    if PREFETCH_KV:     # the next tiles' K/V lines into L2 while the previous kernel runs (CUDA, EARLY_KV only)
+        for tile in range(tile_lo + 1, tl.minimum(tile_lo + 1 + PREFETCH_KV, tile_hi)):
+            pages = _tile_pages(bt_row, bt_plane, exit_row, tile, split_end, depth, direct_end, direct_tiles,
+                                num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
+                                PREFIX)
+            l2_prefetch(k_cache_ptr + kv_head * stride_kh
+                        + _kv_line_offsets(pages, tile, offs_t, stride_kb, stride_kt, stride_kd, BLOCK_N, PAGE_SIZE,
+                                           HEAD_DIM_PAD, LINE_ELEMS))
+            l2_prefetch(v_cache_ptr + kv_head * stride_vh
+                        + _kv_line_offsets(pages, tile, offs_t, stride_vb, stride_vt, stride_vd, BLOCK_N, PAGE_SIZE,
+                                           HEAD_DIM_PAD, LINE_ELEMS))
 
     if EARLY_KV:
         pdl.wait(PDL)                      # q and the key at pos are the previous kernel's output
@@ -524,7 +549,7 @@ def _cuda_sm_count(index: int) -> int:
 def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
                 maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
-                early_kv: bool = True, early_trigger: bool = False) -> None:
+                early_kv: bool = True, early_trigger: bool = False, prefetch_kv: int = 0) -> None:
     """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -542,8 +567,9 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
     for name, flag in (("exit_ahead", exit_ahead), ("early_kv", early_kv), ("early_trigger", early_trigger)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be true or false, got {flag!r}")
-    if not is_int(pipe_stages) or pipe_stages < 0:
-        raise ValueError(f"pipe_stages must be an int >= 0, got {pipe_stages!r}")
+    for name, count in (("pipe_stages", pipe_stages), ("prefetch_kv", prefetch_kv)):
+        if not is_int(count) or count < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {count!r}")
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -554,7 +580,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
                      num_warps: int | None = None, num_stages: int | None = None,
                      maxnreg: int | None = None, exit_ahead: bool = True,
-                     pipe_stages: int = 0, early_kv: bool = True, early_trigger: bool = False) -> torch.Tensor:
+                     pipe_stages: int = 0, early_kv: bool = True, early_trigger: bool = False,
+                     prefetch_kv: int = 0) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -586,11 +613,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         early_trigger: under PDL, release the next kernel right after the wait whatever ``pdl.TRIGGER`` says
             (``pdl.mode``), so its programs start, and run what they do before their own wait (o_proj's weight
             prefetch), while this one runs. Changes no value, only the schedule.
+        prefetch_kv: under PDL with ``early_kv``, also ask L2 for the K/V lines of up to this many tiles after a
+            split's first before the wait (``prefetch.global.L2``, CUDA), so they stream in while the previous
+            kernel runs (its release decides how long: qkv_rope's ``GemmConfig.early_trigger``). Changes no value.
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
             layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``maxnreg``,
-            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``).
+            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``, ``prefetch_kv``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -604,7 +634,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
               layout, tile_size)
     check_knobs(block_n=block_n, min_split_tokens=min_split_tokens, max_splits=max_splits, num_warps=num_warps,
                 num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages,
-                early_kv=early_kv, early_trigger=early_trigger)
+                early_kv=early_kv, early_trigger=early_trigger, prefetch_kv=prefetch_kv)
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv
@@ -646,7 +676,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
         EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl, early_trigger),
-        PIPE_STAGES=pipe_stages, EARLY_KV=bool(early_kv), **cfg)
+        PIPE_STAGES=pipe_stages, EARLY_KV=bool(early_kv), PREFETCH_KV=prefetch_kv if use_pdl and early_kv else 0,
+        LINE_ELEMS=128 // q.element_size(), **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,

@@ -277,17 +277,17 @@ def _prefetch_l2(w_ptr, row0, k0, N, K, stride_wn, ROWS: tl.constexpr, COLS: tl.
     cols = k0 + tl.arange(0, COLS // LINE) * LINE
     ptrs = w_ptr + tl.where(rows < N, rows, row0)[:, None].to(tl.int64) * stride_wn \
         + tl.minimum(cols, K - 1)[None, :]
-    _l2_prefetch(ptrs)
+    l2_prefetch(ptrs)
 
 
 @triton.jit
 def _prefetch_region_l2(ptr, rows, cols, stride, lines, program, EVICT_LAST: tl.constexpr = False):
     """Ask L2 for program ``program``'s share of a region of 2-byte elements (a later kernel's weight, or its
     first columns): :func:`_region_line_offsets`, 256 lines at a time (a bounded register cost), with
-    ``EVICT_LAST`` as the lines to keep (:func:`_l2_prefetch`). Loads nothing; CUDA only."""
+    ``EVICT_LAST`` as the lines to keep (:func:`l2_prefetch`). Loads nothing; CUDA only."""
     CHUNK: tl.constexpr = 256
     for c0 in range(0, lines, CHUNK):
-        _l2_prefetch(ptr + _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK), EVICT_LAST)
+        l2_prefetch(ptr + _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK), EVICT_LAST)
 
 
 @triton.jit
@@ -323,7 +323,7 @@ def _region_line_offsets(rows, cols, stride, lines, program, c0, CHUNK: tl.const
 
 
 @triton.jit
-def _l2_prefetch(ptrs, EVICT_LAST: tl.constexpr = False):
+def l2_prefetch(ptrs, EVICT_LAST: tl.constexpr = False):
     """One ``prefetch.global.L2`` per pointer (PTX ISA, "prefetch"): the line comes into L2, no register is
     written and no result depends on it. ``EVICT_LAST`` (``prefetch.global.L2::evict_last``, sm_80+): the line
     is among the last L2 evicts, for a later kernel's weight that another kernel's stream passes over first."""

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from loopbench.kernels import decode_attention as da
 from loopbench.kernels.decode_attention import (REGISTER_CAP, UNCAPPED_PROGRAMS_PER_SM, decode_attention,
-                                                decode_attention_ref, launch_config)
+                                                decode_attention_ref, key_planes_ref, launch_config)
 from loopbench.kernels.kv_write import native_fill, native_fill_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -256,7 +259,8 @@ def test_rejects_bad_arguments():
         with pytest.raises(ValueError, match="maxnreg"):
             decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
     for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("early_kv", 0), ("early_trigger", 0),
-                      ("block_n", 16.0), ("max_splits", 0)):
+                      ("block_n", 16.0), ("max_splits", 0),
+                      ("prefetch_kv", -1)):
         with pytest.raises(ValueError, match=knob):
             decode_attention(case["q"], k, v, **case["meta"], **{knob: bad})
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
@@ -313,6 +317,56 @@ def test_early_kv_changes_no_bit(device):
     check_case(case)
 
 
+@triton.jit
+def _prefetch_lines_kernel(out_ptr, block_tables_ptr, exit_map_ptr, slot, depth, n_ctx, direct_end, num_planes,
+                           stride_bts, stride_btp, stride_btj, stride_ems, stride_b, stride_t, stride_d,
+                           N_TILES: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                           HEAD_DIM_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr, LAYOUT_ALIAS: tl.constexpr,
+                           PREFIX: tl.constexpr):
+    """The offsets the split kernel's K/V prefetch asks for, tile by tile, for one row (no PTX)."""
+    LINES: tl.constexpr = max(1, HEAD_DIM_PAD // LINE_ELEMS)
+    bt_row = block_tables_ptr + slot * stride_bts
+    offs_t = tl.arange(0, BLOCK_N)
+    cells = offs_t[:, None] * LINES + tl.arange(0, LINES)[None, :]
+    for tile in range(0, N_TILES):
+        pages = da._tile_pages(bt_row, bt_row + (depth - 1) * stride_btp, exit_map_ptr + slot * stride_ems, tile, n_ctx,
+                               depth, direct_end, direct_end // BLOCK_N, num_planes, stride_btp, stride_btj, 1,
+                               BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS, PREFIX)
+        offs = da._kv_line_offsets(pages, tile, offs_t, stride_b, stride_t, stride_d, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD,
+                                   LINE_ELEMS)
+        tl.store(out_ptr + tile * BLOCK_N * LINES + cells, offs)
+
+
+@pytest.mark.parametrize("layout,prefix", VARIANTS)
+@pytest.mark.parametrize("block_n", [8, 32])
+def test_kv_prefetch_asks_for_the_lines_each_key_is_read_from(layout, prefix, block_n):
+    # decode_attention(prefetch_kv=...)'s L2 prefetch (CUDA only) asks, for every key of a tile, for the lines of
+    # the row the kernel then reads: the page of the plane LAST_EXITED names (key_planes_ref), every line of the
+    # head (here 16 elements in 2 lines of 8, with a made-up element stride of 3 so the lines' spacing counts);
+    # keys past the context may ask for anything in the pool. Tiles of 8 keys cross no page, of 32 two.
+    case = make_case(5, "cpu", torch.float32, [40, 70], "boundary")
+    meta, (k_cache, _) = case["meta"], case[layout]
+    bt, em = meta["block_tables"], meta["exit_map"]
+    line_elems, head_dim, stride_d = 8, k_cache.shape[3], 3
+    for row in range(case["num_real_rows"]):
+        slot, depth, pos = (int(meta[name][row]) for name in ("row_slot", "row_depth", "row_pos"))
+        n_ctx, first_alias = pos + 1, int(meta["row_first_alias"][row])
+        direct_end = (first_alias // 32) * 32 if prefix else (0 if layout == "alias" else n_ctx)
+        n_tiles = triton.cdiv(n_ctx, block_n)
+        out = torch.full((n_tiles * block_n, 2), -1, dtype=torch.int64)
+        _prefetch_lines_kernel[(1,)](out, bt, em, slot, depth, n_ctx, direct_end, bt.shape[1], *bt.stride(),
+                                     em.stride(0), *k_cache.stride()[:2], stride_d, N_TILES=n_tiles,
+                                     BLOCK_N=block_n, PAGE_SIZE=k_cache.shape[1], HEAD_DIM_PAD=head_dim,
+                                     LINE_ELEMS=line_elems, LAYOUT_ALIAS=layout == "alias", PREFIX=prefix)
+        planes = key_planes_ref(bt, slot, depth, n_ctx, em, first_alias, layout, prefix, 32)
+        p = torch.arange(n_ctx)
+        blocks = bt[slot, planes - 1, p // k_cache.shape[1]].long()
+        want = blocks[:, None] * k_cache.stride(0) + (p % k_cache.shape[1])[:, None] * k_cache.stride(1) \
+            + torch.arange(2)[None, :] * line_elems * stride_d
+        assert torch.equal(out[:n_ctx], want), f"row {row} ({layout}, prefix {prefix}): wrong lines asked for"
+        assert (out >= 0).all() and (out < k_cache.numel() * stride_d).all()
+
+
 def test_register_cap_follows_the_grid_not_the_layout():
     # The cap is chosen from the launch shape alone: on at a grid beyond one uncapped wave, off at or
     # below it and without an SM count (CPU / interpreter); the warps follow the tile only.
@@ -327,7 +381,8 @@ def test_register_cap_follows_the_grid_not_the_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("kw", [dict(maxnreg=0), dict(maxnreg=128), dict(exit_ahead=False),
-                                dict(pipe_stages=3), dict(early_kv=False), dict(early_trigger=True)])
+                                dict(pipe_stages=3), dict(early_kv=False), dict(early_trigger=True),
+                                dict(prefetch_kv=4)])
 def test_schedule_knobs_change_no_bit(kw):
     # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
     case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,

@@ -101,7 +101,7 @@ def _layer_case(seed=0):
     return x, weights, case
 
 
-def _layer(x, wt, case, kv_out, configs):
+def _layer(x, wt, case, kv_out, configs, attention_kw=None):
     """The decode loop's kernel chain on one layer (kernels as the fused model calls them)."""
     from loopbench.kernels import fused_ops as fo
     from loopbench.kernels.decode_attention import decode_attention
@@ -125,7 +125,7 @@ def _layer(x, wt, case, kv_out, configs):
     # programs load the earlier keys before they wait and the key at pos after (the row of context 286 has a
     # second split of one tile, which holds that key)
     a2 = decode_attention(qkv2[:, :2048].reshape(n, 16, 128), *kv_out, **{**meta, "row_pos": pos}, layout="alias",
-                          prefix_tiles=True)
+                          prefix_tiles=True, **(attention_kw or {}))
     return [h, qkv, a, x1, h1, act, x2, h2, qkv2, a2, gm.gemm(h2, wt["lm_head"], configs["lm_head"])]
 
 
@@ -147,17 +147,19 @@ def test_pdl_and_prefetch_change_no_bit_eager_and_in_a_graph(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.active(x), "PDL must be on for this test to compare anything"
 
-    def run(enabled, prefetch, trigger="late", early_trigger=False):
+    def run(enabled, prefetch, trigger="late", early_trigger=False, attention_kw=None):
         monkeypatch.setattr(pdl, "ENABLED", enabled)
         monkeypatch.setattr(pdl, "TRIGGER", trigger)
         kv = [t.clone() for t in kv0]
-        return _layer(x, wt, case, kv, _configs(prefetch, early_trigger)) + kv
+        return _layer(x, wt, case, kv, _configs(prefetch, early_trigger), attention_kw) + kv
 
     want = run(False, 0)
     torch.cuda.synchronize()
     variants = {"pdl": run(True, 0), "pdl+prefetch": run(True, 2), "pdl early": run(True, 0, "early"),
                 "pdl early+prefetch": run(True, 4, "early"),
-                "pdl late, qkv_rope early": run(True, 0, "late", early_trigger=True)}
+                "pdl late, qkv_rope early": run(True, 0, "late", early_trigger=True),
+                "qkv_rope early, attention prefetching its K/V": run(True, 0, "late", early_trigger=True,
+                                                                     attention_kw=dict(prefetch_kv=8))}
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "TRIGGER", "early")     # the graph: the schedule with the most overlap
     kv = [t.clone() for t in kv0]
