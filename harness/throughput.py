@@ -121,6 +121,8 @@ def _gemm_override(text: str) -> tuple[str, str, int | bool]:
     if field not in fields and field != "faster_up_to":
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown field {field!r} (one of {', '.join(fields)}, faster_up_to)")
+    if field == "early_epilogue" and role != "qkv_rope":
+        raise argparse.ArgumentTypeError(f"{text!r}: only qkv_rope's epilogue has inputs to load early")
     if fields.get(field):
         try:
             return role, field, _flag(field, raw)

@@ -55,7 +55,10 @@ the previous kernel before its first load. The split kernel waits only after its
 started: it reads the row's metadata, looks up its first pages and loads its first K/V tile, without the key
 at the row's position, then waits, loads q and, where that first tile holds the key at the position (a split
 of one tile), loads the tile again whole. So the kernel before it (the step's KV write) may write q and the
-key at each row's position and nothing else this kernel reads; the results are the same values either way. The layout
+key at each row's position and nothing else this kernel reads; the results are the same values either way.
+Two schedule knobs more, off until measured: ``early_trigger`` releases the next kernel right after the wait
+(its weight prefetch then runs under this kernel), ``prefetch_kv`` asks L2 for a split's next K/V tiles before
+the wait (its history streams in under the qkv kernel where that one releases early). The layout
 flags never touch that, so native, alias and alias+prefix keep the same schedule around the loop.
 
 The kernels know nothing about exit policies or the scheduler; they read the metadata tensors as given.
@@ -151,12 +154,15 @@ def _tile_pages(bt_row, bt_plane, exit_row, tile, split_end, depth, direct_end, 
 
 @triton.jit
 def _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb, stride_kt, stride_vb,
-             stride_vt, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+             stride_vt, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CACHE: tl.constexpr):
+    """K and V of ``tile``'s keys before ``split_end`` (zeros past it); ``CACHE`` the loads' cache modifier."""
     offs_n = tile * BLOCK_N + offs_t
     mask_kv = (offs_n[:, None] < split_end) & mask_d[None, :]
     in_page = (offs_n % PAGE_SIZE)[:, None]
-    k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0)
-    v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0)
+    k = tl.load(k_head + block[:, None] * stride_kb + in_page * stride_kt, mask=mask_kv, other=0.0,
+                cache_modifier=CACHE)
+    v = tl.load(v_head + block[:, None] * stride_vb + in_page * stride_vt, mask=mask_kv, other=0.0,
+                cache_modifier=CACHE)
     return k, v
 
 
@@ -296,7 +302,7 @@ def _decode_attention_split_kernel(
                         num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
                         PREFIX)
     k, v = _load_kv(k_head, v_head, block, tile_lo, early_end, offs_t, mask_d, stride_kb, stride_kt,
-                    stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                    stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
     block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 1, split_end, depth, direct_end, direct_tiles,
                         num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
                         PREFIX)
@@ -320,13 +326,14 @@ def _decode_attention_split_kernel(
         pdl.wait(PDL)                      # q and the key at pos are the previous kernel's output
     q = tl.load(q_ptr + row * stride_qn + head * stride_qh + offs_d * stride_qd, mask=mask_d, other=0.0)
     q = q.to(tl.float32) * qk_scale_log2                                     # (D,)
-    if (early_end < split_end) & (early_end < (tile_lo + 1) * BLOCK_N):
-        # The first tile holds the key at pos (a context of at most one tile per split): load it whole now.
+    if (early_end < split_end) & (early_end >= tile_lo * BLOCK_N) & (early_end < (tile_lo + 1) * BLOCK_N):
+        # The first tile holds the key at pos (a split of one tile): load it whole now, past L1 (.cg), where a line
+        # loaded before the wait could hold the key beside it (heads of fewer than 32 bytes).
         k, v = _load_kv(k_head, v_head, _tile_pages(bt_row, bt_plane, exit_row, tile_lo, split_end, depth, direct_end,
                                                     direct_tiles, num_planes, stride_btp, stride_btj, stride_emp,
                                                     BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS, PREFIX),
                         tile_lo, split_end, offs_t, mask_d, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N,
-                        PAGE_SIZE)
+                        PAGE_SIZE, ".cg")
 
     # Online softmax kept per key lane (Milakov & Gimelshein 2018, applied to each of the BLOCK_N lanes
     # separately): the loop has no cross-lane reduction but the dot product over D; lanes merge once below.
@@ -340,7 +347,7 @@ def _decode_attention_split_kernel(
                 k_cur = _widen(k)
                 v_cur = _widen(v)
                 k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
                 block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
                 m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
                                                      BLOCK_N)
@@ -354,7 +361,7 @@ def _decode_attention_split_kernel(
                                 direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE,
                                 LAYOUT_ALIAS, PREFIX)
             k, v = _load_kv(k_head, v_head, block, routed_from, split_end, offs_t, mask_d, stride_kb, stride_kt,
-                            stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                            stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             block = _tile_pages(bt_row, bt_plane, exit_row, routed_from + 1, split_end, depth, direct_end,
                                 direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE,
                                 LAYOUT_ALIAS, PREFIX)
@@ -368,7 +375,7 @@ def _decode_attention_split_kernel(
             k_cur = _widen(k)
             v_cur = _widen(v)
             k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             if EXIT_AHEAD:
                 block = _routed_pages(bt_row, exit_next, tile + 2, split_end, depth, stride_btp, stride_btj,
                                       BLOCK_N, PAGE_SIZE)
@@ -387,7 +394,7 @@ def _decode_attention_split_kernel(
         for tile in tl.range(tile_lo, tile_hi, num_stages=PIPE_STAGES):
             block = _direct_pages(bt_plane, tile, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
             k, v = _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb,
-                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             m_i, l_i, acc = _online_softmax_step(q, _widen(k), _widen(v), tile, split_end,
                                                  offs_t, m_i, l_i, acc, BLOCK_N)
     else:
@@ -395,7 +402,7 @@ def _decode_attention_split_kernel(
             k_cur = _widen(k)
             v_cur = _widen(v)
             k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE)
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
             m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
                                                  BLOCK_N)
@@ -609,7 +616,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ``n`` stages. Changes no value, only the schedule.
         early_kv: under PDL, start the dependent loads (metadata, page lookups, the first K/V tile without
             the key at ``row_pos``) before waiting for the previous kernel (default; module docstring) instead
-            of after. Changes no value, only the schedule.
+            of after. Without PDL on a GPU there is no wait to start before, so it is off there; the interpreter
+            runs its code (tests). Changes no value, only the schedule.
         early_trigger: under PDL, release the next kernel right after the wait whatever ``pdl.TRIGGER`` says
             (``pdl.mode``), so its programs start, and run what they do before their own wait (o_proj's weight
             prefetch), while this one runs. Changes no value, only the schedule.
@@ -628,7 +636,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Never synchronises with the host. Under PDL (sm_90+) it reads the metadata, the block tables, the exit map
     and every key before ``row_pos`` before it waits for the kernel launched right before it, which may write
-    ``q`` and the keys at ``row_pos`` only (the step's KV write does; module docstring).
+    ``q`` and the keys at ``row_pos`` only (the step's KV write does; module docstring); so all rows of one slot
+    must share one ``row_pos`` (the engine runs one row per request), and what it reads before the wait must
+    have been written before a full boundary earlier in the stream (kernels/pdl.py).
     """
     _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, exit_map, row_first_alias,
               layout, tile_size)
@@ -676,7 +686,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         MIN_SPLIT_TILES=min_split_tiles, MAX_SPLITS_PER_ROW=max_splits,
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
         EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl, early_trigger),
-        PIPE_STAGES=pipe_stages, EARLY_KV=bool(early_kv), PREFETCH_KV=prefetch_kv if use_pdl and early_kv else 0,
+        PIPE_STAGES=pipe_stages, EARLY_KV=early_kv and (use_pdl or not q.is_cuda),
+        PREFETCH_KV=prefetch_kv if use_pdl and early_kv else 0,
         LINE_ELEMS=128 // q.element_size(), **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](

@@ -103,7 +103,8 @@ def _gemm_norm_kernel(x_ptr, w_ptr, part_ptr, res_ptr, w1_ptr, w2_ptr, x_out_ptr
 @triton.jit
 def _row_inputs(row, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, offs, mask, stride_res, GATE: tl.constexpr):
     """Row ``row``'s residual and the norm and gate weights in fp32: everything its norm step reads but the
-    partials (earlier kernels' outputs and parameters, so a waiting program loads them before its wait)."""
+    partials (earlier kernels' outputs and parameters, so a waiting program loads them before it spins on the
+    arrival counter)."""
     x = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)

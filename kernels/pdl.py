@@ -9,14 +9,22 @@ and its memory operations are visible (PTX ISA, "griddepcontrol"; CUDA C++ Progr
 becomes a programmatic graph edge, so replays overlap the same way.
 
 Every PDL kernel of this package follows one pattern, which keeps chains of them safe: ``gdc_wait`` before
-its first load of anything the kernel launched right before it writes, ``gdc_launch_dependents`` only after
-that wait. So when a kernel's programs start, every program of its predecessor has passed its own wait:
-every kernel before the predecessor has completed. Before its wait a kernel may therefore read what those
-earlier kernels (or the host, before the launch) wrote, and only that: the GEMMs bring their weights into
-L2, the fused qkv + RoPE + KV write loads its epilogue's descriptors, rotary-table rows and cache pages, and
-decode attention loads the rows' metadata, page lookups and first K/V tile, all but the key at the row's
-position, which the step's KV write (its predecessor) writes. Kernels launched without PDL (torch's)
-wait for full completion as usual and break nothing. Where the trigger sits is a schedule choice that changes no value (:data:`TRIGGER`):
+its first load of anything the kernel launched right before it writes, and a program releases its dependents
+(``gdc_launch_dependents``) only after its own wait; a program that never waits (a GEMM's extra prefetch
+programs, ``gemm.GemmConfig.prefetch_programs``) exits without releasing, and every launch has programs that
+wait. So when a kernel's programs start, the kernel two launches back has completed and its memory operations
+are performed (PTX ISA, "griddepcontrol"). Whether a load issued before the wait sees them is not documented,
+though: visibility is promised to a dependent grid only after its own wait. So before its wait a kernel reads
+only data that no kernel writes (weights, rotary tables) or that was last written before a full boundary
+earlier in the stream: a graph launch, a host-to-device copy, or a kernel launched without PDL that is not its
+immediate predecessor (a kernel launched without PDL right before a PDL kernel is that kernel's predecessor
+like any other: its writes may not be flushed when the PDL kernel starts). In the decode step that holds for
+what is read early: the GEMMs bring their weights into L2; the fused qkv + RoPE + KV write loads its epilogue's
+descriptors (published before the graph launch), rotary-table rows and cache pages (block tables, uploaded
+before the step); decode attention loads the rows' descriptors, page lookups, exit map and first K/V tile, all
+but the key at the row's position, which the step's KV write (its predecessor) writes, every earlier key having
+been written by an earlier step (a graph launch, and ``native_fill`` / ``publish_exits`` without PDL, ago).
+Where the trigger sits is a schedule choice that changes no value (:data:`TRIGGER`):
 ``"late"`` after the main loop, before the stores; ``"early"`` right after the wait, so the next kernel's
 programs launch, and run the part before their own wait (a GEMM's L2 weight prefetch), while this kernel's
 last wave runs. The next kernel launches only once every program of this one has triggered, so its

@@ -100,6 +100,7 @@ def test_prefill_gemm_rows_reach_the_engine_config():
     ("gate_up.num_stages=three", "num_stages must be an integer, got 'three'"),
     ("gate_up.tma=yes", "tma must be true or false, got 'yes'"),
     ("down.split_k=-1", "split_k must be >= 0, got -1"),
+    ("qkv.early_epilogue=false", "only qkv_rope's epilogue has inputs to load early"),
 ])
 def test_bad_gemm_config_overrides_are_argparse_errors_naming_the_part(text, message, capsys):
     with pytest.raises(SystemExit) as exc:

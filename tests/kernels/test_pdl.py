@@ -107,6 +107,11 @@ def _layer(x, wt, case, kv_out, configs, attention_kw=None):
     from loopbench.kernels.decode_attention import decode_attention
     from loopbench.kernels.qkv_rope import qkv_rope_write_kv
     n, eps = x.shape[0], 1e-6
+    # the next position of each row (a cell no earlier kernel of the chain reads); padding rows at 0, since every
+    # row's position indexes the rotary tables. Made first: qkv_rope and attention read positions before their
+    # PDL wait, so the kernel that makes them must not be right before either (kernels/pdl.py)
+    meta = case["meta"]
+    pos = torch.where(meta["row_slot"] >= 0, meta["row_pos"] + 1, 0)
     h = fo.rms_norm(x, wt["ln"][0], eps)
     qkv = gm.gemm(h, wt["qkv"], configs["qkv"])
     a = decode_attention(qkv[:, :2048].reshape(n, 16, 128), *case["alias"], **case["meta"], layout="alias",
@@ -115,10 +120,6 @@ def _layer(x, wt, case, kv_out, configs, attention_kw=None):
     act = gm.gemm_swiglu(h1, wt["gate_up"], configs["glu"])
     x2, h2 = fo.add_rms_norm(x1, gm.gemm(act, wt["down"], configs["down"]), wt["ln"][3], wt["ln"][4], eps)
     cos, sin = wt["rope"]
-    # the next position of each row (a cell no earlier kernel of the chain reads); padding rows at 0, since
-    # every row's position indexes the rotary tables
-    meta = case["meta"]
-    pos = torch.where(meta["row_slot"] >= 0, meta["row_pos"] + 1, 0)
     qkv2 = qkv_rope_write_kv(h2, wt["qkv"], configs["qkv_rope"], cos, sin, *kv_out, meta["block_tables"],
                              meta["row_slot"], meta["row_depth"], pos, 16)
     # attention at that position right after the kernel that wrote its key, as in the decode loop: under PDL its
