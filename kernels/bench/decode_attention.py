@@ -16,7 +16,10 @@ For Ouro-1.4B's attention shape (16 heads, head_dim 128, bf16, block_size 16) an
 
 Extra variants (``--variants``) time the same workload with a scheduling knob changed (``noahead``: the
 routed loop reads the exit map in the iteration that uses it; ``nocap`` / ``cap``: no register cap / always
-128 registers, where the default caps only a grid of more than 3 programs per SM)
+128 registers, where the default caps only a grid of more than 3 programs per SM; ``latekv``: the PDL wait
+before the first loads, ``early_kv=False``; ``early``: each call releases the next right after its wait, so
+with back-to-back calls the next one's loads before its wait overlap this one; ``pf8_early``: that, with the
+next 8 K/V tiles asked of L2 before the wait, ``prefetch_kv=8``)
 or, with ``--baseline FILE``, with another version of the kernel module (``base_*``: e.g. the previous
 commit's ``decode_attention.py``, timed in the same process for a like-for-like before/after). Their
 times relative to this kernel's native go into extra columns; every variant must give native's bits.
@@ -138,6 +141,12 @@ VARIANTS = {
     "native_pipe3": ("new", "native", False, dict(pipe_stages=3)),
     "native_pipe4": ("new", "native", False, dict(pipe_stages=4)),
     "native_pipe3_n64": ("new", "native", False, dict(pipe_stages=3, block_n=64)),
+    "native_latekv": ("new", "native", False, dict(early_kv=False)),
+    "alias_latekv": ("new", "alias", False, dict(early_kv=False)),
+    "prefix_latekv": ("new", "alias", True, dict(early_kv=False)),
+    "native_early": ("new", "native", False, dict(early_trigger=True)),
+    "native_pf8_early": ("new", "native", False, dict(prefetch_kv=8, early_trigger=True)),
+    "prefix_pf8_early": ("new", "alias", True, dict(prefetch_kv=8, early_trigger=True)),
     "base_native": ("base", "native", False, {}),
     "base_alias": ("base", "alias", False, {}),
     "base_prefix": ("base", "alias", True, {}),

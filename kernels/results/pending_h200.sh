@@ -16,7 +16,8 @@
 #              arrival protocol hangs, not fails)
 #   probe      the throughput probe at B16/C32 and B32/C64, one process each, every variant against as configured
 #              in alternating order: each switch above on its own
-#   attention  the same for the qkv -> attention -> o_proj boundaries (early releases with deeper prefetches)
+#   attention  the same for the qkv -> attention -> o_proj boundaries (early releases with deeper prefetches), then
+#              kernels/bench/decode_attention.py with the attention switches as variants
 #   mlp        the same for gate_up -> down -> next qkv, with the norm in o_proj / down (a fused MLP's overlap from
 #              existing knobs: the dependent's programs prefetch while the releasing kernel streams)
 # e.g. OUT=$OUT bash kernels/results/pending_h200.sh probe. Then `make bench` for a bundle of whatever wins.
@@ -52,7 +53,11 @@ attention)
         "--gemm-config qkv_rope.early_trigger=true --attention-config prefetch_kv=8" \
         "--attention-config prefetch_kv=8" \
         "--attention-config early_trigger=true --gemm-config o_proj.prefetch_tiles=4" \
-        "--prefetch-next o_proj=1 --gemm-config qkv_rope.prefetch_programs=36" ;;
+        "--prefetch-next o_proj=1 --gemm-config qkv_rope.prefetch_programs=36"
+    # the attention kernel alone, back-to-back calls in a graph (no qkv kernel before it): the switches' own cost
+    timeout 120 python3 kernels/bench/decode_attention.py --out "$OUT/decode_attention_prewait.md" --batches 16 32 \
+        --contexts 128 256 1024 --no-sdpa --rep-ms 40 --variants native_latekv alias_latekv prefix_latekv \
+        native_early native_pf8_early prefix_pf8_early 2>&1 | tail -3 ;;
 mlp)
     probe "--norm-in-gemm" \
         "--norm-in-gemm --gemm-config swiglu.early_trigger=true --gemm-config down.prefetch_tiles=8" \
