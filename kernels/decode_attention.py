@@ -73,7 +73,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm import l2_prefetch
 
 LAYOUTS = ("native", "alias")
 
@@ -84,6 +83,7 @@ MAX_SPLITS = 16
 # Keys per inner-loop iteration (the compute tile). Independent of ``tile_size``, which only sets the
 # granularity of the prefix switch; must be a power of two.
 DEFAULT_BLOCK_N = 32
+MAX_PREFETCH_KV = 32            # tiles decode_attention(prefetch_kv=...) may ask of L2 (unrolled, 256 keys a step)
 
 _LOG2E = 1.4426950408889634
 
@@ -167,15 +167,40 @@ def _load_kv(k_head, v_head, block, tile, split_end, offs_t, mask_d, stride_kb, 
 
 
 @triton.jit
-def _kv_line_offsets(block, tile, offs_t, stride_b, stride_t, stride_d, BLOCK_N: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Element offsets, from a kv head's base, of the start of every 128-byte line (``LINE_ELEMS`` elements) of
-    each key's row in ``tile`` (its pages ``block``): int64 ``[BLOCK_N, max(1, HEAD_DIM_PAD // LINE_ELEMS)]``, what
-    an L2 prefetch of the tile asks for (keys past the split look up page 0: a wasted line, never a bad one)."""
+def _span_pages(bt_row, bt_plane, exit_row, offs_n, mask, depth, direct_end, num_planes, stride_btp, stride_btj,
+                stride_emp, PAGE_SIZE: tl.constexpr, LAYOUT_ALIAS: tl.constexpr):
+    """Blocks of keys ``offs_n`` (any span, ``mask`` the keys to look up, 0 for the rest) by the path the loops
+    take for them: plane ``depth`` before ``direct_end`` (native: every key), else plane ``min(depth, e_p)``.
+    One exit-map gather and one block-table gather for the whole span, so a prefetch of many tiles costs two
+    dependent round trips, not two a tile."""
+    if LAYOUT_ALIAS:
+        e = tl.load(exit_row + offs_n * stride_emp, mask=mask & (offs_n >= direct_end), other=num_planes)
+        plane_m1 = tl.minimum((e - 1).to(tl.uint32, bitcast=True), (depth - 1).to(tl.uint32, bitcast=True))
+        block = tl.load(bt_row + plane_m1.to(tl.int32, bitcast=True) * stride_btp + (offs_n // PAGE_SIZE) * stride_btj,
+                        mask=mask, other=0)
+    else:
+        block = tl.load(bt_plane + (offs_n // PAGE_SIZE) * stride_btj, mask=mask, other=0)
+    return block.to(tl.int64)
+
+
+@triton.jit
+def _kv_line_offsets(block, offs_n, stride_b, stride_t, stride_d, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Element offsets, from a kv head's base, of every 128-byte line (``LINE_ELEMS`` elements) of the rows of
+    keys ``offs_n`` (their pages ``block``): int64 ``[len(offs_n), max(1, HEAD_DIM_PAD // LINE_ELEMS)]``, each
+    line's first element clamped to the row's last (``HEAD_DIM`` < ``HEAD_DIM_PAD``: no line past the row)."""
     LINES: tl.constexpr = max(1, HEAD_DIM_PAD // LINE_ELEMS)
-    in_page = ((tile * BLOCK_N + offs_t) % PAGE_SIZE).to(tl.int64)
-    lines = tl.arange(0, LINES).to(tl.int64) * LINE_ELEMS
+    in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+    lines = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1).to(tl.int64)
     return (block * stride_b + in_page * stride_t)[:, None] + lines[None, :] * stride_d
+
+
+@triton.jit
+def _l2_prefetch_if(ptrs, mask):
+    """``prefetch.global.L2`` of each pointer whose ``mask`` is set (a predicated prefetch: none for the rest)."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];"
+                              "\n\tmov.u32 $0, 0;\n\t}", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -229,7 +254,7 @@ def _decode_attention_split_kernel(
     BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, MAX_SPLITS_PER_ROW: tl.constexpr,
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0, EARLY_KV: tl.constexpr = True,
-    PREFETCH_KV: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
+    PREFETCH_KV: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, PREFETCH_CHUNK: tl.constexpr = 256,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
@@ -311,16 +336,18 @@ def _decode_attention_split_kernel(
             exit_next = _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes, stride_emp,
                                    BLOCK_N, PREFIX)
     if PREFETCH_KV:     # the next tiles' K/V lines into L2 while the previous kernel runs (CUDA, EARLY_KV only)
-        for tile in range(tile_lo + 1, tl.minimum(tile_lo + 1 + PREFETCH_KV, tile_hi)):
-            pages = _tile_pages(bt_row, bt_plane, exit_row, tile, split_end, depth, direct_end, direct_tiles,
-                                num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS,
-                                PREFIX)
-            l2_prefetch(k_cache_ptr + kv_head * stride_kh
-                        + _kv_line_offsets(pages, tile, offs_t, stride_kb, stride_kt, stride_kd, BLOCK_N, PAGE_SIZE,
-                                           HEAD_DIM_PAD, LINE_ELEMS))
-            l2_prefetch(v_cache_ptr + kv_head * stride_vh
-                        + _kv_line_offsets(pages, tile, offs_t, stride_vb, stride_vt, stride_vd, BLOCK_N, PAGE_SIZE,
-                                           HEAD_DIM_PAD, LINE_ELEMS))
+        pf_end = tl.minimum(split_end, (tile_lo + 1 + PREFETCH_KV) * BLOCK_N)
+        for c in tl.static_range(0, PREFETCH_KV * BLOCK_N, PREFETCH_CHUNK):
+            offs_p = (tile_lo + 1) * BLOCK_N + c + tl.arange(0, PREFETCH_CHUNK)
+            mask_p = offs_p < pf_end
+            pages = _span_pages(bt_row, bt_plane, exit_row, offs_p, mask_p, depth, direct_end, num_planes,
+                                stride_btp, stride_btj, stride_emp, PAGE_SIZE, LAYOUT_ALIAS)
+            _l2_prefetch_if(k_cache_ptr + kv_head * stride_kh
+                            + _kv_line_offsets(pages, offs_p, stride_kb, stride_kt, stride_kd, PAGE_SIZE, HEAD_DIM,
+                                               HEAD_DIM_PAD, LINE_ELEMS), mask_p[:, None])
+            _l2_prefetch_if(v_cache_ptr + kv_head * stride_vh
+                            + _kv_line_offsets(pages, offs_p, stride_vb, stride_vt, stride_vd, PAGE_SIZE, HEAD_DIM,
+                                               HEAD_DIM_PAD, LINE_ELEMS), mask_p[:, None])
 
     if EARLY_KV:
         pdl.wait(PDL)                      # q and the key at pos are the previous kernel's output
@@ -577,6 +604,10 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
     for name, count in (("pipe_stages", pipe_stages), ("prefetch_kv", prefetch_kv)):
         if not is_int(count) or count < 0:
             raise ValueError(f"{name} must be an int >= 0, got {count!r}")
+    if prefetch_kv > MAX_PREFETCH_KV:
+        raise ValueError(f"prefetch_kv must be at most {MAX_PREFETCH_KV} tiles, got {prefetch_kv!r}")
+    if prefetch_kv and not early_kv:
+        raise ValueError("prefetch_kv needs early_kv (it asks L2 for tiles before the PDL wait), got early_kv=False")
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -676,6 +707,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     prefix = alias and bool(prefix_tiles)
     use_pdl = pdl.active(q)
     cfg = pdl.launch_options(use_pdl, **cfg)
+    prefetch = prefetch_kv if use_pdl and early_kv else 0       # keys of the next tiles asked of L2 before the wait
     _decode_attention_split_kernel[(h, n, num_splits)](
         q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         exit_map, row_first_alias, out, part_m, part_l, part_acc,
@@ -687,8 +719,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         LAYOUT_ALIAS=alias, PREFIX=prefix, MASK_ROUTED=prefix and not exit_ahead and tile_size % block_n != 0,
         EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl, early_trigger),
         PIPE_STAGES=pipe_stages, EARLY_KV=early_kv and (use_pdl or not q.is_cuda),
-        PREFETCH_KV=prefetch_kv if use_pdl and early_kv else 0,
-        LINE_ELEMS=128 // q.element_size(), **cfg)
+        PREFETCH_KV=prefetch, LINE_ELEMS=128 // q.element_size(),
+        PREFETCH_CHUNK=min(256, triton.next_power_of_2(max(1, prefetch) * block_n)), **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,

@@ -34,7 +34,7 @@ probe() {   # probe VARIANT...: as configured and every VARIANT, B16/C32 then B3
     local args=(--variant "")
     for v in "$@"; do args+=(--variant "$v"); done
     for B in 16 32; do
-        timeout 290 python3 -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs $B \
+        timeout 235 python3 -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs $B \
             --num-requests $((2 * B)) --repeats 3 "${args[@]}" 2>&1 | tee "$OUT/${stage}_b$B.log" | tail -10
     done
 }
@@ -44,7 +44,7 @@ tests)
     timeout 540 python3 -m pytest -q -m gpu -x tests/kernels/test_gemm_norm.py tests/kernels/test_fused.py \
         tests/kernels/test_exit_rule.py tests/kernels/test_pdl.py tests/kernels/test_qkv_rope.py \
         tests/kernels/test_gemm.py tests/kernels/test_decode_attention.py tests/runtime/test_gpu.py \
-        tests/runtime/test_batch_invariance.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+        tests/runtime/test_batch_invariance.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 probe)
     probe "--norm-in-gemm" "--attention-config early_kv=false" "--gemm-config qkv_rope.early_epilogue=false" \
         "--gemm-config o_proj.split_k=2 --gemm-config down.split_k=8" ;;
@@ -57,7 +57,7 @@ attention)
     # the attention kernel alone, back-to-back calls in a graph (no qkv kernel before it): the switches' own cost
     timeout 120 python3 kernels/bench/decode_attention.py --out "$OUT/decode_attention_prewait.md" --batches 16 32 \
         --contexts 128 256 1024 --no-sdpa --rep-ms 40 --variants native_latekv alias_latekv prefix_latekv \
-        native_early native_pf8_early prefix_pf8_early 2>&1 | tail -3 ;;
+        native_early native_pf8_early prefix_pf8_early 2>&1 | tee "$OUT/decode_attention_prewait.log" | tail -3 ;;
 mlp)
     probe "--norm-in-gemm" \
         "--norm-in-gemm --gemm-config swiglu.early_trigger=true --gemm-config down.prefetch_tiles=8" \

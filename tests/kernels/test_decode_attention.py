@@ -260,9 +260,11 @@ def test_rejects_bad_arguments():
             decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
     for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("early_kv", 0), ("early_trigger", 0),
                       ("block_n", 16.0), ("max_splits", 0),
-                      ("prefetch_kv", -1)):
+                      ("prefetch_kv", -1), ("prefetch_kv", 33)):
         with pytest.raises(ValueError, match=knob):
             decode_attention(case["q"], k, v, **case["meta"], **{knob: bad})
+    with pytest.raises(ValueError, match="prefetch_kv needs early_kv"):
+        decode_attention(case["q"], k, v, **case["meta"], prefetch_kv=4, early_kv=False)
     many = make_case(8, "cpu", torch.float32, [3, 3], "none", padding_rows=0)
     with pytest.raises(ValueError, match="contiguous"):
         decode_attention(many["q"], *many["native"],
@@ -320,51 +322,52 @@ def test_early_kv_changes_no_bit(device):
 @triton.jit
 def _prefetch_lines_kernel(out_ptr, block_tables_ptr, exit_map_ptr, slot, depth, n_ctx, direct_end, num_planes,
                            stride_bts, stride_btp, stride_btj, stride_ems, stride_b, stride_t, stride_d,
-                           N_TILES: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                           HEAD_DIM_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr, LAYOUT_ALIAS: tl.constexpr,
-                           PREFIX: tl.constexpr):
-    """The offsets the split kernel's K/V prefetch asks for, tile by tile, for one row (no PTX)."""
+                           KEYS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HEAD_DIM_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr, LAYOUT_ALIAS: tl.constexpr):
+    """The offsets the split kernel's K/V prefetch asks for, keys 0 .. KEYS - 1 of one row in one span (no PTX);
+    -1 where it asks for nothing (keys at or past the context)."""
     LINES: tl.constexpr = max(1, HEAD_DIM_PAD // LINE_ELEMS)
     bt_row = block_tables_ptr + slot * stride_bts
-    offs_t = tl.arange(0, BLOCK_N)
-    cells = offs_t[:, None] * LINES + tl.arange(0, LINES)[None, :]
-    for tile in range(0, N_TILES):
-        pages = da._tile_pages(bt_row, bt_row + (depth - 1) * stride_btp, exit_map_ptr + slot * stride_ems, tile, n_ctx,
-                               depth, direct_end, direct_end // BLOCK_N, num_planes, stride_btp, stride_btj, 1,
-                               BLOCK_N, PAGE_SIZE, LAYOUT_ALIAS, PREFIX)
-        offs = da._kv_line_offsets(pages, tile, offs_t, stride_b, stride_t, stride_d, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD,
-                                   LINE_ELEMS)
-        tl.store(out_ptr + tile * BLOCK_N * LINES + cells, offs)
+    offs = tl.arange(0, KEYS)
+    mask = offs < n_ctx
+    pages = da._span_pages(bt_row, bt_row + (depth - 1) * stride_btp, exit_map_ptr + slot * stride_ems, offs, mask,
+                           depth, direct_end, num_planes, stride_btp, stride_btj, 1, PAGE_SIZE, LAYOUT_ALIAS)
+    lines = da._kv_line_offsets(pages, offs, stride_b, stride_t, stride_d, PAGE_SIZE, HEAD_DIM, HEAD_DIM_PAD,
+                                LINE_ELEMS)
+    cells = offs[:, None] * LINES + tl.arange(0, LINES)[None, :]
+    tl.store(out_ptr + cells, tl.where(mask[:, None], lines, -1))
 
 
 @pytest.mark.parametrize("layout,prefix", VARIANTS)
-@pytest.mark.parametrize("block_n", [8, 32])
-def test_kv_prefetch_asks_for_the_lines_each_key_is_read_from(layout, prefix, block_n):
-    # decode_attention(prefetch_kv=...)'s L2 prefetch (CUDA only) asks, for every key of a tile, for the lines of
-    # the row the kernel then reads: the page of the plane LAST_EXITED names (key_planes_ref), every line of the
-    # head (here 16 elements in 2 lines of 8, with a made-up element stride of 3 so the lines' spacing counts);
-    # keys past the context may ask for anything in the pool. Tiles of 8 keys cross no page, of 32 two.
-    case = make_case(5, "cpu", torch.float32, [40, 70], "boundary")
+@pytest.mark.parametrize("head_dim,line_elems", [(16, 8), (12, 4)])
+def test_kv_prefetch_asks_for_the_lines_each_key_is_read_from(layout, prefix, head_dim, line_elems):
+    # decode_attention(prefetch_kv=...)'s L2 prefetch (CUDA only) asks, for every key before the context's end, for
+    # the lines of the row the kernel then reads: the page of the plane LAST_EXITED names (key_planes_ref), every
+    # line of the head (a made-up element stride of 3 so the lines' spacing counts), none past the row's last
+    # element (head_dim 12 padded to 16: lines at 0, 4, 8 and the row's last, 11), and nothing past the context.
+    case = make_case(5, "cpu", torch.float32, [40, 70], "boundary", head_dim=head_dim)
     meta, (k_cache, _) = case["meta"], case[layout]
     bt, em = meta["block_tables"], meta["exit_map"]
-    line_elems, head_dim, stride_d = 8, k_cache.shape[3], 3
+    pad, stride_d = triton.next_power_of_2(head_dim), 3
+    lines = pad // line_elems
     for row in range(case["num_real_rows"]):
         slot, depth, pos = (int(meta[name][row]) for name in ("row_slot", "row_depth", "row_pos"))
         n_ctx, first_alias = pos + 1, int(meta["row_first_alias"][row])
         direct_end = (first_alias // 32) * 32 if prefix else (0 if layout == "alias" else n_ctx)
-        n_tiles = triton.cdiv(n_ctx, block_n)
-        out = torch.full((n_tiles * block_n, 2), -1, dtype=torch.int64)
+        keys = triton.next_power_of_2(n_ctx + 5)
+        out = torch.full((keys, lines), -2, dtype=torch.int64)
         _prefetch_lines_kernel[(1,)](out, bt, em, slot, depth, n_ctx, direct_end, bt.shape[1], *bt.stride(),
-                                     em.stride(0), *k_cache.stride()[:2], stride_d, N_TILES=n_tiles,
-                                     BLOCK_N=block_n, PAGE_SIZE=k_cache.shape[1], HEAD_DIM_PAD=head_dim,
-                                     LINE_ELEMS=line_elems, LAYOUT_ALIAS=layout == "alias", PREFIX=prefix)
+                                     em.stride(0), *k_cache.stride()[:2], stride_d, KEYS=keys,
+                                     PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=pad,
+                                     LINE_ELEMS=line_elems, LAYOUT_ALIAS=layout == "alias")
         planes = key_planes_ref(bt, slot, depth, n_ctx, em, first_alias, layout, prefix, 32)
         p = torch.arange(n_ctx)
         blocks = bt[slot, planes - 1, p // k_cache.shape[1]].long()
+        firsts = torch.clamp(torch.arange(lines) * line_elems, max=head_dim - 1)
         want = blocks[:, None] * k_cache.stride(0) + (p % k_cache.shape[1])[:, None] * k_cache.stride(1) \
-            + torch.arange(2)[None, :] * line_elems * stride_d
+            + firsts[None, :] * stride_d
         assert torch.equal(out[:n_ctx], want), f"row {row} ({layout}, prefix {prefix}): wrong lines asked for"
-        assert (out >= 0).all() and (out < k_cache.numel() * stride_d).all()
+        assert (out[n_ctx:] == -1).all(), f"row {row}: a key past the context was asked for"
 
 
 def test_register_cap_follows_the_grid_not_the_layout():
