@@ -73,6 +73,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gemm import l2_prefetch_if
 
 LAYOUTS = ("native", "alias")
 
@@ -193,14 +194,6 @@ def _kv_line_offsets(block, offs_n, stride_b, stride_t, stride_d, PAGE_SIZE: tl.
     in_page = (offs_n % PAGE_SIZE).to(tl.int64)
     lines = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1).to(tl.int64)
     return (block * stride_b + in_page * stride_t)[:, None] + lines[None, :] * stride_d
-
-
-@triton.jit
-def _l2_prefetch_if(ptrs, mask):
-    """``prefetch.global.L2`` of each pointer whose ``mask`` is set (a predicated prefetch: none for the rest)."""
-    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];"
-                              "\n\tmov.u32 $0, 0;\n\t}", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -342,10 +335,10 @@ def _decode_attention_split_kernel(
             mask_p = offs_p < pf_end
             pages = _span_pages(bt_row, bt_plane, exit_row, offs_p, mask_p, depth, direct_end, num_planes,
                                 stride_btp, stride_btj, stride_emp, PAGE_SIZE, LAYOUT_ALIAS)
-            _l2_prefetch_if(k_cache_ptr + kv_head * stride_kh
+            l2_prefetch_if(k_cache_ptr + kv_head * stride_kh
                             + _kv_line_offsets(pages, offs_p, stride_kb, stride_kt, stride_kd, PAGE_SIZE, HEAD_DIM,
                                                HEAD_DIM_PAD, LINE_ELEMS), mask_p[:, None])
-            _l2_prefetch_if(v_cache_ptr + kv_head * stride_vh
+            l2_prefetch_if(v_cache_ptr + kv_head * stride_vh
                             + _kv_line_offsets(pages, offs_p, stride_vb, stride_vt, stride_vd, PAGE_SIZE, HEAD_DIM,
                                                HEAD_DIM_PAD, LINE_ELEMS), mask_p[:, None])
 

@@ -336,6 +336,14 @@ def l2_prefetch(ptrs, EVICT_LAST: tl.constexpr = False):
 
 
 @triton.jit
+def l2_prefetch_if(ptrs, mask):
+    """:func:`l2_prefetch` of each pointer whose ``mask`` is set (a predicated prefetch: none for the rest)."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];"
+                              "\n\tmov.u32 $0, 0;\n\t}", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _swiglu(gate, up, dtype: tl.constexpr):
     """silu(gate) * up from fp32 accumulators, rounding where gemm + fused_ops.silu_mul round: the
     projection's output, then silu's."""
