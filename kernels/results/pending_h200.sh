@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The first GPU measurement of what was built on CPU-only days (2026-12-04/05), none of it timed yet:
+# The first GPU measurement of what was built on CPU-only days (2026-12-04/05); run at 62ac899 on 2026-12-05, results
+# in prewait_h200_62ac899.md. What it measured:
 #   - 6a7cd61 the exit gate in the last norm kernel and c416b21 the exit rule in one launch (both on by default);
 #   - 5289297 the norm step inside o_proj / down (kernels/gemm_norm.py, opt-in: --norm-in-gemm);
 #   - f446049 decode attention's loads before its PDL wait (on; off: --attention-config early_kv=false);
