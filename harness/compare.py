@@ -10,6 +10,22 @@ Two bundles are comparable only when what they measured is the same: model (conf
 sha256), workload (config and prompts sha256), exit policy and warmup. Otherwise the comparison is
 refused, naming every field that differs. An arm whose own config differs between the bundles is shown
 as such and not compared.
+
+A bundle that ``bench`` itself would not give verdicts from still has its medians and intervals shown, but
+every row it is part of reads "withheld" instead of faster / slower / not significant, after a warning
+line before the table that names the bundle and why (:func:`withheld`): the bundle is incomplete (an
+interrupted run; its recorded ``incomplete_reasons`` are named), its verdicts are barred for another
+reason (checks failed), or its comparisons have fewer pairs than its verdict rule's ``min_pairs``. A
+change between two bundles is no more trustworthy than the weaker one: an incomplete run may have lost
+exactly the slow (or fast) runs, and a percentile bootstrap of a median from a handful of runs excludes 1
+far too easily (``stats.verdict`` gives the reason for the minimum). The decision is the one ``bench``
+recorded in ``summary.json`` (``evidence.summarize``), not a second rule.
+
+Every interval is at the one level asked for, row by row, with no correction for multiplicity (as in
+``bench``'s own verdicts, and the code has none to apply); the line after the table counts the intervals
+shown, says how many would exclude 1 by chance alone, and names the ``--confidence`` that would make them
+a Bonferroni family at that level. The correction is left to that flag rather than applied, so that the
+level printed is always the level each interval was computed at.
 """
 from __future__ import annotations
 
@@ -113,14 +129,49 @@ def change_words(ratio: float, ci: tuple[float, float] | None) -> str:
     return f"{ratio:.4f}x faster" if ratio > 1 else f"{1 / ratio:.4f}x slower"
 
 
+def _reasons_text(summary: dict) -> str:
+    """A summary's incomplete reasons in the report's words (a format-1 summary's are sentences already)."""
+    from .report import R, reason_text
+
+    reasons = summary["incomplete_reasons"]
+    return R["reason_separator"].join(r if isinstance(r, str) else reason_text(r) for r in reasons)
+
+
+def withheld(bundle: Bundle) -> list[tuple[str, str]]:
+    """Why no verdict may be read from rows of ``bundle``, as (short tag for a row, sentence for a warning);
+    [] when nothing bars it.
+
+    ``bench``'s decisions as it recorded them in ``summary.json``: its ``status`` and ``incomplete_reasons``,
+    ``verdicts_published`` (format 2 on; barred by an incomplete run or failed checks), and its results'
+    ``stats.n_pairs`` against its ``verdict_rule.min_pairs``, the minimum below which ``stats.verdict``
+    calls a comparison inconclusive.
+    """
+    s, out = bundle.summary, []
+    if s["status"] != "complete":
+        out.append(("incomplete", f"is incomplete ({_reasons_text(s) or 'no reason recorded'})"))
+    elif not s.get("verdicts_published", True):          # bundle formats before 2 have no such key
+        barred = s.get("verdicts_barred_by") or "see its report"
+        out.append((f"verdicts barred ({barred})", f"has its verdicts barred ({barred})"))
+    min_pairs = s.get("verdict_rule", {}).get("min_pairs", bundle.plan["config"]["verdict"].get("min_pairs"))
+    n_pairs = [r["stats"]["n_pairs"] for r in s.get("results", []) if "n_pairs" in r.get("stats", {})]
+    if min_pairs is not None and n_pairs and min(n_pairs) < min_pairs:
+        fewest = min(n_pairs)
+        out.append((f"{fewest} pairs < min {min_pairs}",
+                    f"has {fewest} {'pair' if fewest == 1 else 'pairs'} in its smallest comparison, fewer than its "
+                    f"verdict rule's minimum of {min_pairs} (verdict.min_pairs)"))
+    return out
+
+
 def _runs(bundle: Bundle) -> dict[tuple[str, str], np.ndarray]:
     """(point, arm) -> tokens/s of every measured run of that arm at that point, in any comparison."""
     return {(pt, arm): g["tokens_per_s"].to_numpy(float) for (pt, arm), g in bundle.arms.groupby(["point", "arm"])}
 
 
 def compare_rows(a: Bundle, b: Bundle, confidence: float) -> list[dict]:
-    """One row per (point, arm) of both bundles: medians, runs, ratio B/A, its interval and words."""
+    """One row per (point, arm) of both bundles: medians, runs, ratio B/A, its interval and words; the words
+    of a compared row read "withheld: ..." when either bundle is :func:`withheld`."""
     ra, rb = _runs(a), _runs(b)
+    barred = [f"{who} {tag}" for who, bundle in (("A", a), ("B", b)) for tag, _ in withheld(bundle)]
     arms_a, arms_b = a.plan["config"]["arms"], b.plan["config"]["arms"]
     rows = []
     for key in sorted(set(ra) & set(rb)):
@@ -134,8 +185,24 @@ def compare_rows(a: Bundle, b: Bundle, confidence: float) -> list[dict]:
             continue
         ratio = row["b_tokens_per_s"] / row["a_tokens_per_s"]
         ci = ratio_interval(ra[key], rb[key], confidence)
-        rows.append({**row, "ratio": ratio, "ci": ci, "words": change_words(ratio, ci)})
+        words = "withheld: " + "; ".join(barred) if barred else change_words(ratio, ci)
+        rows.append({**row, "ratio": ratio, "ci": ci, "words": words})
     return rows
+
+
+def multiplicity_note(shown: int, level: float) -> str:
+    """The line after the table: how many intervals were shown, each at ``level`` with no multiplicity
+    correction, how many of them chance alone would put off 1, and the ``--confidence`` of a Bonferroni
+    family at ``level`` (Bonferroni: k intervals each at 1 - alpha / k cover together with at least 1 - alpha)."""
+    from .report import fill, level_text
+
+    alpha = 1 - level
+    if shown == 1:
+        return f"1 interval shown, a {level_text(level)} interval"
+    return (fill("{shown:interval|intervals} shown, each a {level} interval on its own with no multiplicity "
+                 "correction: with no real change anywhere, about {chance:.1f} of them would exclude 1 by chance alone "
+                 "(--confidence {family:.4g} makes them a Bonferroni family at {level})",
+                 shown=shown, level=level_text(level), chance=shown * alpha, family=1 - alpha / shown))
 
 
 def _pct(x: float) -> str:
@@ -162,6 +229,8 @@ def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple
 
     level = confidence if confidence is not None else a.plan["config"]["verdict"]["confidence"]
     rows = compare_rows(a, b, level)
+    head += [f"warning: {who} {why}; its rows read withheld, not faster or slower"
+             for who, bundle in (("A", a), ("B", b)) for _, why in withheld(bundle)]
     lines = head + ["", f"tokens/s: median over each arm's measured runs; change = B / A - 1 with a {level_text(level)} "
                         "percentile bootstrap interval, resampling each bundle's runs on its own", "",
                     f"| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [{level_text(level)} interval] | |",
@@ -173,6 +242,9 @@ def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple
                   else _pct(r["ratio"]) if r["ratio"] else "-")
         lines.append(f"| {pt['max_num_seqs']} / {pt['num_requests']} | {r['arm']} | {r['a_tokens_per_s']:.2f} "
                      f"({r['runs_a']}) | {r['b_tokens_per_s']:.2f} ({r['runs_b']}) | {change} | {r['words']} |")
+    shown = sum(1 for r in rows if r["ci"])
+    if shown:
+        lines += ["", multiplicity_note(shown, level)]
     only = sorted(set(_runs(a)) ^ set(_runs(b)))
     if only:
         lines += ["", "in one bundle only (not compared): " + ", ".join(f"{p} {arm}" for p, arm in only)]

@@ -134,9 +134,16 @@ def test_compare_of_two_cpu_bundles_prints_a_table(two_bundles):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| B / C | arm | A tokens/s (runs) | B tokens/s (runs) | change [95% interval] | |" in proc.stdout
     assert f"A: {a.name} (code " in proc.stdout and "; CPU; complete)" in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 / 2 |")]
+    lines = proc.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("| 2 / 2 |")]
     assert [r.split(" | ")[1] for r in rows] == ["alias_prefix", "native"]
-    assert all(r.endswith(("faster |", "slower |", "not significant |")) for r in rows), rows
+    # pairs=2 is below the default verdict.min_pairs (6): both bundles are named and no row gives a verdict
+    warnings = [line for line in lines if line.startswith("warning: ")]
+    assert [w.split()[1] for w in warnings] == ["A", "B"] and all("minimum of 6 (verdict.min_pairs)" in w
+                                                                  for w in warnings), warnings
+    assert lines.index(warnings[-1]) < lines.index(rows[0])
+    assert all(r.endswith("| withheld: A 2 pairs < min 6; B 2 pairs < min 6 |") for r in rows), rows
+    assert "2 intervals shown, each a 95% interval on its own with no multiplicity correction" in proc.stdout
 
 
 def test_compare_of_different_workloads_is_not_comparable_and_says_why(two_bundles, tmp_path):

@@ -3,6 +3,7 @@ import copy
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from loopbench.harness import compare
 
@@ -61,3 +62,74 @@ def test_an_arm_whose_config_differs_is_not_compared():
     rows = {r["arm"]: r for r in compare.compare_rows(a, b, 0.95)}
     assert rows["alias"]["ratio"] is None and "arms.alias.tile_size: 32 vs 64" in rows["alias"]["words"]
     assert rows["native"]["ratio"] == 1.0
+
+
+def _bundle(name: str, tokens_per_s: float, pairs: int, **summary) -> compare.Bundle:
+    """A small synthetic bundle of the committed GPU plan: ``pairs`` runs of native and alias at B16C32 around
+    ``tokens_per_s``, and a complete summary with ``pairs`` pairs per comparison unless ``summary`` says otherwise."""
+    plan = compare.Bundle.load(RESULTS / "2026-12-01-ouro-1.4b-c16d2c0").plan
+    runs = tokens_per_s * (1 + 0.001 * np.arange(pairs))
+    arms = pd.DataFrame([{"point": "B16C32", "arm": arm, "tokens_per_s": t}
+                         for arm in ("native", "alias") for t in runs])
+    return compare.Bundle(Path(name), plan, {
+        "status": "complete", "incomplete_reasons": [], "verdicts_published": True, "verdicts_barred_by": None,
+        "verdict_rule": {"min_pairs": 6}, "results": [{"stats": {"n_pairs": pairs}}], **summary}, arms)
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| 16 / 32 |")]
+
+
+def test_two_complete_bundles_of_enough_pairs_give_verdicts_and_no_warning():
+    text, comparable = compare.compare_text(_bundle("a", 100.0, 7), _bundle("b", 120.0, 7))
+    assert comparable and "warning" not in text
+    assert [r.split(" | ")[-1] for r in _table_rows(text)] == ["1.2000x faster |"] * 2
+    assert compare.withheld(_bundle("a", 100.0, 6)) == []     # the minimum itself is enough, as in stats.verdict
+
+
+def test_an_incomplete_bundle_is_named_before_the_table_and_its_rows_are_withheld():
+    reasons = [{"code": "stopped", "by": "SIGINT"}, {"code": "arms_missing", "recorded": 10, "planned": 28}]
+    b = _bundle("b", 120.0, 7, status="incomplete", incomplete_reasons=reasons, verdicts_published=False,
+                verdicts_barred_by="run incomplete")
+    text, comparable = compare.compare_text(_bundle("a", 100.0, 7), b)
+    lines = text.splitlines()
+    warning = ("warning: B is incomplete (the controller received SIGINT and stopped its children; 10 of 28 planned "
+               "arms recorded); its rows read withheld, not faster or slower")
+    assert comparable and warning in lines and lines.index(warning) < lines.index(_table_rows(text)[0])
+    assert [line for line in lines if line.startswith("warning")] == [warning]
+    rows = _table_rows(text)      # the change and its interval are still shown; the words are not a verdict
+    assert len(rows) == 2 and all(r.endswith("| +20.00% [+19.64%, +20.36%] | withheld: B incomplete |")
+                                  for r in rows), rows
+
+
+def test_a_format_1_incomplete_reason_is_a_sentence_and_checks_failed_is_named():
+    old = _bundle("a", 100.0, 7, status="incomplete", incomplete_reasons=["the child died"])
+    assert compare.withheld(old) == [("incomplete", "is incomplete (the child died)")]
+    failed = _bundle("b", 100.0, 7, verdicts_published=False, verdicts_barred_by="checks failed")
+    assert compare.withheld(failed) == [("verdicts barred (checks failed)", "has its verdicts barred (checks failed)")]
+
+
+def test_a_bundle_with_fewer_pairs_than_its_minimum_is_named_and_its_rows_are_withheld():
+    a = _bundle("a", 100.0, 2)
+    two = a.arms["tokens_per_s"].to_numpy()[:2]       # two runs a side: the bootstrap interval alone says "faster"
+    assert compare.change_words(1.2, compare.ratio_interval(two, 1.2 * two, 0.95)) == "1.2000x faster"
+    text, _ = compare.compare_text(a, _bundle("b", 120.0, 7))
+    assert ("warning: A has 2 pairs in its smallest comparison, fewer than its verdict rule's minimum of 6 "
+            "(verdict.min_pairs); its rows read withheld, not faster or slower") in text.splitlines()
+    assert all(r.endswith("| withheld: A 2 pairs < min 6 |") for r in _table_rows(text)), text
+    both = compare.compare_rows(_bundle("a", 100.0, 3, status="incomplete", incomplete_reasons=[]), a, 0.95)
+    assert {r["words"] for r in both} == {"withheld: A incomplete; A 3 pairs < min 6; B 2 pairs < min 6"}
+
+
+def test_the_line_after_the_table_counts_the_intervals_and_says_they_are_uncorrected():
+    a = compare.Bundle.load(RESULTS / "2026-12-01-ouro-1.4b-c16d2c0")
+    text, _ = compare.compare_text(compare.Bundle.load(RESULTS / "2026-11-30-ouro-1.4b-nogit"), a)
+    lines = text.splitlines()
+    last_row = max(i for i, line in enumerate(lines) if line.startswith("| ") and "---" not in line)
+    assert lines[last_row + 1] == ""
+    assert lines[last_row + 2] == ("6 intervals shown, each a 95% interval on its own with no multiplicity correction: "
+                                   "with no real change anywhere, about 0.3 of them would exclude 1 by chance alone "
+                                   "(--confidence 0.9917 makes them a Bonferroni family at 95%)")
+    assert compare.multiplicity_note(1, 0.9) == "1 interval shown, a 90% interval"
+    assert "20 intervals shown, each a 90% interval" in compare.multiplicity_note(20, 0.9)
+    assert "about 2.0 of them" in compare.multiplicity_note(20, 0.9)
