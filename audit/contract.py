@@ -95,7 +95,8 @@ def reason_problem(reason: Any) -> str | None:
 
 
 def reason_text(reason: dict) -> str:
-    """The contract's words for a status code (report.md; a version-1 summary's sentence)."""
+    """The contract's first words for a status code: a version-1 summary's sentence (report.md words a code
+    in its bundle's version, audit/render.py)."""
     return CODES[reason["code"]]["text"].format(**{k: v for k, v in reason.items() if k != "code"})
 
 

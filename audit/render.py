@@ -105,19 +105,55 @@ def _prompt_label(wl: dict) -> str:
     return str(wl["prompt_len"])
 
 
-def _reasons(w: dict, summary: dict) -> str:
+def exit_status(child: dict) -> str:
+    """A child's exit status in the contract's words (``documents.children.exit_status``), by its rules:
+    ``exit_code`` >= 0 "exit code N"; < 0 "killed by SIGTERM (15)" (the signal named by the contract's
+    Linux table, never by this host); null "still running" (state running), "lost: no exit status
+    recorded" (interrupted_by lost), "never started" (wall_s null), else "no exit status recorded".
+    harness/exit_status.py words it for the writer; this is the auditor's own reading of the same rules,
+    and a test holds the two equal."""
+    words, code = contract.DOCS["children"]["exit_status"], child["exit_code"]
+    if code is not None and code >= 0:
+        return words["exited"].format(code=code)
+    if code is not None:
+        name = words["signal_names"].get(str(-code))
+        if name is None:
+            return words["signalled_unnamed"].format(number=-code)
+        return words["signalled"].format(signal=name, number=-code)
+    if child.get("state") == "running":
+        return words["running"]
+    if child.get("interrupted_by") == "lost":
+        return words["lost"]
+    if "wall_s" in child and child["wall_s"] is None:
+        return words["not_started"]
+    return words["unknown"]
+
+
+def reason_text(reason: dict, children: list[dict], version: int) -> str:
+    """One status code in the words of format ``version``; from format 8 a ``child_failed`` names the exit
+    status of its child's latest entry in ``children`` (the code's own fields without one)."""
+    codes = wording(contract.FORMAT["status_codes"], version)["codes"]
+    fields = {k: v for k, v in reason.items() if k != "code"}
+    if reason["code"] == "child_failed":
+        entries = [c for c in children if c.get("session", c["name"]) == reason["child"]]
+        fields["exit_status"] = exit_status(entries[-1] if entries else reason)
+    return codes[reason["code"]]["text"].format(**fields)
+
+
+def _reasons(w: dict, summary: dict, version: int) -> str:
     """The incomplete reasons in words: status codes worded by the contract (a version-1 summary's are
     sentences already)."""
-    return w["reason_separator"].join(r if isinstance(r, str) else contract.reason_text(r)
+    return w["reason_separator"].join(r if isinstance(r, str) else reason_text(r, summary["children"], version)
                                       for r in summary["incomplete_reasons"])
 
 
-def _header(w: dict, plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, environment: dict) -> list[str]:
+def _header(w: dict, version: int, plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict,
+            environment: dict) -> list[str]:
     cfg, code, ckpt = plan["config"], plan["code"], plan["checkpoint"]
     wl = cfg["workload"]
     lines = [w["title"].format(name=plan["name"], state=w["state"][summary["status"]]), ""]
     if summary["status"] != "complete":
-        lines += [w["banner"]["incomplete"].format(reasons=_reasons(w, summary)), ""]
+        lines += [w["banner"]["incomplete"].format(reasons=_reasons(w, summary, version)), ""]
     elif not summary["verdicts_published"]:
         lines += [w["banner"]["checks_failed"], ""]
     facts = {**cfg["exit"], "git_sha": code["git_sha"] or WORDS["unknown_sha"],
@@ -220,9 +256,9 @@ def _coverage(w: dict, arm_rows: list[dict], plan: dict | None = None) -> list[s
 def _children(w: dict, children: list[dict]) -> list[str]:
     """One row per child of every run of the bundle, named by its session id (its name before resume)."""
     spec = w["children"]
-    rows = [spec["row"].format(**{**c, "session": c.get("session", c["name"]),
+    rows = [spec["row"].format(**{**c, "session": c.get("session", c["name"]), "exit_status": exit_status(c),
                                   "wall": WORDS["na"] if c["wall_s"] is None else spec["wall"].format(c["wall_s"])})
-            for c in children]   # wall_s None: never started, or its controller died
+            for c in children]   # wall_s None: never started, or its controller died; exit_status: format 8
     return [w["headings"]["children"], ""] + _table(w, spec["columns"], rows)
 
 
@@ -294,7 +330,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
                              for key in ("results", "memory_creep", "children") if key in summary}}
     arm_rows = _devices_shown(w, arm_rows)
     sections = {
-        "header": lambda: _header(w, plan, plan_sha256, prompts_sha256, summary, environment),
+        "header": lambda: _header(w, version, plan, plan_sha256, prompts_sha256, summary, environment),
         "result": lambda: ["", w["headings"]["result"], "",
                            *_result_tables(w, summary["results"], plan if version >= 5 else None),
                            _rule(w, plan, summary), ""],

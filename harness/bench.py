@@ -98,12 +98,14 @@ def show(result) -> int:
     if (online := status_line(result.bundle)) is not None:
         print(online)
     from .evidence import current_children
+    from .exit_status import exit_status_text
 
     for child in current_children(summary.get("children", [])):   # not the earlier runs of a resumed bundle
         if child.get("exit_code") not in (0, None):
             log = result.bundle / "logs" / child["log"]
             tail = log.read_text(errors="replace").splitlines()[-12:] if log.is_file() else ["(no log)"]
-            print(f"child {child.get('session', child['name'])} exited {child['exit_code']}; last lines of {log}:")
+            print(f"child {child.get('session', child['name'])} ended {child['state']}, {exit_status_text(child)}; "
+                  f"last lines of {log}:")
             print("\n".join("    " + line for line in tail))
     print(f"bundle: {result.bundle}")
     print(f"report: {result.bundle / 'report.md'}")

@@ -133,8 +133,8 @@ def _reasons_text(summary: dict) -> str:
     """A summary's incomplete reasons in the report's words (a format-1 summary's are sentences already)."""
     from .report import R, reason_text
 
-    reasons = summary["incomplete_reasons"]
-    return R["reason_separator"].join(r if isinstance(r, str) else reason_text(r) for r in reasons)
+    reasons, children = summary["incomplete_reasons"], summary.get("children", [])
+    return R["reason_separator"].join(r if isinstance(r, str) else reason_text(r, children) for r in reasons)
 
 
 def withheld(bundle: Bundle) -> list[tuple[str, str]]:

@@ -14,7 +14,8 @@ killed and marked ``timeout``; a SLURM job ends by SLURM's own time limit, and i
 child's state (harness/slurm.py: ``timeout``, ``cancelled`` for an ``scancel`` by someone else,
 ``node_failure``). Exit codes: the process's own (negative = killed by that signal) where it is known;
 for a SLURM job SLURM's ``ExitCode`` in the same convention; for a submitit local job that is not our
-process, 0 on success and 1 otherwise.
+process, 0 on success and 1 otherwise; None where there is none (harness/exit_status.py defines the form
+and words it: "exit code 1", "killed by SIGTERM (15)", "never started").
 
 Stopping (issue 8, item 4): a local child runs in its own session and process group, so a terminal's
 Ctrl-C reaches only the controller, which decides. While waiting, the executor asks ``stop()``; once
@@ -65,7 +66,7 @@ class ChildSpec:
 class ChildResult:
     name: str
     device: str
-    exit_code: int | None      # None: never started, or its end is unknown (the controller died first)
+    exit_code: int | None      # negative: killed by that signal; None: none (harness/exit_status.py)
     state: str                 # completed | failed | killed | timeout | interrupted | cancelled | node_failure
                                # (| running, unpublished)
     wall_s: float | None       # None where unknown

@@ -18,6 +18,7 @@ import pandas as pd
 
 from . import natural, report_sections, roofline
 from .evidence import FORMAT, atomic_write_bytes
+from .exit_status import exit_status_text
 
 _SINCE = re.compile(r"(.+)_since_(\d+)")
 
@@ -48,7 +49,7 @@ class _Counted(string.Formatter):
 
 R = wording(FORMAT["report"], FORMAT["version"])   # the harness writes the current format only
 WORDS = R["words"]
-CODES = FORMAT["status_codes"]["codes"]
+CODES = wording(FORMAT["status_codes"], FORMAT["version"])["codes"]   # a code's text_since_N, as the report's
 fill = _Counted().format
 
 
@@ -62,14 +63,21 @@ def shown_device(label: str) -> str:
     return R["device_names"].get(label, label)
 
 
-def reason_text(reason: dict) -> str:
-    """The contract's words for one status code of ``summary.json`` ``incomplete_reasons``."""
-    return CODES[reason["code"]]["text"].format(**{k: v for k, v in reason.items() if k != "code"})
+def reason_text(reason: dict, children: list[dict] = ()) -> str:
+    """The contract's words for one status code of ``summary.json`` ``incomplete_reasons``; a
+    ``child_failed`` code names its child's exit status, from the child's latest entry in ``children``
+    (``children.json``'s entries; the code's own fields where none has its session id)."""
+    fields = {k: v for k, v in reason.items() if k != "code"}
+    if reason["code"] == "child_failed":
+        entries = [c for c in children if c.get("session", c["name"]) == reason["child"]]
+        fields["exit_status"] = exit_status_text(entries[-1] if entries else reason)
+    return CODES[reason["code"]]["text"].format(**fields)
 
 
 def reasons_text(summary: dict) -> str:
     """Every incomplete reason of a summary in words, joined as the report joins them ("" when complete)."""
-    return R["reason_separator"].join(reason_text(r) for r in summary["incomplete_reasons"])
+    children = summary.get("children", [])
+    return R["reason_separator"].join(reason_text(r, children) for r in summary["incomplete_reasons"])
 
 
 def table_lines(columns: list[str], rows: list[str]) -> list[str]:
@@ -199,7 +207,7 @@ def _coverage(arms: pd.DataFrame, plan: dict) -> list[str]:
 
 def _children(children: list[dict]) -> list[str]:
     spec = R["children"]
-    rows = [spec["row"].format(**{**c, "session": c.get("session", c["name"]),
+    rows = [spec["row"].format(**{**c, "session": c.get("session", c["name"]), "exit_status": exit_status_text(c),
                                   "wall": spec["wall"].format(c["wall_s"]) if c["wall_s"] is not None else WORDS["na"]})
             for c in children]   # wall_s None: a child never started, or its controller died
     return [R["headings"]["children"], ""] + table_lines(spec["columns"], rows)

@@ -347,10 +347,28 @@ def _exit_if_orphaned() -> None:
         raise SystemExit(128 + int(signal.SIGTERM))
 
 
+class _Stopped(SystemExit):
+    """A signal's stop, raised by its handler: it unwinds the job like any SystemExit, then :func:`main`
+    ends the process by the signal itself."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)   # the shell's status, should anything but main() end the process
+        self.signum = signum
+
+
 def _stop_on_sigterm(signum, frame) -> None:
     _log(f"{signal.Signals(signum).name}: stopping; an arm in flight is not recorded")
     # SystemExit unwinds through atomic_write_bytes, which removes its temporary file: no half record.
-    raise SystemExit(128 + signum)
+    raise _Stopped(signum)
+
+
+def _end_by_signal(signum: int) -> None:
+    """End this process by ``signum``'s default action, so that its parent records it as signalled
+    (returncode -signum; harness/exit_status.py), not as an exit with the shell's 128 + signum."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _hold_jobs_lock(bundle: Path) -> int:
@@ -384,8 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m loopbench.harness.session JOB.json", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    _exit_with_controller()
-    return run_job(argv[0])
+    try:
+        _exit_with_controller()
+        return run_job(argv[0])
+    except _Stopped as stop:
+        _end_by_signal(stop.signum)
+        raise   # not reached: the signal's default action ends the process
 
 
 if __name__ == "__main__":

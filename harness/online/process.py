@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..exit_status import exit_status_text
+
 LOG_TAIL_LINES = 20
 
 
@@ -70,8 +72,9 @@ class ServerProcess:
         """ServerFailed, with the log tail, when the child has exited."""
         if self.proc is not None and self.proc.poll() is not None:
             self.exit_code = self.proc.returncode
-            raise ServerFailed(f"the server exited with status {self.exit_code} {when}; last lines of "
-                               f"{self.log_path}:\n{log_tail(self.log_path)}")
+            status = exit_status_text({"exit_code": self.exit_code})
+            raise ServerFailed(f"the server ended {when}, {status}; last lines of {self.log_path}:\n"
+                               f"{log_tail(self.log_path)}")
 
     def health(self) -> dict | None:
         import httpx
@@ -82,7 +85,8 @@ class ServerProcess:
             return None
 
     def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL after ``grace_s``; the exit status (negative: killed by that signal)."""
+        """SIGTERM, then SIGKILL after ``grace_s``; the exit status as harness/exit_status.py records one
+        (negative: killed by that signal; None: never started)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:

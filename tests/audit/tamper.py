@@ -178,10 +178,35 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
     (bundle / "report.md").write_text("\n".join(out))
 
 
+def strip_version_8(bundle: Path) -> None:
+    """report.md with a child's exit status as formats up to 7 worded it: the children table's column
+    ``exit code`` holding children.json's ``exit_code`` as Python prints it (``0``, ``-15``, ``None``), and a
+    ``child_failed`` reason "... with exit code {exit_code}"; the manifest's ``format_version`` is the
+    caller's to set."""
+    from loopbench.audit import render
+
+    children = json.loads((bundle / "children.json").read_text())
+    summary = json.loads((bundle / "summary.json").read_text())
+    text = (bundle / "report.md").read_text()
+    for r in summary["incomplete_reasons"]:
+        text = text.replace(render.reason_text(r, children, 8), render.reason_text(r, children, 7), 1)
+    lines, rows = text.split("\n"), iter(children)
+    heading = lines.index(evidence.FORMAT["report"]["headings"]["children"])
+    lines[heading + 2] = lines[heading + 2].replace("| exit status |", "| exit code |")
+    i = heading + 4   # heading, blank line, column headings, ---, then one row per entry
+    while i < len(lines) and lines[i].startswith("| "):
+        cells = lines[i].split(" | ")
+        cells[3] = str(next(rows)["exit_code"])
+        lines[i] = " | ".join(cells)
+        i += 1
+    (bundle / "report.md").write_text("\n".join(lines))
+
+
 def strip_version_7(bundle: Path) -> None:
     """What format 7 added taken out (the roofline: table, ceilings, records' decode_timing, report section)
-    and report.md / summary.json worded as format 6 (``_reword_as_version_6``); the manifest's
-    ``format_version`` is the caller's to set."""
+    and report.md / summary.json worded as format 6 (``strip_version_8``, ``_reword_as_version_6``); the
+    manifest's ``format_version`` is the caller's to set."""
+    strip_version_8(bundle)
     (bundle / "tables" / "roofline.parquet").unlink(missing_ok=True)
     for path in sorted((bundle / "ceilings").glob("*.json")):
         path.unlink()

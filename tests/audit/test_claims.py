@@ -86,7 +86,8 @@ REPORT_EDITS = {
     "checks line": (_replace_in("## Checks", "PASS: 8 arms", "PASS: 56 arms"), "(## Checks) reads 'PASS: 56 arms"),
     "graph counters row": (_replace_in("## Graph counters and memory", "| native | 6 |", "| native | 7 |"),
                            "(## Graph counters and memory) reads"),
-    "children row": (_replace_in("## Children", "| completed | 0 |", "| completed | 1 |"), "(## Children) reads"),
+    "children row": (_replace_in("## Children", "| completed | exit code 0 |", "| completed | exit code 1 |"),
+                     "(## Children) reads"),
     "coverage row": (_replace_in("## Layout paths per run", "| alias_prefix | 2 |", "| alias_prefix | 3 |"),
                      "(## Layout paths per run) reads"),
 }

@@ -7,7 +7,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from loopbench.audit import contract
+from loopbench.audit import contract, render
 from loopbench.audit.auditor import audit
 from loopbench.harness import controller, evidence, report
 from tests.audit.tamper import (REPO, edit_json, edit_table, failed, raw, rewrite_manifest, strip_version_3,
@@ -84,12 +84,11 @@ def test_incomplete_status_is_a_code_worded_by_the_report(bundle):
     assert summary["incomplete_reasons"] == [
         {"code": "child_failed", "child": "cpu0", "state": "failed", "exit_code": 1},
         {"code": "arms_missing", "recorded": 7, "planned": 8}]
-    assert "**This run is incomplete and publishes no verdict:** child cpu0 ended failed with exit code 1; 7 of 8 " \
+    assert "**This run is incomplete and publishes no verdict:** child cpu0 ended failed, exit code 1; 7 of 8 " \
            "planned arms recorded" in (bundle / "report.md").read_text()
     verdict = audit(bundle)
     assert verdict["status"] == "incomplete", verdict["discrepancies"]
-    text = (bundle / "report.md").read_text().replace("ended failed with exit code 1",
-                                                      "ended completed with exit code 0")
+    text = (bundle / "report.md").read_text().replace("ended failed, exit code 1", "ended completed, exit code 0")
     (bundle / "report.md").write_text(text)
     rewrite_manifest(bundle)
     assert "report.md: line 3 (header) reads '**This run is incomplete" in failed(bundle)
@@ -100,7 +99,9 @@ def test_incomplete_status_is_a_code_worded_by_the_report(bundle):
                                     {"code": "arms_missing", "recorded": 3, "planned": 56}])
 def test_writer_and_auditor_word_a_code_alike(reason):
     assert contract.reason_problem(reason) is None
-    assert report.reason_text(reason) == contract.reason_text(reason)
+    children = [{"name": "gpu0", "session": "gpu0.r1", "exit_code": None, "state": "timeout", "wall_s": 600.0}]
+    assert report.reason_text(reason, children) == render.reason_text(reason, children, contract.VERSION)
+    assert render.reason_text(reason, children, 1) == contract.reason_text(reason)   # a version-1 summary's sentence
     assert set(contract.CODES) == set(evidence.STATUS_CODES)
 
 
@@ -146,11 +147,11 @@ def test_plan_point_listing_too_few_requests_is_named(bundle):
 
 
 def test_older_format_versions_are_audited_by_their_rules_and_others_refused(bundle):
-    assert contract.SUPPORTED == (1, 2, 3, 4, 5, 6, 7) and contract.VERSION == 7
+    assert contract.SUPPORTED == (1, 2, 3, 4, 5, 6, 7, 8) and contract.VERSION == 8
     assert set(contract.FORMAT["versions"]) == {str(v) for v in contract.SUPPORTED}
     edit_json(bundle / "manifest.json", lambda m: (m.pop("format_version"), m.update(layout_version=0)))
-    assert "layout: manifest.json records bundle format version 0; this auditor audits versions [1, 2, 3, 4, 5, 6, 7]" \
-        in failed(bundle)
+    assert "layout: manifest.json records bundle format version 0; this auditor audits versions " \
+           "[1, 2, 3, 4, 5, 6, 7, 8]" in failed(bundle)
 
 
 def _as_version_1(bundle):
@@ -168,7 +169,7 @@ def _as_version_1(bundle):
     new_sha = evidence.sha256_file(bundle / "plan.json")
     edit_json(bundle / "summary.json", lambda s: s.update(
         schema_version=1, plan_sha256=new_sha,
-        incomplete_reasons=[report.reason_text(r) for r in s["incomplete_reasons"]]))
+        incomplete_reasons=[contract.reason_text(r) for r in s["incomplete_reasons"]]))   # a version-1 sentence
     (bundle / "report.md").write_text((bundle / "report.md").read_text().replace(old_sha, new_sha))
     for name in ("arms", "tokens"):   # columns a version-1 writer did not have
         edit_table(bundle, name, lambda df, later=contract.columns_since(name, 1): df.drop(columns=later))

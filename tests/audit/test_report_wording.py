@@ -1,10 +1,12 @@
 """report.md's wording per format version: both renderers (harness/report.py, audit/render.py) word a
 format-7 bundle alike (Device column, arm roles, the interval's level from verdict.confidence, counts in
-their number), and the auditor still words an older bundle (formats 1-6) as its writer did, so results/
-audits PASS."""
+their number) and a format-8 bundle's exit statuses alike, and the auditor still words an older bundle
+(formats 1-7) as its writer did, so results/ audits PASS."""
 import copy
 import json
 import re
+import signal
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -13,7 +15,9 @@ import pytest
 from loopbench.audit import contract, derive, render
 from loopbench.audit.auditor import audit
 from loopbench.harness import report, stats
-from tests.audit.tamper import REPO, _reword_as_version_6, edit_json, failed, rewrite_manifest, strip_version_7
+from loopbench.harness.exit_status import exit_status_text
+from tests.audit.tamper import (REPO, _reword_as_version_6, edit_json, failed, rewrite_manifest, strip_version_7,
+                                strip_version_8)
 
 OLD = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"   # format 4, one session of 3 pairs, on a CPU
 FIRST_5 = REPO / "results" / "2026-12-01-ouro-1.4b-context-42d529f"   # format 5
@@ -51,7 +55,7 @@ def test_an_older_wording_is_reworded_as_its_writer_did(bundle, version, line):
 
 def test_format_7_wording_is_the_same_in_both_renderers(honest_bundle):
     docs, records, arms = _load(honest_bundle)
-    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == 7
+    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == contract.VERSION == 8
     mine, theirs = _both(docs, records, arms)
     # rendered here without the roofline rows (tests/audit/test_roofline.py checks that section)
     published = re.sub(r"\n## Roofline\n.*?(?=\n## )", "", (honest_bundle / "report.md").read_text(), flags=re.S)
@@ -62,7 +66,8 @@ def test_format_7_wording_is_the_same_in_both_renderers(honest_bundle):
                  "| Device | B / C | P / D | arm | runs | warmup captures |",
                  "- Protocol: 2 balanced pairs per point and comparison",
                  "over 1 independent session per device of 2 pairs each (see Sessions)",
-                 "the whole 95% CI lies above / below 1", "Each device ran 1 independent session, one after another"):
+                 "the whole 95% CI lies above / below 1", "Each device ran 1 independent session, one after another",
+                 "| child | device | state | exit status | wall s |", "| cpu0 | CPU | completed | exit code 0 |"):
         assert line in mine, line
     assert "| GPU |" not in mine and "| cpu |" not in mine and "session(s)" not in mine
 
@@ -145,10 +150,17 @@ def test_wording_picks_each_versions_templates():
     def keys(d):
         return [k for key, v in d.items() for k in [key, *(keys(v) if isinstance(v, dict) else [])]]
     assert "rule_since_7" in keys(section) and not [k for k in keys(render.wording(section, 7)) if "_since_" in k]
-    assert report.wording(section, 7) == render.wording(section, 7) == report.R
+    assert report.wording(section, 8) == render.wording(section, 8) == report.R
+    children = section["children"]
+    assert [render.wording(section, v)["children"]["row"] for v in (7, 8)] == [children["row"], children["row_since_8"]]
+    codes = contract.FORMAT["status_codes"]
+    assert [render.wording(codes, v)["codes"]["child_failed"]["text"] for v in (1, 7, 8)] == [
+        "child {child} ended {state} with exit code {exit_code}"] * 2 + ["child {child} ended {state}, {exit_status}"]
+    assert report.CODES == render.wording(codes, 8)["codes"]
 
 
 @pytest.mark.parametrize("n_pairs, version, reason", [
+    (1, 8, "1 pair, fewer than the minimum 6 for a verdict"),
     (1, 7, "1 pair, fewer than the minimum 6 for a verdict"), (3, 7, "3 pairs, fewer than the minimum 6 for a verdict"),
     (1, 6, "1 pairs, fewer than the minimum 6 for a verdict"), (1, 5, "1 pairs, fewer than the minimum 6 for a verdict")])
 def test_verdict_reason_is_worded_as_the_bundles_version_wrote_it(n_pairs, version, reason):
@@ -161,4 +173,83 @@ def test_verdict_reason_is_worded_as_the_bundles_version_wrote_it(n_pairs, versi
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "results").glob("2026-*")))
 def test_every_committed_bundle_still_audits_pass(name):
     verdict = audit(REPO / "results" / name)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+
+
+EXIT_STATUSES = [   # a children.json entry's end -> its words (documents.children.exit_status)
+    ({"exit_code": 0, "state": "completed", "wall_s": 1.0}, "exit code 0"),
+    ({"exit_code": 1, "state": "failed", "wall_s": 1.0}, "exit code 1"),
+    ({"exit_code": 143, "state": "failed", "wall_s": 1.0}, "exit code 143"),   # an exit code, never guessed a signal
+    ({"exit_code": -15, "state": "interrupted", "interrupted_by": "SIGTERM", "wall_s": 2.0}, "killed by SIGTERM (15)"),
+    ({"exit_code": -9, "state": "killed", "wall_s": 2.0}, "killed by SIGKILL (9)"),
+    ({"exit_code": -40, "state": "killed", "wall_s": 2.0}, "killed by signal 40"),
+    ({"exit_code": None, "state": "running", "wall_s": None}, "still running"),
+    ({"exit_code": None, "state": "interrupted", "interrupted_by": "lost", "wall_s": None},
+     "lost: no exit status recorded"),
+    ({"exit_code": None, "state": "interrupted", "interrupted_by": "SIGINT", "wall_s": None}, "never started"),
+    ({"exit_code": None, "state": "failed", "wall_s": 61.0}, "no exit status recorded"),   # SLURM, scontrol forgot
+]
+
+
+@pytest.mark.parametrize("child, words", EXIT_STATUSES, ids=[w for _, w in EXIT_STATUSES])
+def test_writer_and_auditor_word_an_exit_status_alike(child, words):
+    assert exit_status_text(child) == render.exit_status(child) == words
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the contract names Linux's signal numbers")
+def test_the_contracts_signal_names_are_linuxs():
+    names = contract.DOCS["children"]["exit_status"]["signal_names"]
+    assert names == {str(n): signal.Signals(n).name for n in range(1, 32)}
+
+
+def _stopped_run(docs: dict) -> dict:
+    """``docs`` as a run whose cpu0 was stopped by SIGTERM, cpu1 never started and cpu2 was lost."""
+    docs = copy.deepcopy(docs)
+    ref = next(c for c in docs["summary"]["children"] if c["name"] == "reference")
+    ends = {"cpu0": (-15, 3.25, "SIGTERM"), "cpu1": (None, None, "SIGTERM"), "cpu2": (None, None, "lost")}
+    children = [ref] + [{**ref, "name": n, "session": n, "log": f"{n}.log", "state": "interrupted", "exit_code": code,
+                         "wall_s": wall, "interrupted_by": by} for n, (code, wall, by) in ends.items()]
+    reasons = [{"code": "stopped", "by": "SIGTERM"}, {"code": "lost"}] + [
+        {"code": "child_failed", "child": c["session"], "state": c["state"], "exit_code": c["exit_code"]}
+        for c in children[1:]]
+    docs["summary"].update(status="incomplete", incomplete_reasons=reasons, children=children)
+    return docs
+
+
+def test_a_stopped_child_is_worded_alike_in_the_table_and_the_banner_by_both_renderers(honest_bundle):
+    docs, records, arms = _load(honest_bundle)
+    docs = _stopped_run(docs)
+    mine, theirs = _both(docs, records, arms)
+    assert mine == theirs
+    assert ("the controller received SIGTERM and stopped its children; the controller ended without publishing; "
+            "its unfinished children were marked interrupted; child cpu0 ended interrupted, killed by SIGTERM (15); "
+            "child cpu1 ended interrupted, never started; child cpu2 ended interrupted, lost: no exit status "
+            "recorded") in mine
+    for row in ("| child | device | state | exit status | wall s |", "| reference | CPU | completed | exit code 0 |",
+                "| cpu0 | CPU | interrupted | killed by SIGTERM (15) | 3.2 |",
+                "| cpu1 | CPU | interrupted | never started | n/a |",
+                "| cpu2 | CPU | interrupted | lost: no exit status recorded | n/a |"):
+        assert row in mine, row
+    banner = next(line for line in mine.split("\n") if line.startswith("**This run is incomplete"))
+    table = mine.split(contract.FORMAT["report"]["headings"]["children"])[1].split("\n## ")[0]
+    assert not [t for t in (banner, table) if "None" in t or "-15" in t or "143" in t]
+
+
+def test_a_format_7_bundle_keeps_its_exit_codes_as_written(honest_bundle):
+    """Formats up to 7 printed children.json's exit_code as Python prints it; the auditor re-renders them so."""
+    docs, records, _ = _load(honest_bundle)
+    older = _theirs(_stopped_run(docs), records, 7)
+    for text in ("child cpu0 ended interrupted with exit code -15; child cpu1 ended interrupted with exit code None",
+                 "| child | device | state | exit code | wall s |", "| cpu0 | CPU | interrupted | -15 | 3.2 |"):
+        assert text in older, text
+
+
+def test_a_format_8_report_with_format_7_exit_codes_is_named(bundle):
+    strip_version_8(bundle)
+    assert "| cpu0 | CPU | completed | 0 |" in (bundle / "report.md").read_text()
+    rewrite_manifest(bundle)
+    assert "(## Children) reads '| cpu0 | CPU | completed | 0 |" in failed(bundle)
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=7))
+    rewrite_manifest(bundle)
+    verdict = audit(bundle)
     assert verdict["status"] == "pass", verdict["discrepancies"]

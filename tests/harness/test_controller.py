@@ -130,7 +130,9 @@ def test_killed_child_leaves_incomplete_bundle_with_finished_arms_and_no_verdict
     assert sorted(arms["seq"]) == [0, 1, 2] and arms["elapsed_s"].gt(0).all()
     assert len(pd.read_parquet(result.bundle / "tables" / "pairs.parquet")) == 1
     assert s["counts"]["arms_recorded"] == 3 and s["counts"]["arms_planned"] == 4
-    assert "INCOMPLETE" in (result.bundle / "report.md").read_text()
+    text = (result.bundle / "report.md").read_text()
+    assert "INCOMPLETE" in text and "child cpu0 ended killed, killed by SIGKILL (9);" in text
+    assert "| cpu0 | CPU | killed | killed by SIGKILL (9) |" in text and "| -9 |" not in text
     verdict = audit(result.bundle)
     assert verdict["status"] == "incomplete", verdict["discrepancies"]
 

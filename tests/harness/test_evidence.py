@@ -80,9 +80,9 @@ def test_incomplete_reasons_are_status_codes_of_the_contract():
                        {"code": "child_failed", "child": "cpu0.r1", "state": "interrupted", "exit_code": None},
                        {"code": "arms_missing", "recorded": 3, "planned": 8}]
     assert all(r["code"] in evidence.STATUS_CODES for r in reasons)
-    assert report.reasons_text({"incomplete_reasons": reasons}) == (
-        "the controller received SIGTERM and stopped its children; child cpu0.r1 ended interrupted with exit code "
-        "None; 3 of 8 planned arms recorded")
+    assert report.reasons_text({"incomplete_reasons": reasons, "children": [child]}) == (
+        "the controller received SIGTERM and stopped its children; child cpu0.r1 ended interrupted, never started; "
+        "3 of 8 planned arms recorded")
     assert evidence.incomplete_reasons([], "reference_failed", 0, 0) == [{"code": "reference_failed"}]
 
 

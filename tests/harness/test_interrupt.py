@@ -120,6 +120,12 @@ def test_sigterm_stops_the_children_and_publishes_an_incomplete_bundle(stopped):
     children = json.loads((bundle / "children.json").read_text())
     assert [(c["name"], c["state"], c["interrupted_by"]) for c in children] == \
         [("reference", "completed", None), ("cpu0", "interrupted", "SIGTERM")]
+    # the child ends by the signal (-15), not with the shell's 143, and is worded so everywhere it is shown
+    assert children[-1]["exit_code"] == -signal.SIGTERM, children[-1]
+    text = (bundle / "report.md").read_text()
+    assert "child cpu0 ended interrupted, killed by SIGTERM (15)" in text
+    assert "| cpu0 | CPU | interrupted | killed by SIGTERM (15) |" in text
+    assert "child cpu0 ended interrupted, killed by SIGTERM (15); last lines of" in stopped["out"], stopped["out"]
     recorded = sorted((bundle / "raw" / "cpu0").glob("*.json"))
     assert 3 <= len(recorded) < 12 and summary["counts"]["arms_recorded"] == len(recorded)
     assert all(json.loads(p.read_text())["session"] == "cpu0" for p in recorded)
@@ -156,6 +162,10 @@ def test_sigkill_then_finish_publishes_the_same_incomplete_state(dirs):
         (bundle / "report.md").read_text()
     cpu0 = json.loads((bundle / "children.json").read_text())[-1]
     assert (cpu0["state"], cpu0["interrupted_by"], cpu0["exit_code"]) == ("interrupted", "lost", None)
+    lost = "child cpu0 ended interrupted, lost: no exit status recorded"
+    assert lost in fin.stdout and "None" not in fin.stdout, fin.stdout       # finish's status line
+    assert lost in (bundle / "report.md").read_text()
+    assert "| cpu0 | CPU | interrupted | lost: no exit status recorded | n/a |" in (bundle / "report.md").read_text()
     assert not [p for p in bundle.rglob(".*")]
     again = subprocess.run([sys.executable, "-m", "loopbench.harness.bench", "finish", str(bundle)], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=WAIT_S)
@@ -206,7 +216,8 @@ def test_resume_measures_the_rest_in_the_planned_order_and_audits_pass(resumed, 
         assert (r["pair"], r["position"], r["arm"]) == (item["pair"], item["position"], item["arm"])
     job = json.loads((bundle / "jobs" / "session-cpu0.r1.json").read_text())
     assert job["seqs"] == list(range(kept, 12)) and job["session"] == "cpu0.r1"
-    assert "| cpu0.r1 | CPU | completed | 0 |" in (bundle / "report.md").read_text()
+    assert "| cpu0.r1 | CPU | completed | exit code 0 |" in (bundle / "report.md").read_text()
+    assert "| cpu0 | CPU | interrupted | killed by SIGTERM (15) |" in (bundle / "report.md").read_text()
 
     with pytest.raises(ValueError, match="is complete; a complete bundle cannot be resumed"):
         _resume(dirs, bundle)

@@ -37,7 +37,7 @@ def test_the_server_process_starts_healthy_on_127_0_0_1_and_stops_cleanly(tmp_pa
 
 def test_a_server_that_crashes_fails_with_its_log_tail(tmp_path):
     server = ServerProcess(_spec(str(tmp_path / "no-such-checkpoint")), tmp_path / "server.log", health_timeout_s=120)
-    with pytest.raises(ServerFailed, match=r"exited with status 1 before it was healthy; last lines of") as err:
+    with pytest.raises(ServerFailed, match="the server ended before it was healthy, exit code 1; last lines of") as err:
         server.start()
     assert "no-such-checkpoint" in str(err.value)       # the traceback's last lines, from the server's log
 
@@ -84,7 +84,7 @@ def test_an_online_run_whose_server_crashes_fails_with_the_servers_log_tail(tmp_
     job = {"name": "cpu0", "device": {"kind": "cpu", "gpu_index": None, "cpu_threads": 1}}
     item = {"seq": 0, "kind": "calibration", "arm": "native", "rate_index": None, "rate_multiple": None,
             "pair": None, "position": None, "slot": None}
-    with pytest.raises(ServerFailed, match="exited with status 1 before it was healthy") as err:
+    with pytest.raises(ServerFailed, match="the server ended before it was healthy, exit code 1") as err:
         arms.run_item(plan, job, item, [], None, tmp_path / "online")
     assert (tmp_path / "online" / "00000-calibration-native.log").is_file() and "missing" in str(err.value)
     assert not (tmp_path / "online" / "00000-calibration-native.json").exists()   # no record of a failed run

@@ -202,3 +202,27 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
         assert span >= rec["measured"]["elapsed_s"]
     walls = [i for i, name in enumerate(names) if name == "wall"]
     assert walls[0] < clocks[2] < clocks[3] < walls[1]   # the first arm's measured run inside its span
+
+
+def test_a_session_stopped_by_sigterm_ends_by_the_signal(tmp_path):
+    """The child unwinds (no half-written record), then ends by SIGTERM itself: its parent sees returncode
+    -15, recorded and worded as "killed by SIGTERM (15)", never the shell's 143."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = ("import os, signal, sys, time\n"
+            "from loopbench.harness import session\n"
+            "def job(path):\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(30)\n"
+            "    finally:\n"
+            "        print('unwound', flush=True)\n"
+            "session.run_job = job\n"
+            "sys.exit(session.main(['job.json']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == -15, proc.stdout + proc.stderr
+    assert "unwound" in proc.stdout and "SIGTERM: stopping" in proc.stdout + proc.stderr
