@@ -100,7 +100,7 @@ def _bad(exc: Exception, where: str = "") -> int:
 
 
 def _bench(args, extra: list[str]) -> int:
-    from . import bench, planning
+    from . import bench, conf, planning
 
     name = _preset(args.config_name)
     jobs, runs = 0, None
@@ -111,9 +111,12 @@ def _bench(args, extra: list[str]) -> int:
             return _bad(exc.cause, f" in sweep job {exc.job}")
         jobs = len(runs)
         progress.say("sweep", f"{jobs} jobs, every configuration valid")
-    elif not extra:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
+    else:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
         try:
-            planning.check(name, args.overrides)
+            if extra:   # Hydra's flags (--cfg job...): composition only, so a config that breaks a rule can be shown
+                conf.compose(name, args.overrides)
+            else:
+                planning.check(name, args.overrides)
         except planning.CONFIG_ERRORS as exc:
             return _bad(exc)
     return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs, runs)

@@ -312,8 +312,10 @@ def presets() -> list[str]:
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     """Compose a preset outside ``@hydra.main`` (tests, tools); the same checks as the command line.
 
-    ValueError names an unknown preset with the ones there are, and a misspelt key with the keys of its level
-    (Hydra's own message for it advises appending the key with ``+``, which only moves the error on)."""
+    ValueError names an unknown preset with the ones there are, and a misspelt key, in an override or in a
+    preset's YAML, by its dotted path with the closest key (``rules.unknown_key``). That translation is made
+    here only, for every caller: Hydra's own message for it shows the schema's class names and, for an
+    override, advises appending the key with ``+``, which only moves the error on to :func:`validate`."""
     from hydra import compose as _compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
 
@@ -323,13 +325,51 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:
             return _compose(config_name=config_name, overrides=overrides)
-        except ConfigCompositionException as exc:
-            try:    # every plain override forced in ("++"), then our key check names the one that is not a key
-                forced = _compose(config_name=config_name, overrides=[o if o[:1] in "+~" else "++" + o for o in overrides])
-            except ConfigCompositionException:
-                raise exc     # keeps Hydra's cause, which names the bad value
-            rules.check_keys(to_plain(forced), BenchConf)
-            raise
+        # OmegaConf fails with an AssertionError or AttributeError, not a key error, on an override into a null
+        # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`)
+        except (ConfigCompositionException, AssertionError, AttributeError):
+            _check_preset_keys(config_name, set())
+            _check_override_keys(overrides)
+            raise     # not a key: Hydra's message, whose cause names the bad value
+
+
+def _check_preset_keys(name: str, seen: set[str]) -> None:
+    """The keys of preset ``name``'s YAML and of the presets its defaults list extends, each file on its
+    own (``rules.check_keys``: ValueError naming the file); Hydra's ``defaults`` and ``hydra`` nodes aside."""
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
+    seen.add(name)
+    path = CONFIG_DIR / f"{name}.yaml"
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, yaml.YAMLError, OmegaConfBaseException):
+        return    # Hydra could not read it either, and says why
+    if not isinstance(data, dict):
+        return
+    for entry in data.pop("defaults", None) or []:
+        if isinstance(entry, str) and entry not in seen and (CONFIG_DIR / f"{entry}.yaml").is_file():
+            _check_preset_keys(entry, seen)
+    data.pop("hydra", None)
+    rules.check_keys(data, BenchConf, where=f" in {CONFIG_DIR.name}/{path.name}")
+
+
+def _check_override_keys(overrides: list[str]) -> None:
+    """Each override's key (``+``, ``++`` and ``~`` ones too) and the keys of its value, against the schema
+    (``rules.check_key_path``); Hydra's own nodes (``hydra.*``, ``hydra/...`` groups, ``@package``) aside."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return    # a syntax error: Hydra's message names it
+    for override in parsed:
+        key = override.key_or_group
+        if override.package is not None or "/" in key or key == "hydra" or key.startswith("hydra."):
+            continue
+        rules.check_key_path(key, None if override.is_delete() or override.is_sweep_override() else override.value(),
+                             BenchConf)
 
 
 def validate(cfg: DictConfig | dict) -> BenchSpec:

@@ -4,10 +4,14 @@ Hydra rejects a misspelt key or a wrong type at composition; these rules catch t
 naming an unknown arm, ``min_loops > max_loops``, an engine path that names no factory...) and raise a
 ``ValueError`` naming the key and the value. :func:`check` works on a private copy that ``conf.validate``
 made; it fills each comparison's default name in that copy and changes nothing else.
+
+A key the schema does not have is worded by :func:`unknown_key` alone, wherever it was written (an override,
+a preset's YAML, a ``+key=`` append): its dotted path and the closest key ("did you mean exit.threshold?").
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from pathlib import Path
@@ -29,25 +33,69 @@ def seed(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a non-negative integer seed, got {value!r}")
 
 
-def check_keys(data: Any, schema: type, prefix: str = "") -> None:
-    """Unknown keys fail even where Hydra's ``+key=`` append lifted the struct flag (``schema``: the
-    structured-config dataclass ``data`` should follow)."""
-    if not isinstance(data, dict):
-        return
-    hints = typing.get_type_hints(schema)
-    for key, value in data.items():
-        if key not in hints:
-            raise ValueError(f"unknown config key {prefix + key!r}; {schema.__name__} has {sorted(hints)}")
-        hint = hints[key]
-        args = typing.get_args(hint)
+def unknown_key(path: str, valid: typing.Iterable[str], bad: int = -1, where: str = "") -> ValueError:
+    """The one message for a key the schema does not have, whichever part found it (an override, a preset's
+    YAML, the composed config): ``path`` as the user wrote it (``arms.native.kv_layot``), ``bad`` the index of
+    its unknown part, ``valid`` the keys of that level. It suggests the closest key (difflib), else lists the
+    level's keys; schema class names never reach the user."""
+    parts = path.split(".")
+    bad %= len(parts)
+    close = difflib.get_close_matches(parts[bad], sorted(valid), n=1)
+    if close:
+        hint = f"did you mean {'.'.join([*parts[:bad], close[0], *parts[bad + 1:]])}?"
+    else:
+        hint = f"{'.'.join(parts[:bad]) or 'the top level'} has {', '.join(sorted(valid))}"
+    return ValueError(f"unknown config key {path}{where}; {hint}")
+
+
+def _node(hint: Any) -> Any:
+    """``hint`` without ``Optional[...]`` (``online: Optional[OnlineConf]`` has OnlineConf's keys)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def check_keys(data: Any, schema: Any, prefix: str = "", where: str = "") -> None:
+    """ValueError (:func:`unknown_key`) for the first key of ``data`` that ``schema`` (a structured-config
+    dataclass, or a type hint of one: ``Dict[str, ArmConf]``, ``List[PointConf]``, ``Optional[...]``) does
+    not have. Checks what Hydra lets through (a ``+key=`` append lifts its struct flag) and locates what it
+    refuses; ``prefix`` is the dotted path of ``data`` (list items by index, ``points.0.``), ``where`` says
+    where it was written (`` in configs/cpu-smoke.yaml``)."""
+    schema = _node(schema)
+    origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if dataclasses.is_dataclass(schema) and isinstance(data, dict):
+        hints = typing.get_type_hints(schema)
+        for key, value in data.items():
+            if key not in hints:
+                raise unknown_key(f"{prefix}{key}", hints, where=where)
+            check_keys(value, hints[key], f"{prefix}{key}.", where)
+    elif origin in (dict, typing.Dict) and isinstance(data, dict):
+        for name, item in data.items():
+            check_keys(item, args[1], f"{prefix}{name}.", where)
+    elif origin in (list, typing.List) and isinstance(data, list):
+        for i, item in enumerate(data):
+            check_keys(item, args[0], f"{prefix}{i}.", where)
+
+
+def check_key_path(path: str, value: Any, schema: type) -> None:
+    """An override's dotted key (``exit.treshold``, ``points.0.max_num_seqs``) walked down ``schema``, then
+    the keys of its ``value`` (``exit={treshold: 0.6}``); ValueError (:func:`unknown_key`) at the first
+    part that is not a key. A path that goes on below a value (``pairs.x``) is a type error, left to Hydra."""
+    hint, parts = schema, path.split(".")
+    for i, part in enumerate(parts):
+        hint = _node(hint)
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
         if dataclasses.is_dataclass(hint):
-            check_keys(value, hint, f"{prefix}{key}.")
-        elif typing.get_origin(hint) in (dict, typing.Dict) and dataclasses.is_dataclass(args[1]):
-            for name, item in (value or {}).items():
-                check_keys(item, args[1], f"{prefix}{key}.{name}.")
-        elif typing.get_origin(hint) in (list, typing.List) and args and dataclasses.is_dataclass(args[0]):
-            for i, item in enumerate(value or []):
-                check_keys(item, args[0], f"{prefix}{key}[{i}].")
+            hints = typing.get_type_hints(hint)
+            if part not in hints:
+                raise unknown_key(path, hints, bad=i)
+            hint = hints[part]
+        elif origin in (dict, typing.Dict):
+            hint = args[1]
+        elif origin in (list, typing.List) and part.isdigit():
+            hint = args[0]
+        else:
+            return
+    check_keys(value, hint, f"{path}.")
 
 
 def check(plain: dict) -> None:
