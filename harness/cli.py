@@ -92,6 +92,21 @@ def _preset(config_name: str | None) -> str:
     return name
 
 
+def _no_bundle(command: str, path: Path) -> int | None:
+    """The one refusal of a path that is no bundle, for every command given one (audit, finish, show, compare):
+    no folder there, or a folder without ``plan.json``, is named on stderr and gives exit status 2 (usage),
+    before anything is read or written; None when ``path`` is a bundle (published or not). Raises nothing."""
+    if not path.is_dir():
+        why = f"no bundle folder at {path}"
+    elif not (path / "plan.json").is_file():
+        why = (f"{path} is not a bundle (no plan.json); a folder that a run made and left without one holds "
+               "nothing measured")
+    else:
+        return None
+    print(f"loopbench {command}: {why}", file=sys.stderr)
+    return 2
+
+
 def _bad(exc: Exception, where: str = "") -> int:
     cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
     text = " ".join(f"{exc}{cause}".split())   # Hydra's messages span lines; ours is one
@@ -153,6 +168,8 @@ def _show(args) -> int:
         dirs = compare.bundle_dirs(results)
         print("\n".join(compare.bundle_line(d) for d in dirs) if dirs else f"no bundles in {results}")
         return 0
+    if (status := _no_bundle("show", args.bundle)) is not None:
+        return status
     try:
         print(compare.show_text(compare.Bundle.load(args.bundle)))
     except ValueError as exc:
@@ -168,6 +185,9 @@ def _compare(args) -> int:
         print(f"loopbench compare: --confidence {args.confidence} is not a level between 0 and 1 (0.95 for a 95% "
               "interval)", file=sys.stderr)
         return 2
+    for path in (args.a, args.b):
+        if (status := _no_bundle("compare", path)) is not None:
+            return status
     try:
         text, comparable = compare.compare_text(compare.Bundle.load(args.a), compare.Bundle.load(args.b),
                                                 args.confidence)
@@ -212,13 +232,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "plan":
         return _plan(args)
     if args.command in ("audit", "finish"):
-        if not args.bundle.is_dir():
-            print(f"loopbench {args.command}: no bundle folder at {args.bundle}", file=sys.stderr)
-            return 2
-        if not (args.bundle / "plan.json").is_file():    # refused before the auditor writes its audit.json there
-            print(f"loopbench {args.command}: {args.bundle} is not a bundle (no plan.json); a folder that a run made "
-                  "and left without one holds nothing measured", file=sys.stderr)
-            return 2
+        if (status := _no_bundle(args.command, args.bundle)) is not None:   # before the auditor writes audit.json
+            return status
         if args.command == "audit" and not (args.bundle / "summary.json").is_file():
             from .compare import unpublished_hint
 

@@ -123,6 +123,29 @@ def test_resuming_a_complete_bundle_is_bad_usage_named_in_one_line(two_bundles, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_plan_estimates_from_the_latest_created_bundle_whatever_the_folder_times(two_bundles, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A copy or a checkout reorders folder mtimes; the bundle the estimate comes from follows plan.json."""
+    _, _, (a, b) = two_bundles
+    results = tmp_path / "r"
+    older, newer = results / "z-created-first", results / "a-created-last"   # names sort against creation
+    for src, dst, created in ((a, older, "2026-01-01T00:00:00+00:00"), (b, newer, "2026-01-02T00:00:00+00:00")):
+        shutil.copytree(src, dst)
+        plan = json.loads((dst / "plan.json").read_text())
+        (dst / "plan.json").write_text(json.dumps({**plan, "created_utc": created}))
+    os.utime(older, (2e9, 2e9))      # the folder created first was touched last
+    os.utime(newer, (1e9, 1e9))
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", *TINY, f"results_dir={results}", f"cache_dir={a.parent.parent / 'c'}"]
+    assert cli.main(args) == 0
+    assert "audit; from a-created-last" in capsys.readouterr().out
+    plan = json.loads((newer / "plan.json").read_text())   # created in the same second: the later folder name
+    (newer / "plan.json").write_text(json.dumps({**plan, "created_utc": "2026-01-01T00:00:00+00:00"}))
+    os.utime(newer, (3e9, 3e9))
+    assert cli.main(args) == 0
+    assert "audit; from z-created-first" in capsys.readouterr().out
+
+
 def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):
     assert cli.main(["show", "--all", "--results", str(tmp_path / "none")]) == 2
     assert "is not a folder" in capsys.readouterr().err
@@ -184,11 +207,22 @@ def test_show_all_lists_every_committed_bundle(capsys):
                                  for line in gpu), gpu   # the context bundle's points are B16C16P<P>D64
 
 
-def test_show_and_compare_refuse_what_is_no_bundle(tmp_path, capsys):
-    assert cli.main(["show", str(tmp_path)]) == 2
-    assert "not a published bundle" in capsys.readouterr().err
+def test_show_compare_and_audit_refuse_what_is_no_bundle_in_one_wording_and_write_nothing(tmp_path, capsys):
+    folder, missing = tmp_path / "notes", tmp_path / "none"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not a bundle")
+    bundle = str(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c")
+    refusals = ((missing, f"no bundle folder at {missing}"), (folder, f"{folder} is not a bundle (no plan.json)"))
+    for path, words in refusals:
+        said = set()
+        for command, *args in (("audit", path), ("show", path), ("compare", path, bundle), ("compare", bundle, path)):
+            assert cli.main([command, *map(str, args)]) == 2, (command, args)
+            out, err = capsys.readouterr()
+            assert out == "" and err.startswith(f"loopbench {command}: "), (command, out, err)
+            said.add(err.removeprefix(f"loopbench {command}: "))
+        assert len(said) == 1 and words in said.pop(), said
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes", "notes.txt"]
     assert cli.main(["show"]) == 2
-    assert cli.main(["compare", str(tmp_path), str(tmp_path)]) == 2
 
 
 def test_audit_and_finish_refuse_a_folder_that_is_no_bundle_and_write_nothing_there(tmp_path, capsys):
