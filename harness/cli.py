@@ -23,7 +23,7 @@ EXIT_STATUS = """exit status:
   0  done: the run is complete and its audit passes (bench, audit); the plan is valid (plan); printed (show, compare)
   1  an audit found a discrepancy, an error, or (compare) the bundles are not comparable
   2  bad configuration or usage, named in one line before anything is measured or written
-  3  the run or bundle is incomplete (stopped, failed child): no verdict, and nothing else wrong"""
+  3  the run or bundle is incomplete (stopped, failed child, not yet published): no verdict, and nothing else wrong"""
 
 RUN_EPILOG = """examples:
   loopbench bench --config-name cpu-smoke pairs=6
@@ -107,6 +107,20 @@ def _no_bundle(command: str, path: Path) -> int | None:
     return 2
 
 
+def _unpublished(command: str, path: Path) -> int | None:
+    """The one answer to a bundle not yet published (a ``plan.json``, no ``summary.json``), for every command that
+    reads a published one (audit, show, compare): named on stderr with how to publish it, exit status 3, before
+    anything is read or written; None when ``path`` is published. 3 and not 2: the bundle is real and the command
+    right, but its run is incomplete (stopped, or its controller died), which is what 3 means (EXIT_STATUS)."""
+    if (path / "summary.json").is_file():
+        return None
+    from .compare import unpublished_hint
+
+    print(f"loopbench {command}: {path} is not published (no summary.json): nothing to {command} yet"
+          + unpublished_hint(path), file=sys.stderr)
+    return 3
+
+
 def _bad(exc: Exception, where: str = "") -> int:
     cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
     text = " ".join(f"{exc}{cause}".split())   # Hydra's messages span lines; ours is one
@@ -168,7 +182,7 @@ def _show(args) -> int:
         dirs = compare.bundle_dirs(results)
         print("\n".join(compare.bundle_line(d) for d in dirs) if dirs else f"no bundles in {results}")
         return 0
-    if (status := _no_bundle("show", args.bundle)) is not None:
+    if (status := _no_bundle("show", args.bundle) or _unpublished("show", args.bundle)) is not None:
         return status
     try:
         print(compare.show_text(compare.Bundle.load(args.bundle)))
@@ -185,9 +199,10 @@ def _compare(args) -> int:
         print(f"loopbench compare: --confidence {args.confidence} is not a level between 0 and 1 (0.95 for a 95% "
               "interval)", file=sys.stderr)
         return 2
-    for path in (args.a, args.b):
-        if (status := _no_bundle("compare", path)) is not None:
-            return status
+    for check in (_no_bundle, _unpublished):     # a path that is no bundle (usage, 2) is named before one unpublished
+        for path in (args.a, args.b):
+            if (status := check("compare", path)) is not None:
+                return status
     try:
         text, comparable = compare.compare_text(compare.Bundle.load(args.a), compare.Bundle.load(args.b),
                                                 args.confidence)
@@ -234,12 +249,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command in ("audit", "finish"):
         if (status := _no_bundle(args.command, args.bundle)) is not None:   # before the auditor writes audit.json
             return status
-        if args.command == "audit" and not (args.bundle / "summary.json").is_file():
-            from .compare import unpublished_hint
-
-            print(f"loopbench audit: {args.bundle} is not published (no summary.json): nothing to audit yet"
-                  + unpublished_hint(args.bundle), file=sys.stderr)
-            return 3
+        if args.command == "audit" and (status := _unpublished("audit", args.bundle)) is not None:
+            return status
         if args.command == "finish":
             from .bench import finish_main
 

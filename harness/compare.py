@@ -256,16 +256,18 @@ def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple
 # ------------------------------------------------------------------------------------------ show
 
 def show_text(bundle: Bundle) -> str:
-    """``loopbench show BUNDLE``: identity, the result tables and the status line of a published bundle."""
+    """``loopbench show BUNDLE``: identity, the result tables and the status line of a published bundle of any
+    supported format (its incomplete reasons worded as :func:`withheld` words them)."""
     from . import report
 
     s = bundle.summary
     audit_file = bundle.path / "audit.json"
     audit = json.loads(audit_file.read_text()).get("status", "?") if audit_file.is_file() else "not audited"
-    status = s["status"] + (f" ({report.reasons_text(s)})" if s["incomplete_reasons"] else "")
+    status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
+    verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
     return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s, bundle.plan),
-                      f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts "
-                      f"{'published' if s['verdicts_published'] else 'barred'}", f"report: {bundle.path / 'report.md'}"])
+                      f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts {verdicts}",
+                      f"report: {bundle.path / 'report.md'}"])
 
 
 def headline(summary: dict) -> str:

@@ -2,6 +2,7 @@
 is declared (type and unit) and an undeclared one is refused on both sides; status is a code of the
 contract, worded only from it; each request's prompt is the plan's prompt_index, never parsed from its id."""
 import json
+import re
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -232,3 +233,44 @@ def test_checker_findings_have_the_contracts_fields():
 
     finding = checker.Finding("tokens", "cpu0", "B2C3", "c", 0, "native", "measured", "r0000", 2, 5, 6)
     assert _shape_problem(finding.to_dict(), contract.DOCS["summary"]["finding_fields"], "finding") is None
+
+
+# The contract's words name a config key as "config <key>" and a plan field as "plan.json <field>" (or "plan
+# <field>"); a name in code form has "_", "." or "[" in it, or ",;:)" after it (prose such as "config and" has not).
+_PART = r"[a-z][a-z0-9_]*(?:\[\d*\])?"      # sessions, points[], devices[0]
+_NAMED = re.compile(rf"\b(config|plan\.json|plan) ({_PART}(?:\.{_PART})*)([,;:)]?)")
+
+
+def _contract_names(kind: str) -> dict[str, list[str]]:
+    """Each name of ``kind`` ("config" or "plan") that the contract's text gives -> the dotted paths of its strings."""
+    def strings(node, where):
+        if isinstance(node, dict):
+            return [s for k, v in node.items() for s in strings(v, f"{where}.{k}" if where else k)]
+        if isinstance(node, list):
+            return [s for i, v in enumerate(node) for s in strings(v, f"{where}[{i}]")]
+        return [(where, node)] if isinstance(node, str) else []
+
+    named: dict[str, list[str]] = {}
+    for where, text in strings(contract.FORMAT, ""):
+        for m in _NAMED.finditer(text):
+            if m[1].startswith(kind) and (m[3] or re.search(r"[_.\[]", m[2])):
+                named.setdefault(re.sub(r"\[\d*\]", "", m[2]), []).append(where)
+    return named
+
+
+def test_every_config_key_the_contract_names_is_a_key_of_the_schema():
+    from loopbench.harness import keys
+
+    schema = {k.replace("[]", "").replace(".<name>", "") for k, _, _ in keys.schema_keys()}
+    nodes = schema | {k.rsplit(".", i)[0] for k in schema for i in range(1, k.count(".") + 1)}
+    named = _contract_names("config")
+    assert {"sessions", "comparisons.track", "natural"} <= set(named), named    # the regex still finds them
+    assert {k: w for k, w in named.items() if k not in nodes} == {}
+
+
+def test_every_plan_field_the_contract_names_is_a_field_of_plan_json():
+    plan = contract.DOCS["plan"]
+    fields = set(plan["fields"]) | set(plan["optional"])
+    named = _contract_names("plan")
+    assert {"points", "devices", "natural", "detectable_effect"} <= {k.split(".")[0] for k in named}, named
+    assert {k: w for k, w in named.items() if k.split(".")[0] not in fields} == {}

@@ -234,14 +234,55 @@ def test_audit_and_finish_refuse_a_folder_that_is_no_bundle_and_write_nothing_th
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "the auditor wrote into a non-bundle folder"
 
 
-def test_an_unpublished_bundle_is_incomplete_to_audit_and_show_and_both_name_finish(tmp_path, capsys):
-    shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "plan.json")
-    assert cli.main(["audit", str(tmp_path)]) == 3
-    err = capsys.readouterr().err
-    assert "is not published (no summary.json)" in err and f"loopbench finish {tmp_path}" in err, err
-    assert cli.main(["show", str(tmp_path)]) == 2
-    assert f"loopbench finish {tmp_path}" in capsys.readouterr().err
+def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and_each_names_finish(tmp_path, capsys):
+    """Exit 3 (incomplete), as the README's exit statuses define it, from every command that reads a published
+    bundle; a path that is no bundle at all still gives 2 (usage), named first."""
+    bundle = str(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c")
+    shutil.copy(Path(bundle) / "plan.json", tmp_path / "plan.json")
+    said = set()
+    for command, *args in (("audit", tmp_path), ("show", tmp_path), ("compare", tmp_path, bundle),
+                           ("compare", bundle, tmp_path)):
+        assert cli.main([command, *map(str, args)]) == 3, (command, args)
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"loopbench {command}: "), (command, out, err)
+        said.add(err.removeprefix(f"loopbench {command}: ").replace(f"nothing to {command} yet", "nothing to X yet"))
+    assert len(said) == 1, said
+    err = said.pop()
+    assert f"{tmp_path} is not published (no summary.json)" in err and f"loopbench finish {tmp_path}" in err, err
+    assert cli.main(["compare", str(tmp_path), str(tmp_path / "none")]) == 2
+    assert f"no bundle folder at {tmp_path / 'none'}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_show_renders_every_committed_bundle_whatever_its_format(capsys):
+    bundles = sorted(p for p in (REPO / "results").iterdir() if (p / "summary.json").is_file())
+    assert len(bundles) >= 14
+    for bundle in bundles:
+        assert cli.main(["show", str(bundle)]) == 0, bundle
+        out, err = capsys.readouterr()
+        assert out.startswith(f"{bundle.name} (code ") and "\nstatus: " in out and err == "", (bundle, err)
+
+
+def test_show_words_the_sentences_of_an_incomplete_format_1_bundle(tmp_path, capsys):
+    """A format-1 summary's incomplete reasons are English sentences (loopbench/bundle_format.json versions), not
+    the status codes that report.md words: show gives them as they are, where it once raised a traceback."""
+    src = REPO / "results" / "2026-12-01-ouro-1.4b-e4b8faf"     # manifest layout_version 1: bundle format 1
+    assert json.loads((src / "manifest.json").read_text()).get("format_version") is None
+    bundle = tmp_path / src.name
+    (bundle / "tables").mkdir(parents=True)
+    for name in ("plan.json", "manifest.json", "tables/arms.parquet"):
+        shutil.copy(src / name, bundle / name)
+    summary = json.loads((src / "summary.json").read_text())
+    reason = "child cuda0 ended interrupted with exit code -15"
+    (bundle / "summary.json").write_text(json.dumps({**summary, "status": "incomplete", "incomplete_reasons": [reason],
+                                                     "verdicts_published": False}))
+    assert cli.main(["show", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert f"\nstatus: incomplete ({reason}); checks passed; verdicts barred\n" in out, out
+    del summary["verdicts_published"]      # the field compare.withheld allows an old summary to lack
+    (bundle / "summary.json").write_text(json.dumps(summary))
+    assert cli.main(["show", str(bundle)]) == 0
+    assert "\nstatus: complete; checks passed; verdicts not recorded\n" in capsys.readouterr().out
 
 
 def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
