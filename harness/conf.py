@@ -19,7 +19,9 @@ requests); an *arm* is a named runtime configuration; a *comparison* is (baselin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -313,11 +315,12 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     """Compose a preset outside ``@hydra.main`` (tests, tools); the same checks as the command line.
 
     ValueError names an unknown preset with the ones there are, and a misspelt key, in an override or in a
-    preset's YAML, by its dotted path with the closest key (``rules.unknown_key``). That translation is made
-    here only, for every caller: Hydra's own message for it shows the schema's class names and, for an
-    override, advises appending the key with ``+``, which only moves the error on to :func:`validate`."""
+    preset's YAML, by its dotted path with the closest key (``rules.unknown_key``), and an override into a node
+    that is null there (``rules.null_node``). That translation is made here only, for every caller: Hydra's own
+    message for a key shows the schema's class names and, for an override, advises appending the key with
+    ``+``, which only moves the error on to :func:`validate`; for a null node OmegaConf's names nothing."""
     from hydra import compose as _compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 
     if config_name not in presets():
         raise ValueError(f"unknown preset {config_name!r}; configs/ has {presets()}")
@@ -326,11 +329,16 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         try:
             return _compose(config_name=config_name, overrides=overrides)
         # OmegaConf fails with an AssertionError or AttributeError, not a key error, on an override into a null
-        # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`)
-        except (ConfigCompositionException, AssertionError, AttributeError):
+        # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`); Hydra's lexer refuses a list
+        # index in brackets (`comparisons[0].candidate=alias`) without naming the key
+        except (ConfigCompositionException, OverrideParseException, AssertionError, AttributeError) as exc:
             _check_preset_keys(config_name, set())
             _check_override_keys(overrides)
-            raise     # not a key: Hydra's message, whose cause names the bad value
+            _check_null_nodes(_compose, config_name, overrides)
+            if isinstance(exc, HydraException):
+                raise     # not a key: Hydra's message, whose cause names the bad value
+            # an OmegaConf failure none of the checks above places: still one line (its cause's), no traceback
+            raise ValueError(f"preset {config_name} does not compose with {' '.join(overrides)}") from exc
 
 
 def _check_preset_keys(name: str, seen: set[str]) -> None:
@@ -363,13 +371,83 @@ def _check_override_keys(overrides: list[str]) -> None:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
+        _check_bracketed_keys(overrides)
         return    # a syntax error: Hydra's message names it
     for override in parsed:
         key = override.key_or_group
-        if override.package is not None or "/" in key or key == "hydra" or key.startswith("hydra."):
+        if _hydras_own(override):
             continue
         rules.check_key_path(key, None if override.is_delete() or override.is_sweep_override() else override.value(),
                              BenchConf)
+
+
+def _hydras_own(override) -> bool:
+    """Hydra's own nodes (``hydra.*``, ``hydra/...`` groups, ``@package``), which our schema does not describe."""
+    key = override.key_or_group
+    return override.package is not None or "/" in key or key == "hydra" or key.startswith("hydra.")
+
+
+def _check_bracketed_keys(overrides: list[str]) -> None:
+    """Hydra's lexer refuses a list index in brackets (``comparisons[0].candidate=alias``, the way our value
+    messages name an item) without naming the key. ValueError names it the way an override can: a misspelt
+    key exactly as its dotted form would be (``rules.unknown_key``: ``comparisons.0.candidat``), a valid one
+    with the override rewritten (``comparisons.0.candidate=alias``)."""
+    for line in overrides:
+        key, eq, value = line.partition("=")
+        path = key.lstrip("+~")
+        if "[" not in path or not re.fullmatch(r"[\w.\[\]]+", path) or path.split("[")[0].split(".")[0] == "hydra":
+            continue
+        dotted = rules.dotted(path)
+        if "[" in dotted or "]" in dotted:
+            continue  # not an index: Hydra's message
+        rules.check_key_path(dotted, None, BenchConf)
+        raise ValueError(f"{line}: an override names a list item by a dot, not brackets: "
+                         f"{key[:len(key) - len(path)]}{dotted}{eq}{value}")
+
+
+def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:
+    """ValueError (``rules.null_node``) for the first override that writes into a node that is null where it
+    applies: a key below it (``online.num_requests=3``, ``executor.gpus.0=1``) or, for a section, the section
+    whole (``online={num_requests: 3}``). Each override is looked at in the config composed (``compose_``,
+    Hydra's) of the overrides before it, so a node that an earlier one nulls (``online=null``) counts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    composes = (HydraException, AssertionError, AttributeError)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return
+    absent = object()
+    for i, override in enumerate(parsed):
+        if override.is_delete() or _hydras_own(override):
+            continue
+        try:
+            cfg = compose_(config_name=config_name, overrides=overrides[:i])
+        except composes:
+            return    # an earlier override fails on its own account
+        value = None if override.is_sweep_override() else override.value()
+        parts = override.key_or_group.split(".")
+        for n in range(1, len(parts) + 1):
+            node = ".".join(parts[:n])
+            if OmegaConf.select(cfg, node, default=absent) is not None:
+                continue
+            hint = rules.schema_at(node, BenchConf)
+            if n == len(parts) and not (value and isinstance(value, dict) and dataclasses.is_dataclass(hint)):
+                break     # a null node set whole: a list or dict takes the value (`online={}` leaves a section null)
+            setter = next((o.input_line for o in reversed(parsed[:i]) if f"{node}.".startswith(f"{o.key_or_group}.")),
+                          None)
+            in_preset = OmegaConf.select(compose_(config_name=config_name, overrides=[]), node, default=absent) is None
+            where = f"in preset {config_name}" if in_preset or setter is None else f"after {setter}"
+            setters = []
+            if dataclasses.is_dataclass(hint):
+                for name in presets():
+                    try:
+                        if OmegaConf.select(compose_(config_name=name, overrides=[]), node, default=absent) is not None:
+                            setters.append(name)
+                    except composes:
+                        pass      # a preset that does not compose sets nothing
+            raise rules.null_node(override.input_line, node, where, hint, setters)
 
 
 def validate(cfg: DictConfig | dict) -> BenchSpec:

@@ -7,12 +7,15 @@ made; it fills each comparison's default name in that copy and changes nothing e
 
 A key the schema does not have is worded by :func:`unknown_key` alone, wherever it was written (an override,
 a preset's YAML, a ``+key=`` append): its dotted path and the closest key ("did you mean exit.threshold?").
+An override into a node that is null where it applies (``online.num_requests=3`` under ``online: null``) is
+worded by :func:`null_node` alone.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -35,8 +38,9 @@ def seed(key: str, value: Any) -> None:
 
 def unknown_key(path: str, valid: typing.Iterable[str], bad: int = -1, where: str = "") -> ValueError:
     """The one message for a key the schema does not have, whichever part found it (an override, a preset's
-    YAML, the composed config): ``path`` as the user wrote it (``arms.native.kv_layot``), ``bad`` the index of
-    its unknown part, ``valid`` the keys of that level. It suggests the closest key (difflib), else lists the
+    YAML, the composed config): ``path`` as the user wrote it (``arms.native.kv_layot``; a list item by its
+    index, ``comparisons.0.candidat``, however it was written: see :func:`dotted`), ``bad`` the index of its
+    unknown part, ``valid`` the keys of that level. It suggests the closest key (difflib), else lists the
     level's keys; schema class names never reach the user."""
     parts = path.split(".")
     bad %= len(parts)
@@ -46,6 +50,47 @@ def unknown_key(path: str, valid: typing.Iterable[str], bad: int = -1, where: st
     else:
         hint = f"{'.'.join(parts[:bad]) or 'the top level'} has {', '.join(sorted(valid))}"
     return ValueError(f"unknown config key {path}{where}; {hint}")
+
+
+def dotted(path: str) -> str:
+    """``path`` with each list index written as Hydra's override grammar takes it: ``comparisons[0].candidate``
+    (as our value messages and Python write it) -> ``comparisons.0.candidate``."""
+    return re.sub(r"\[(\d+)\]", r".\1", path)
+
+
+def null_node(override: str, node: str, where: str, schema: Any, presets: typing.Sequence[str] = ()) -> ValueError:
+    """The one message for ``override`` writing into ``node``, which is null ``where`` it applies ("in preset
+    cpu-smoke"): OmegaConf fails there with an assertion that names nothing. ``schema`` is the node's type hint.
+    A null list or dict takes a whole value (``executor.gpus=[0,1]``); a null section (a structured node,
+    ``online``) takes none at all, neither its keys one by one nor ``online={...}`` (OmegaConf 2.3 cannot merge
+    into it), so the message names the ``presets`` that set it."""
+    hint = _node(schema)
+    if dataclasses.is_dataclass(hint):
+        named = f" (--config-name {' or '.join(presets)})" if presets else ""
+        fix = (f"an override cannot fill a null section, not {node}={{...}} either; use a preset that sets {node}"
+               f"{named} or one of your own in configs/")
+    else:
+        whole = "[...]" if typing.get_origin(hint) in (list, typing.List) else "{...}"
+        fix = f"set it whole ({node}={whole})"
+    return ValueError(f"cannot apply {override}: {node} is null {where}; {fix}")
+
+
+def schema_at(path: str, schema: Any) -> Any:
+    """The type hint at dotted ``path`` below ``schema``, without ``Optional`` (``online`` -> OnlineConf,
+    ``executor.gpus`` -> List[int], ``points.0`` -> PointConf); None where the path leaves the schema."""
+    hint = _node(schema)
+    for part in path.split("."):
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part)
+        elif origin in (dict, typing.Dict):
+            hint = args[1]
+        elif origin in (list, typing.List) and part.isdigit():
+            hint = args[0]
+        else:
+            return None
+        hint = _node(hint)
+    return hint
 
 
 def _node(hint: Any) -> Any:

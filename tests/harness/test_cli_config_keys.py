@@ -1,7 +1,9 @@
 """A misspelt config key, through the ``loopbench`` command: one line naming the key by its dotted path as the
 user wrote it, with the closest key (or the keys of its level), exit 2, nothing written; never the schema's
 class names nor Hydra's "To append to your config use +key=" advice. The key may be misspelt in an override
-(plain, ``+``, ``++``, ``~``, inside a value), in a preset's YAML, or in a preset that preset extends."""
+(plain, ``+``, ``++``, ``~``, inside a value, a list item by dot or by brackets), in a preset's YAML, or in a
+preset that preset extends. An override into a node that is null in the preset (``online.num_requests=3``
+under ``online: null``) is refused the same way, with what to do instead, never with OmegaConf's traceback."""
 import os
 import shutil
 import subprocess
@@ -14,6 +16,9 @@ from loopbench.harness import cli, conf
 
 REPO = Path(__file__).resolve().parents[2]
 BAD = "loopbench: bad configuration: "
+ONLINE_NULL = ("online is null in preset cpu-smoke; an override cannot fill a null section, not online={...} either; "
+               "use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one of your own in "
+               "configs/")
 
 
 def _refusal(tmp_path, monkeypatch, capsys, command: str, *args: str) -> str:
@@ -42,6 +47,12 @@ def _refusal(tmp_path, monkeypatch, capsys, command: str, *args: str) -> str:
     ("exit={treshold:0.6}", "unknown config key exit.treshold; did you mean exit.threshold?"),
     ("comparisons=[{baseline:native,candidat:alias}]",
      "unknown config key comparisons.0.candidat; did you mean comparisons.0.candidate?"),
+    ("comparisons.0.candidat=alias",
+     "unknown config key comparisons.0.candidat; did you mean comparisons.0.candidate?"),
+    # brackets, as our value messages name an item: Hydra's lexer refuses them; named as the dotted key is
+    ("comparisons[0].candidat=alias",
+     "unknown config key comparisons.0.candidat; did you mean comparisons.0.candidate?"),
+    ("+points[0].max_num_seq=3", "unknown config key points.0.max_num_seq; did you mean points.0.max_num_seqs?"),
     ("online.num_request=3", "unknown config key online.num_request; did you mean online.num_requests?"),  # online: null
     ("exit.zzz=1", "unknown config key exit.zzz; exit has max_loops, min_loops, policy, threshold"),
     ("zzz=1", "unknown config key zzz; the top level has arms, cache_dir, comparisons, evidence, executor, exit, "),
@@ -50,6 +61,24 @@ def test_a_misspelt_override_is_one_line_with_the_closest_key(tmp_path, monkeypa
     err = _refusal(tmp_path, monkeypatch, capsys, command, override)
     assert len(err.splitlines()) == 1 and err.startswith(BAD + line), err
     assert "Conf" not in err and "+" not in err.replace(override, ""), err
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("override, line", [
+    ("online.num_requests=3", "cannot apply online.num_requests=3: " + ONLINE_NULL),
+    ("+online.num_requests=3", "cannot apply +online.num_requests=3: " + ONLINE_NULL),
+    ("online.rates=[1.0]", "cannot apply online.rates=[1.0]: " + ONLINE_NULL),
+    ("online={num_requests:3}", "cannot apply online={num_requests:3}: " + ONLINE_NULL),   # whole: no better
+    ("executor.gpus.0=1", "cannot apply executor.gpus.0=1: executor.gpus is null in preset cpu-smoke; set it whole "
+                          "(executor.gpus=[...])"),
+    ("comparisons[0].candidate=alias",
+     "comparisons[0].candidate=alias: an override names a list item by a dot, not brackets: "
+     "comparisons.0.candidate=alias"),
+])
+def test_a_valid_key_hydra_cannot_apply_is_one_line_that_says_what_to_do(tmp_path, monkeypatch, capsys, command,
+                                                                         override, line):
+    err = _refusal(tmp_path, monkeypatch, capsys, command, override)
+    assert err.splitlines() == [BAD + line], err
 
 
 @pytest.mark.parametrize("preset, edit, line", [
@@ -87,6 +116,9 @@ def _loopbench(cwd: Path, *args: str):
     (["exit.treshold=0.6", "--cfg", "job"], BAD + "unknown config key exit.treshold; did you mean exit.threshold?"),
     (["-m", "exit.treshold=0.5,0.6"], "loopbench: bad configuration in sweep job 1 of 2 (exit.treshold=0.5): unknown "
                                       "config key exit.treshold; did you mean exit.threshold?"),
+    (["online.num_requests=3", "--cfg", "job"], BAD + "cannot apply online.num_requests=3: " + ONLINE_NULL),
+    (["-m", "online.num_requests=3,4"], "loopbench: bad configuration in sweep job 1 of 2 (online.num_requests=3): "
+                                        "cannot apply online.num_requests=3: " + ONLINE_NULL),
 ])
 def test_hydras_own_refusal_of_a_key_reads_as_ours(tmp_path, args, line):
     proc = _loopbench(tmp_path, "bench", "--config-name", "cpu-smoke", f"results_dir={tmp_path / 'r'}",

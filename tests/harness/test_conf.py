@@ -61,6 +61,43 @@ def test_misspelt_key_is_named_with_the_closest_key_not_hydras_append_hint(overr
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("cpu-smoke", ["online.num_requests=3"],
+     "cannot apply online.num_requests=3: online is null in preset cpu-smoke; an override cannot fill a null section, "
+     "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
+     "of your own in configs/"),
+    ("cpu-smoke", ["online={}", "online.num_requests=3"],      # {} merged into a null section leaves it null
+     "cannot apply online.num_requests=3: online is null in preset cpu-smoke; an override cannot fill a null section, "
+     "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
+     "of your own in configs/"),
+    ("cpu-online", ["online=null", "online.num_requests=3"],   # nulled by an earlier override, not by the preset
+     "cannot apply online.num_requests=3: online is null after online=null; an override cannot fill a null section, "
+     "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
+     "of your own in configs/"),
+    ("ouro-1.4b", ["workload.prompt_lens.0=5"],
+     "cannot apply workload.prompt_lens.0=5: workload.prompt_lens is null in preset ouro-1.4b; set it whole "
+     "(workload.prompt_lens=[...])"),
+])
+def test_an_override_into_a_null_node_is_named_with_what_to_do(preset, overrides, message):
+    with pytest.raises(ValueError) as err:
+        conf.compose(preset, overrides)
+    assert str(err.value) == message
+
+
+def test_what_the_null_node_messages_advise_composes():
+    assert conf.compose("cpu-online", ["online.num_requests=3"]).online.num_requests == 3
+    assert list(conf.compose("cpu-smoke", ["executor.gpus=[0,2]", "executor.gpus.0=1"]).executor.gpus) == [1, 2]
+    assert conf.compose("cpu-smoke", ["comparisons.0.candidate=alias"]).comparisons[0].candidate == "alias"
+
+
+def test_an_omegaconf_failure_no_check_places_is_still_a_value_error(monkeypatch):
+    monkeypatch.setattr(conf, "_check_null_nodes", lambda *args: None)
+    with pytest.raises(ValueError) as err:
+        conf.compose("cpu-smoke", ["pairs=3", "online.num_requests=3"])
+    assert str(err.value) == "preset cpu-smoke does not compose with pairs=3 online.num_requests=3"
+    assert isinstance(err.value.__cause__, AssertionError)    # the CLI shows its first line in parentheses
+
+
 def test_unknown_preset_is_named_with_the_presets_there_are():
     with pytest.raises(ValueError, match=r"unknown preset 'nope'; configs/ has \[.*'cpu-smoke'.*'ouro-1.4b'"):
         conf.compose("nope")
