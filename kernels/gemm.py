@@ -70,7 +70,9 @@ class GemmConfig:
     they do before their own wait) during this kernel's K loop (changes no bit); ``prefetch_programs``: where
     the launch brings a later kernel's weight into L2 (``next_weight``, PDL on), that many extra programs beside
     the grid do it and nothing else (rounded up to a multiple of ``split_k``), on SMs the grid leaves idle, instead
-    of every program before its wait (0; changes no bit).
+    of every program before its wait (0; changes no bit). It needs a ``next_weight``: a launch without one
+    refuses it (:func:`next_weight_launch`), as the model does a plan without that projection's region
+    (runtime/model.py ``check_prefetch_programs``).
     """
     block_n: int = 64
     block_k: int = 128
@@ -442,7 +444,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, next_weight:
         consumer such as ``fused_ops.add_rms_norm``).
 
     Raises:
-        TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range).
+        TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range, a
+        ``config.prefetch_programs`` > 0 without ``next_weight``).
     """
     _validate(x, weight, config)
     return _launch(x, weight, config, weight.shape[0], glu=False, next_weight=next_weight)
@@ -515,11 +518,15 @@ def gemm_argmax(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, logit
         logits rounded as :func:`gemm` stores them, so the sampled token is bitwise ``gemm(...).argmax(-1)``.
 
     Raises:
-        ValueError: ``split_k != 1``; else as :func:`gemm`.
+        ValueError: ``split_k != 1`` or ``prefetch_programs`` > 0 (no next weight to prefetch); else as
+        :func:`gemm`.
     """
     _validate(x, weight, config)
     if config.split_k != 1:
         raise ValueError(f"gemm_argmax needs split_k == 1 (a tile's maximum needs the whole sum), got {config}")
+    if config.prefetch_programs:
+        raise ValueError(f"gemm_argmax takes no next_weight, so prefetch_programs={config.prefetch_programs} "
+                         f"would launch no extra program: it must be 0")
     tiles = triton.cdiv(weight.shape[0], config.block_n)
     part = TileArgmax(torch.empty((tiles, x.shape[0]), device=x.device, dtype=torch.float32),
                       torch.empty((tiles, x.shape[0]), device=x.device, dtype=torch.int32))
@@ -641,7 +648,14 @@ def next_weight_launch(next_weight: torch.Tensor | None, x: torch.Tensor, column
     """The grid, region arguments and ``NEXT`` mode of a launch of ``columns`` x ``split_k`` programs that may
     bring ``next_weight`` into L2 (:func:`next_weight_region`): without a region to prefetch, that grid and 0;
     with ``prefetch_programs`` 0, every program takes a share (:data:`NEXT_OWN`); else ``ceil(prefetch_programs /
-    split_k)`` extra columns of programs take all of it (:data:`NEXT_EXTRA`)."""
+    split_k)`` extra columns of programs take all of it (:data:`NEXT_EXTRA`).
+
+    Raises ValueError for ``prefetch_programs`` > 0 without ``next_weight``: those programs do nothing but the
+    prefetch, so they would never be launched and a configuration timed with them would measure nothing."""
+    if prefetch_programs and next_weight is None:
+        raise ValueError(f"prefetch_programs={prefetch_programs} needs a next_weight region for its extra programs "
+                         f"to bring into L2, got none: they would never be launched (pass next_weight, or set "
+                         f"prefetch_programs=0)")
     extra = triton.cdiv(prefetch_programs, split_k)
     region, lines = next_weight_region(next_weight, x, (extra or columns) * split_k, use_pdl)
     if not lines:

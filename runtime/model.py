@@ -178,6 +178,40 @@ def check_prefetch_next(prefetch_next: Mapping[str, float] | None) -> dict[str, 
     return dict(prefetch_next)
 
 
+def check_prefetch_programs(cfg: OuroConfig, prefetch_next: Mapping[str, float] | None) -> None:
+    """ValueError naming a small-M GEMM configuration of one of ``cfg``'s projections (kernels/gemm.py
+    ``CONFIGS`` and ``SWIGLU_CONFIGS``, kernels/qkv_rope.py ``CONFIGS``, as they are now) whose
+    ``GemmConfig.prefetch_programs`` > 0 has no next-weight region: ``prefetch_next`` lacks the target that
+    projection prefetches (qkv and qkv_rope: o_proj, o_proj: gate_up, gate_up and swiglu: down, down: qkv;
+    :data:`PREFETCH_TARGETS`), or it is lm_head, which prefetches nothing. Those extra programs only prefetch, so
+    without a region they are never launched and a run timed with them measures nothing. Roles are named as the
+    throughput probe's ``--gemm-config`` names them. The tables and the plan may change between runs, so the
+    fused loop (:meth:`OuroModel.run_loop` of a fused model) checks at every call, before it launches anything;
+    the torch loop runs none of these kernels."""
+    from loopbench.kernels import gemm, qkv_rope
+    plan = prefetch_next or {}
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h)
+    roles = (("qkv", "gemm.CONFIGS", gemm.CONFIGS, qkv, "o_proj"),
+             ("qkv_rope", "qkv_rope.CONFIGS", qkv_rope.CONFIGS, qkv, "o_proj"),
+             ("o_proj", "gemm.CONFIGS", gemm.CONFIGS, (h, cfg.num_attention_heads * d), "gate_up"),
+             ("gate_up", "gemm.CONFIGS", gemm.CONFIGS, (2 * i, h), "down"),
+             ("swiglu", "gemm.SWIGLU_CONFIGS", gemm.SWIGLU_CONFIGS, (2 * i, h), "down"),
+             ("down", "gemm.CONFIGS", gemm.CONFIGS, (h, i), "qkv"),
+             ("lm_head", "gemm.CONFIGS", gemm.CONFIGS, (cfg.vocab_size, h), None))
+    for role, table_name, table, shape, target in roles:
+        c = table.get(shape)
+        if c is None or not c.prefetch_programs or target in plan:
+            continue
+        where = f"{role}'s GemmConfig.prefetch_programs={c.prefetch_programs} ({table_name}[{shape}])"
+        if target is None:
+            raise ValueError(f"{where} needs a next-weight region, and lm_head has no next weight to prefetch: "
+                             f"its extra programs would never be launched (set prefetch_programs=0)")
+        raise ValueError(f"{where} needs a next-weight region, but prefetch_next has no {target!r} (the weight "
+                         f"{role} prefetches): its extra programs would never be launched (add "
+                         f"prefetch_next[{target!r}], or set prefetch_programs=0)")
+
+
 @dataclass
 class LayerWeights:
     qkv: torch.Tensor       # [(H + 2 Hkv) * D, hidden]: q, k, v projections fused into one matmul
@@ -214,7 +248,8 @@ class OuroModel:
         # Cross-kernel L2 prefetch (off by default; measured slower, 0.81-0.95x at B16 / B32 on an H200:
         # kernels/results/README.md): where a projection runs on our small-M GEMM with PDL, its programs bring
         # the first ``fraction`` of the K columns of every row of the next projection's weight into L2 before
-        # their PDL wait. No result depends on it. {PREFETCH_TARGETS key: fraction in (0, 1]}.
+        # their PDL wait. No result depends on it. {PREFETCH_TARGETS key: fraction in (0, 1]}. A GEMM configuration
+        # with prefetch_programs needs its projection's target here (check_prefetch_programs, at every fused loop).
         self.prefetch_next = check_prefetch_next(prefetch_next)
         # Decode samples from lm_head's per-tile maxima (greedy_partials) where lm_head runs on our GEMM; False
         # writes the logits and samples from them (the same tokens; the throughput probe's --greedy-from-logits).
@@ -288,6 +323,8 @@ class OuroModel:
         x: [N, hidden] model dtype (loop input); positions: [N] int (rotary positions); gemm_rows: run
         every projection in calls of exactly this many rows (:func:`linear`; N must be a multiple);
         rope_write: fused RoPE + KV write (:data:`RopeWriteFn`; fused models only, else ValueError).
+        A fused model raises ValueError before it launches anything where a GEMM configuration's
+        ``prefetch_programs`` has no next-weight region in ``prefetch_next`` (:func:`check_prefetch_programs`).
         Returns (normed loop output [N, hidden] model dtype, hazard [N] fp32 or fp64 =
         sigmoid(early_exit_gate(output)), BRIEF section 1).
         """
@@ -326,6 +363,7 @@ class OuroModel:
         from loopbench.kernels import fused_ops as fo
         from loopbench.kernels import gemm, qkv_rope
         cfg = self.cfg
+        check_prefetch_programs(cfg, self.prefetch_next)       # before any launch: a prefetch that would do nothing
         n, H, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         h = fo.rms_norm(x, self.layers[0].ln_in, eps)

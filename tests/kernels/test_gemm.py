@@ -248,11 +248,46 @@ def test_extra_prefetch_programs_take_every_share_once(columns, split_k, prefetc
     _extra_share_kernel[grid](shares, TILES=columns)
     assert (shares[:, :columns] == -1).all()
     assert sorted(shares[:, columns:].flatten().tolist()) == list(range(extra * split_k))
-    # no extra programs asked for, no region, or no PDL: the grid is the column tiles
+    # no extra programs asked for, or no PDL: the grid is the column tiles
     own = gm.NEXT_OWN.value
     assert gm.next_weight_launch(w, x, columns, split_k, 0, use_pdl=True)[::2] == ((columns, split_k), own)
-    assert gm.next_weight_launch(None, x, columns, split_k, 8, use_pdl=True)[::2] == ((columns, split_k), 0)
     assert gm.next_weight_launch(w, x, columns, split_k, 8, use_pdl=False)[::2] == ((columns, split_k), 0)
+    assert gm.next_weight_launch(None, x, columns, split_k, 0, use_pdl=True)[::2] == ((columns, split_k), 0)
+    # extra programs with no region to prefetch would never be launched: refused, with or without PDL
+    for use_pdl in (True, False):
+        with pytest.raises(ValueError, match="prefetch_programs=8 needs a next_weight region"):
+            gm.next_weight_launch(None, x, columns, split_k, 8, use_pdl=use_pdl)
+
+
+class _LaunchSpy:
+    """A Triton kernel that records the grid of each launch (``kernel[grid](...)``) and runs it."""
+
+    def __init__(self, kernel, grids: list):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_prefetch_programs_without_a_next_weight_is_refused_before_the_launch(monkeypatch):
+    """GemmConfig.prefetch_programs > 0 only adds programs that prefetch ``next_weight``: every launcher refuses it
+    without one (ValueError naming the value) before any kernel runs, and runs it with one (on the CPU there is no
+    PDL, so the region is not prefetched and the product is the plain one)."""
+    x, w = _inputs(5, 128, 64, "cpu")
+    cfg = gm.GemmConfig(block_n=64, block_k=64, prefetch_programs=8)
+    launched = []
+    monkeypatch.setattr(gm, "_gemm_kernel", _LaunchSpy(gm._gemm_kernel, launched))
+    for call in (lambda: gm.gemm(x, w, cfg), lambda: gm.gemm_swiglu(x, w, cfg), lambda: gm.linear(x, w, cfg)):
+        with pytest.raises(ValueError, match=r"prefetch_programs=8 needs a next_weight region .* got none"):
+            call()
+    with pytest.raises(ValueError, match="gemm_argmax takes no next_weight, so prefetch_programs=8"):
+        gm.gemm_argmax(x, w, cfg)
+    assert launched == [], "a refused configuration launched a kernel"
+    nxt = _inputs(1, 32, 128, "cpu")[1]
+    plain = gm.gemm(x, w, dataclasses.replace(cfg, prefetch_programs=0))
+    assert torch.equal(gm.gemm(x, w, cfg, nxt), plain)
+    assert len(launched) == 2
 
 
 def test_next_weight_region_refuses_bad_regions_and_is_off_without_pdl():

@@ -94,3 +94,19 @@ def test_fused_qkv_rope_write_rejects_a_tile_that_does_not_divide_a_head():
         qkv_rope_write_kv(x, w, gm.GemmConfig(block_n=32, block_k=32), cos, sin, k_cache, v_cache, *meta, 4)
     with pytest.raises(ValueError, match="rows"):
         qkv_rope_write_kv(x, w[:-16], gm.GemmConfig(block_n=16, block_k=32), cos, sin, k_cache, v_cache, *meta, 4)
+
+
+def test_fused_qkv_rope_write_refuses_prefetch_programs_without_a_next_weight():
+    """GemmConfig.prefetch_programs > 0 only adds programs that prefetch ``next_weight``: without one the launch is
+    refused (ValueError naming the value) and nothing is written; with one it runs (on the CPU, without PDL, the
+    region is not prefetched) and gives the bits of the configuration without extra programs."""
+    x, w, cos, sin, (k_cache, v_cache), meta = _case("cpu", 4, 2, 16, 96)
+    cfg = gm.GemmConfig(block_n=16, block_k=32, prefetch_programs=36)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match="prefetch_programs=36 needs a next_weight region"):
+        qkv_rope_write_kv(x, w, cfg, cos, sin, kc, vc, *meta, 4)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache), "a refused launch wrote the cache"
+    got = qkv_rope_write_kv(x, w, cfg, cos, sin, kc, vc, *meta, 4, next_weight=w[:, :64])
+    pk, pv = k_cache.clone(), v_cache.clone()
+    want = qkv_rope_write_kv(x, w, dataclasses.replace(cfg, prefetch_programs=0), cos, sin, pk, pv, *meta, 4)
+    assert torch.equal(got, want) and torch.equal(kc, pk) and torch.equal(vc, pv)

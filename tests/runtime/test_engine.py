@@ -1,6 +1,7 @@
 """The runtime on the CPU: engine == naive reference, native == alias == alias+prefix bitwise,
 schedule capture/replay, aborts and slot reuse, checkpoint round trip, the 1.4B preset's size."""
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -472,6 +473,79 @@ def test_prefetch_next_gives_each_projection_the_next_ones_weight(tiny_ckpt, mon
         expected += [(qkv_kernel, f"{i}.qkv", f"{i}.o"), ("gemm", f"{i}.o", f"{i}.gate_up"),
                      (glu_kernel, f"{i}.gate_up", f"{i}.down"), ("gemm", f"{i}.down", f"{nxt}.qkv")]
     assert log == expected
+
+
+def _prefetch_roles():
+    """(role, its configuration table, the Ouro-1.4B weight shape keying it, the target it prefetches) of every
+    GEMM configuration the model reads (the throughput probe's --gemm-config roles); lm_head prefetches none."""
+    from loopbench.kernels import gemm as gm
+    from loopbench.kernels import qkv_rope
+    return [("qkv", gm.CONFIGS, (6144, 2048), "o_proj"), ("qkv_rope", qkv_rope.CONFIGS, (6144, 2048), "o_proj"),
+            ("o_proj", gm.CONFIGS, (2048, 2048), "gate_up"), ("gate_up", gm.CONFIGS, (11264, 2048), "down"),
+            ("swiglu", gm.SWIGLU_CONFIGS, (11264, 2048), "down"), ("down", gm.CONFIGS, (2048, 5632), "qkv"),
+            ("lm_head", gm.CONFIGS, (49152, 2048), None)]
+
+
+def test_no_default_gemm_configuration_prefetches_without_a_plan():
+    """The shipped tables ask for no extra prefetch programs, so every model runs them without prefetch_next."""
+    from loopbench.runtime.model import PREFETCH_TARGETS, check_prefetch_programs
+    for role, table, shape, _ in _prefetch_roles():
+        assert table[shape].prefetch_programs == 0, f"{role}'s shipped configuration asks for extra programs"
+    for cfg in PRESETS.values():
+        for plan in (None, {}, dict.fromkeys(PREFETCH_TARGETS, 1.0)):
+            check_prefetch_programs(cfg, plan)
+
+
+@pytest.mark.parametrize("role", ["qkv", "qkv_rope", "o_proj", "gate_up", "swiglu", "down", "lm_head"])
+def test_prefetch_programs_need_the_region_their_projection_prefetches(role, monkeypatch):
+    """GemmConfig.prefetch_programs > 0 only launches programs that bring the next weight into L2: a projection's
+    configuration with some needs prefetch_next's target for that projection (ValueError naming the role, the
+    value, the table entry and the missing target); every other target does not stand in for it, and lm_head,
+    which prefetches nothing, is refused with any plan."""
+    from loopbench.runtime.model import PREFETCH_TARGETS, check_prefetch_programs
+    cfg = PRESETS["ouro-1.4b"]
+    _, table, shape, target = next(r for r in _prefetch_roles() if r[0] == role)
+    monkeypatch.setitem(table, shape, dataclasses.replace(table[shape], prefetch_programs=44))
+    others = {t: 1.0 for t in PREFETCH_TARGETS if t != target}
+    for plan in (None, {}, others):
+        with pytest.raises(ValueError) as e:
+            check_prefetch_programs(cfg, plan)
+        msg = str(e.value)
+        assert msg.startswith(f"{role}'s GemmConfig.prefetch_programs=44 (") and f"[{shape}]" in msg, msg
+        if target is None:
+            assert "lm_head has no next weight to prefetch" in msg and "set prefetch_programs=0" in msg, msg
+        else:
+            assert f"prefetch_next has no {target!r}" in msg and f"add prefetch_next[{target!r}]" in msg, msg
+    if target is None:
+        with pytest.raises(ValueError, match="lm_head has no next weight"):
+            check_prefetch_programs(cfg, dict.fromkeys(PREFETCH_TARGETS, 1.0))
+    else:
+        check_prefetch_programs(cfg, {target: 0.25})
+
+
+def test_fused_loop_refuses_prefetch_programs_without_a_region_before_any_launch(tiny_ckpt, monkeypatch):
+    """The fused loop checks the GEMM tables against prefetch_next at every call (both may change between runs, as
+    the throughput probe's variants change them) and raises before its first kernel; given the region it runs."""
+    from loopbench.kernels import fused_ops as fo
+    from loopbench.kernels import gemm as gm
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    x = torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16)
+    pos = torch.arange(3, dtype=torch.int32)
+    want = model.run_loop(x, pos, lambda i, q, k, v: q)
+    gate_up = tuple(model.layers[0].gate_up.shape)
+    monkeypatch.setitem(gm.SWIGLU_CONFIGS, gate_up, gm.GemmConfig(block_n=64, block_k=64, prefetch_programs=44))
+    launches = []
+    norm = fo.rms_norm
+    monkeypatch.setattr(fo, "rms_norm", lambda *a: launches.append(a) or norm(*a))      # the loop's first kernel
+    with pytest.raises(ValueError, match=re.escape(f"swiglu's GemmConfig.prefetch_programs=44 (gemm.SWIGLU_CONFIGS"
+                                                   f"[{gate_up}]) needs a next-weight region, but prefetch_next "
+                                                   f"has no 'down'")):
+        model.run_loop(x, pos, lambda i, q, k, v: q)
+    assert launches == [], "the loop launched a kernel before refusing"
+    model.prefetch_next = {"down": 1.0}
+    got = model.run_loop(x, pos, lambda i, q, k, v: q)
+    assert len(launches) == 1 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
