@@ -18,9 +18,11 @@ machine without CUDA it runs the torch backend on the CPU (slowly).
 decode loop itself rather than in an isolated microbenchmark, e.g.
 ``--gemm-config gate_up.num_stages=3 --gemm-config swiglu.prefetch_tiles=4``; ``ROLE.faster_up_to=0`` sends that
 role to cuBLAS. The profile report records the overrides. ``--prefetch-next TARGET=FRACTION,...`` turns on the
-model's cross-kernel L2 prefetch (OuroModel.prefetch_next); ``--attention-config KNOB=VALUE,...`` sets the Triton
-decode attention's tuning knobs (block_n, min_split_tokens, maxnreg, ...). ``--variant OPTIONS`` (repeatable) is a sweep: one
-model load, per variant its own schedule and replay engine, the variants timed alternately, a table at the end::
+model's cross-kernel L2 prefetch (OuroModel.prefetch_next); a GEMM configuration whose ``prefetch_programs`` the
+plan gives no region is refused (exit 2, runtime/model.py check_prefetch_programs) before any weight loads.
+``--attention-config KNOB=VALUE,...`` sets the Triton decode attention's tuning knobs (block_n, min_split_tokens,
+maxnreg, ...). ``--variant OPTIONS`` (repeatable) is a sweep: one model load, per variant its own schedule and replay
+engine, the variants timed alternately, a table at the end::
 
     python -m loopbench.harness.throughput --preset ouro-1.4b --repeats 3 --variant "" \
         --variant "--gemm-config swiglu.num_stages=3" --variant "--prefetch-next gate_up=0.5,down=0.5"
@@ -51,7 +53,8 @@ import torch
 from loopbench.runtime.api import EngineConfig, EngineStats, Request
 from loopbench.runtime.checkpoint import load_checkpoint, read_config
 from loopbench.runtime.engine import LoopEngine
-from loopbench.runtime.model import PREFETCH_TARGETS, OuroConfig, OuroModel, check_prefetch_next
+from loopbench.runtime.model import (PREFETCH_TARGETS, OuroConfig, OuroModel, check_prefetch_next,
+                                     check_prefetch_programs, gemm_roles)
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import config_of, write_calibrated_checkpoint
@@ -88,10 +91,10 @@ def _markdown_path(text: str) -> Path:
     return Path(text)
 
 
-# --gemm-config's roles: the projection a GEMM configuration table entry serves, and the table it lives in
-# (kernels/gemm.py CONFIGS / SWIGLU_CONFIGS, kernels/qkv_rope.py CONFIGS; each keyed by the weight's [N, K]).
-# The fused loop (runtime/model.py) runs qkv_rope and swiglu where they have a configuration for the rows, and
-# the plain qkv / gate_up entries (then RoPE or SwiGLU as separate launches) only where they do not.
+# --gemm-config's roles: the projection a GEMM configuration table entry serves; runtime/model.py gemm_roles says
+# which table each lives in and under which weight shape (named here to parse the option before any model shape is
+# known). The fused loop runs qkv_rope and swiglu where they have a configuration for the rows, and the plain qkv /
+# gate_up entries (then RoPE or SwiGLU as separate launches) only where they do not.
 GEMM_ROLES = ("qkv", "o_proj", "gate_up", "down", "lm_head", "swiglu", "qkv_rope")
 
 
@@ -391,19 +394,6 @@ def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
     return restore
 
 
-def gemm_tables(cfg: OuroConfig) -> dict[str, tuple[dict, dict, tuple[int, int]]]:
-    """Per ``--gemm-config`` role: (its configuration table, that table's FASTER_UP_TO, the weight shape
-    [N, K] of ``cfg``'s projection that keys both; runtime/model.py's fused LayerWeights and lm_head)."""
-    from loopbench.kernels import gemm, qkv_rope
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h)
-    shapes = {"qkv": qkv, "o_proj": (h, cfg.num_attention_heads * d), "gate_up": (2 * i, h), "down": (h, i),
-              "lm_head": (cfg.vocab_size, h)}
-    plain = {role: (gemm.CONFIGS, gemm.FASTER_UP_TO, shape) for role, shape in shapes.items()}
-    return {**plain, "swiglu": (gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO, (2 * i, h)),
-            "qkv_rope": (qkv_rope.CONFIGS, qkv_rope.FASTER_UP_TO, qkv)}
-
-
 def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str, int | bool]]) -> None:
     """``--gemm-config``: replace one field of a role's configuration (or its FASTER_UP_TO) for this model's
     weight shapes (``cfg``), in the tables the model reads at every launch; :func:`apply_kernel_options`' restore
@@ -412,9 +402,9 @@ def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str,
     if not overrides:
         return
     from loopbench.kernels import gemm, qkv_rope
-    tables = gemm_tables(cfg)
+    roles = gemm_roles(cfg)
     for role, field, value in overrides:
-        configs, faster, shape = tables[role]
+        configs, faster, shape = roles[role].configs, roles[role].faster_up_to, roles[role].shape
         if shape not in configs:
             raise ValueError(f"--gemm-config {role}.{field}: no {role} configuration for weight shape {shape} "
                              f"(it runs on cuBLAS; configured shapes: {sorted(configs)})")
@@ -729,9 +719,14 @@ def main(argv=None) -> int:
         try:
             cfg = model_config(args) if args.gemm_config or args.variant else None
             apply_gemm_overrides(cfg, args.gemm_config)
+            # GemmConfig.prefetch_programs without the region the plan gives them would time programs never launched.
+            # Without --gemm-config the shipped tables ask for none (tests/runtime/test_engine.py holds them to it);
+            # with --variant each variant's tables and plan are what runs, and a variant's plan may complete ours.
+            if cfg is not None and not args.variant:
+                check_prefetch_programs(cfg, args.prefetch_next)
             base = snapshot_tables()
-            for v in args.variant:                  # each variant's overrides are checked before anything runs
-                apply_variant(cfg, v, base)
+            for v in args.variant:                  # each variant's tables and plan are checked before anything runs
+                apply_variant(cfg, v, base, args.prefetch_next)
             load_tables(base)
         except ValueError as e:                     # CheckpointError too: a bad config.json or preset, named
             print(f"error: {e}", file=sys.stderr)
@@ -743,15 +738,21 @@ def main(argv=None) -> int:
         restore_kernel_options()
 
 
-def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict]) -> None:
+def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict],
+                  prefetch_next: dict[str, float] | None) -> dict[str, float] | None:
     """Load ``base`` (the probe's own tables) and apply ``variant``'s --prefetch-tiles, then its --gemm-config;
-    ValueError names a bad override (:func:`apply_gemm_overrides`)."""
+    returns the variant's prefetch plan (its --prefetch-next, else ``prefetch_next``, the probe's own). ValueError,
+    naming the variant, for a bad override (:func:`apply_gemm_overrides`) or a configuration whose prefetch programs
+    that plan gives no region (:func:`check_prefetch_programs`)."""
     load_tables(base)
     set_prefetch_tiles(variant.prefetch_tiles)
+    plan = prefetch_next if variant.prefetch_next is None else variant.prefetch_next
     try:
         apply_gemm_overrides(cfg, list(variant.gemm_config))
+        check_prefetch_programs(cfg, plan)
     except ValueError as e:
         raise ValueError(f"--variant {variant.label!r}: {e}") from None
+    return plan
 
 
 def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
@@ -767,8 +768,7 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
     states = []
     try:
         for v in args.variant:
-            apply_variant(model.cfg, v, base)
-            model.prefetch_next = own_plan if v.prefetch_next is None else v.prefetch_next
+            model.prefetch_next = apply_variant(model.cfg, v, base, own_plan)
             model.greedy_tiles = own_greedy if v.greedy_from_logits is None else not v.greedy_from_logits
             model.norm_in_gemm = own_norm if v.norm_in_gemm is None else v.norm_in_gemm
             knobs = {**(args.attention_config or {}), **(v.attention_config or {})}

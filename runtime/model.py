@@ -178,38 +178,61 @@ def check_prefetch_next(prefetch_next: Mapping[str, float] | None) -> dict[str, 
     return dict(prefetch_next)
 
 
-def check_prefetch_programs(cfg: OuroConfig, prefetch_next: Mapping[str, float] | None) -> None:
-    """ValueError naming a small-M GEMM configuration of one of ``cfg``'s projections (kernels/gemm.py
-    ``CONFIGS`` and ``SWIGLU_CONFIGS``, kernels/qkv_rope.py ``CONFIGS``, as they are now) whose
-    ``GemmConfig.prefetch_programs`` > 0 has no next-weight region: ``prefetch_next`` lacks the target that
-    projection prefetches (qkv and qkv_rope: o_proj, o_proj: gate_up, gate_up and swiglu: down, down: qkv;
-    :data:`PREFETCH_TARGETS`), or it is lm_head, which prefetches nothing. Those extra programs only prefetch, so
-    without a region they are never launched and a run timed with them measures nothing. Roles are named as the
-    throughput probe's ``--gemm-config`` names them. The tables and the plan may change between runs, so the
-    fused loop (:meth:`OuroModel.run_loop` of a fused model) checks at every call, before it launches anything;
-    the torch loop runs none of these kernels."""
+@dataclass(frozen=True)
+class GemmRole:
+    """One projection's entry in the small-M GEMM configuration tables the fused loop reads at every launch
+    (kernels/gemm.py ``CONFIGS`` / ``FASTER_UP_TO`` and ``SWIGLU_CONFIGS`` / ``SWIGLU_FASTER_UP_TO``,
+    kernels/qkv_rope.py ``CONFIGS`` / ``FASTER_UP_TO``), for one model shape: :func:`gemm_roles`."""
+
+    table_name: str                 # where the configuration lives, as messages name it: "gemm.CONFIGS"
+    configs: dict                   # weight [N, K] -> GemmConfig (the module table itself, not a copy)
+    faster_up_to: dict              # weight [N, K] -> the most rows that configuration runs at
+    shape: tuple[int, int]          # the model's weight [N, K] keying both
+    prefetch_target: str | None     # the PREFETCH_TARGETS weight it prefetches; None: lm_head, which prefetches none
+
+
+def gemm_roles(cfg: OuroConfig) -> dict[str, GemmRole]:
+    """Per projection, in loop order, ``cfg``'s entry in the GEMM configuration tables (:class:`GemmRole`): the
+    plain qkv / o_proj / gate_up / down / lm_head GEMMs, gate_up with SwiGLU in its epilogue (``swiglu``) and qkv with
+    RoPE and the KV write (``qkv_rope``); the fused loop runs the last two where they have a configuration for the
+    rows. Keyed by the throughput probe's ``--gemm-config`` roles. Weight shapes as in :class:`LayerWeights`."""
     from loopbench.kernels import gemm, qkv_rope
-    plan = prefetch_next or {}
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h)
-    roles = (("qkv", "gemm.CONFIGS", gemm.CONFIGS, qkv, "o_proj"),
-             ("qkv_rope", "qkv_rope.CONFIGS", qkv_rope.CONFIGS, qkv, "o_proj"),
-             ("o_proj", "gemm.CONFIGS", gemm.CONFIGS, (h, cfg.num_attention_heads * d), "gate_up"),
-             ("gate_up", "gemm.CONFIGS", gemm.CONFIGS, (2 * i, h), "down"),
-             ("swiglu", "gemm.SWIGLU_CONFIGS", gemm.SWIGLU_CONFIGS, (2 * i, h), "down"),
-             ("down", "gemm.CONFIGS", gemm.CONFIGS, (h, i), "qkv"),
-             ("lm_head", "gemm.CONFIGS", gemm.CONFIGS, (cfg.vocab_size, h), None))
-    for role, table_name, table, shape, target in roles:
-        c = table.get(shape)
-        if c is None or not c.prefetch_programs or target in plan:
+    plain = ("gemm.CONFIGS", gemm.CONFIGS, gemm.FASTER_UP_TO)
+    swiglu = ("gemm.SWIGLU_CONFIGS", gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO)
+    rope = ("qkv_rope.CONFIGS", qkv_rope.CONFIGS, qkv_rope.FASTER_UP_TO)
+    return {"qkv": GemmRole(*plain, qkv, "o_proj"),
+            "qkv_rope": GemmRole(*rope, qkv, "o_proj"),
+            "o_proj": GemmRole(*plain, (h, cfg.num_attention_heads * d), "gate_up"),
+            "gate_up": GemmRole(*plain, (2 * i, h), "down"),
+            "swiglu": GemmRole(*swiglu, (2 * i, h), "down"),
+            "down": GemmRole(*plain, (h, i), "qkv"),
+            "lm_head": GemmRole(*plain, (cfg.vocab_size, h), None)}
+
+
+def check_prefetch_programs(cfg: OuroConfig, prefetch_next: Mapping[str, float] | None) -> None:
+    """ValueError naming a small-M GEMM configuration of one of ``cfg``'s projections (:func:`gemm_roles`, the
+    tables as they are now) whose ``GemmConfig.prefetch_programs`` > 0 has no next-weight region: ``prefetch_next``
+    lacks the target that projection prefetches (qkv and qkv_rope: o_proj, o_proj: gate_up, gate_up and swiglu: down,
+    down: qkv; :data:`PREFETCH_TARGETS`), or it is lm_head, which prefetches nothing. Those extra programs only
+    prefetch, so without a region they are never launched and a run timed with them measures nothing. Roles are named
+    as the throughput probe's ``--gemm-config`` names them. The tables and the plan may change between runs, so the
+    fused loop (:meth:`OuroModel.run_loop` of a fused model) checks at every call, before it launches anything;
+    the torch loop runs none of these kernels. The throughput probe checks its configurations with it before it
+    loads any weight."""
+    plan = prefetch_next or {}
+    for role, r in gemm_roles(cfg).items():
+        c = r.configs.get(r.shape)
+        if c is None or not c.prefetch_programs or r.prefetch_target in plan:
             continue
-        where = f"{role}'s GemmConfig.prefetch_programs={c.prefetch_programs} ({table_name}[{shape}])"
-        if target is None:
+        where = f"{role}'s GemmConfig.prefetch_programs={c.prefetch_programs} ({r.table_name}[{r.shape}])"
+        if r.prefetch_target is None:
             raise ValueError(f"{where} needs a next-weight region, and lm_head has no next weight to prefetch: "
                              f"its extra programs would never be launched (set prefetch_programs=0)")
-        raise ValueError(f"{where} needs a next-weight region, but prefetch_next has no {target!r} (the weight "
-                         f"{role} prefetches): its extra programs would never be launched (add "
-                         f"prefetch_next[{target!r}], or set prefetch_programs=0)")
+        raise ValueError(f"{where} needs a next-weight region, but prefetch_next has no {r.prefetch_target!r} (the "
+                         f"weight {role} prefetches): its extra programs would never be launched (add "
+                         f"prefetch_next[{r.prefetch_target!r}], or set prefetch_programs=0)")
 
 
 @dataclass

@@ -220,6 +220,88 @@ def test_a_variant_override_of_an_unconfigured_shape_exits_2_before_anything_is_
     assert not (tmp_path / "c").exists()
 
 
+def _loader_must_not_run(monkeypatch):
+    """The probe's model loader (and the weights' constructor under it) fail the test if called."""
+    def never(*a, **kw):
+        pytest.fail("the probe loaded a model before refusing its configuration")
+    monkeypatch.setattr(throughput, "load", never)
+    monkeypatch.setattr(OuroModel, "from_tensors", never)
+
+
+O_PROJ_NO_GATE_UP = ("o_proj's GemmConfig.prefetch_programs=4 (gemm.CONFIGS[(2048, 2048)]) needs a next-weight "
+                     "region, but prefetch_next has no 'gate_up' (the weight o_proj prefetches)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gemm-config", "o_proj.prefetch_programs=4"], O_PROJ_NO_GATE_UP),
+    (["--gemm-config", "o_proj.prefetch_programs=4", "--prefetch-next", "down=0.5,qkv=1"], O_PROJ_NO_GATE_UP),
+    (["--gemm-config", "lm_head.prefetch_programs=2", "--prefetch-next", "gate_up=1"],
+     "lm_head's GemmConfig.prefetch_programs=2 (gemm.CONFIGS[(49152, 2048)]) needs a next-weight region, and "
+     "lm_head has no next weight to prefetch"),
+    (["--variant", "", "--variant", "--gemm-config swiglu.prefetch_programs=4"],
+     "--variant '--gemm-config swiglu.prefetch_programs=4': swiglu's GemmConfig.prefetch_programs=4 "
+     "(gemm.SWIGLU_CONFIGS[(11264, 2048)]) needs a next-weight region, but prefetch_next has no 'down'"),
+    # the first variant runs on the probe's own plan (it has gate_up); the second's own plan replaces it
+    (["--gemm-config", "o_proj.prefetch_programs=4", "--prefetch-next", "gate_up=0.5",
+      "--variant", "", "--variant", "--prefetch-next down=0.5"],
+     f"--variant '--prefetch-next down=0.5': {O_PROJ_NO_GATE_UP}"),
+])
+def test_prefetch_programs_without_their_region_exit_2_before_any_weight_loads(argv, message, tmp_path, capsys,
+                                                                              monkeypatch):
+    """check_prefetch_programs runs on the probe's configuration (or each variant's tables and plan) right after the
+    overrides are applied: one line on stderr, exit 2, no model built, nothing written, the tables put back."""
+    _loader_must_not_run(monkeypatch)
+    before = throughput.snapshot_tables()
+    rc = throughput.main(["--preset", "ouro-1.4b", "--cache", str(tmp_path / "c"), *argv])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {message}"), err
+    assert "its extra programs would never be launched" in err
+    assert not (tmp_path / "c").exists()
+    assert throughput.snapshot_tables() == before
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader: the probe got past its checks to loading the model."""
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gemm-config", "o_proj.prefetch_programs=4", "--prefetch-next", "gate_up=0.5"],
+    # a variant inherits the probe's plan ...
+    ["--prefetch-next", "gate_up=0.5", "--variant", "", "--variant", "--gemm-config o_proj.prefetch_programs=4"],
+    # ... and the probe's own configuration, which no variant runs as it is, need not pass on its own
+    ["--gemm-config", "o_proj.prefetch_programs=4",
+     "--variant", "--prefetch-next gate_up=1", "--variant", "--gemm-config o_proj.prefetch_programs=0"],
+])
+def test_prefetch_programs_with_their_region_go_on_to_load_the_model(argv, tmp_path, capsys, monkeypatch):
+    def loaded(args, device, max_len):
+        from loopbench.kernels import gemm
+        raise _Loaded(gemm.CONFIGS[(2048, 2048)].prefetch_programs)
+    monkeypatch.setattr(throughput, "load", loaded)
+    before = throughput.snapshot_tables()
+    with pytest.raises(_Loaded):
+        throughput.main(["--preset", "ouro-1.4b", "--cache", str(tmp_path / "c"), *argv])
+    assert capsys.readouterr().err == ""
+    assert throughput.snapshot_tables() == before
+
+
+def test_gemm_roles_are_the_probes_roles_and_the_models_weight_shapes(tiny_ckpt):
+    """runtime/model.py gemm_roles is the one role -> (table, weight shape) map: --gemm-config parses the same role
+    names, and its shapes are those of the weights the model holds."""
+    from loopbench.kernels import gemm, qkv_rope
+    from loopbench.runtime.model import gemm_roles
+    cfg, tensors = tiny_ckpt
+    roles = gemm_roles(cfg)
+    assert set(roles) == set(throughput.GEMM_ROLES)
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.float32)
+    w = model.layers[0]
+    weights = {"qkv": w.qkv, "qkv_rope": w.qkv, "o_proj": w.o, "gate_up": w.gate_up, "swiglu": w.gate_up,
+               "down": w.down, "lm_head": model.lm_head}
+    assert {r: g.shape for r, g in roles.items()} == {r: tuple(t.shape) for r, t in weights.items()}
+    assert roles["swiglu"].configs is gemm.SWIGLU_CONFIGS and roles["qkv_rope"].faster_up_to is qkv_rope.FASTER_UP_TO
+
+
 def test_attention_config_parses_through_the_kernels_own_checks(capsys):
     args = throughput.parse_args(["--backend", "triton", "--attention-config", "block_n=64, exit_ahead=false,maxnreg=0"])
     assert args.attention_config == {"block_n": 64, "exit_ahead": False, "maxnreg": 0}
