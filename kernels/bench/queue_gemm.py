@@ -140,6 +140,8 @@ def measure(name: str, m: int, ceiling: float, sms: int) -> list[dict]:
                                  lambda w, q, c=cfg, p=per_sm * sms, d=dyn: queue_gemm(x, w, c, q, p, d, glu), cfg))
     rows, base = [], None
     for label, t, programs, fn, cfg in variants:
+        for q in queues:     # a counter restarts at 0 only for the same tiles + G: fresh ones for each variant
+            q.zero_()
         out = fn(ws[0], queues[0])
         same = torch.equal(out, ref) if cfg.split_k == pointer.split_k else \
             torch.equal(gm.reduce_partials(out, x.dtype), gm.reduce_partials(_runtime(x, ws[0], cfg, glu), x.dtype))
