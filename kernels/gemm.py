@@ -52,6 +52,7 @@ MAX_M = 128                     # largest batch measured; more rows go to cuBLAS
 # The kernels' NEXT constexpr: who brings a later kernel's weight region into L2 (next_weight_region).
 NEXT_OWN = tl.constexpr(1)      # every program its share, before its PDL wait
 NEXT_EXTRA = tl.constexpr(2)    # GemmConfig.prefetch_programs extra programs, and only they
+NEXT_TAIL = tl.constexpr(3)     # every program its share of whole rows, at its end (GemmConfig.prefetch_at_end)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,11 @@ class GemmConfig:
     the grid do it and nothing else (rounded up to a multiple of ``split_k``), on SMs the grid leaves idle, instead
     of every program before its wait (0; changes no bit). It needs a ``next_weight``: a launch without one
     refuses it (:func:`next_weight_launch`), as the model does a plan without that projection's region
-    (runtime/model.py ``check_prefetch_programs``).
+    (runtime/model.py ``check_prefetch_programs``). ``prefetch_at_end``: where the launch brings a later kernel's
+    weight into L2, every program asks for its share at its end, after its stores, rather than before its wait, one
+    bulk prefetch a row of the region (:data:`NEXT_TAIL`): the programs that finish first fill the launch's tail,
+    and the rest the gap before the next weight stream (a norm or attention kernel between; changes no bit).
+    Not with ``prefetch_programs`` (ValueError).
     """
     block_n: int = 64
     block_k: int = 128
@@ -85,6 +90,7 @@ class GemmConfig:
     early_epilogue: bool = True
     early_trigger: bool = False
     prefetch_programs: int = 0
+    prefetch_at_end: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -99,9 +105,12 @@ class GemmConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"GemmConfig.{name} must be an int >= 0, got {v!r}")
-        for name in ("tma", "pdl", "early_epilogue", "early_trigger"):
+        for name in ("tma", "pdl", "early_epilogue", "early_trigger", "prefetch_at_end"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.prefetch_at_end and self.prefetch_programs:
+            raise ValueError(f"GemmConfig.prefetch_at_end needs prefetch_programs=0 (its programs prefetch at their "
+                             f"end, extra programs at the launch's start), got {self.prefetch_programs}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"GemmConfig.num_warps must be a power of two, got {self.num_warps!r}")
 
@@ -208,6 +217,8 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, tiles_per_split, stride_xm, str
     if STORE:
         out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & (offs_n[:, None] < N))
+    if NEXT == NEXT_TAIL:
+        _prefetch_rows_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, pid_n + split * tl.num_programs(0))
 
 
 @triton.jit
@@ -293,6 +304,20 @@ def _prefetch_region_l2(ptr, rows, cols, stride, lines, program, EVICT_LAST: tl.
 
 
 @triton.jit
+def _prefetch_rows_l2(ptr, rows, cols, stride, share, program):
+    """Ask L2 for program ``program``'s share of a region of ``rows`` rows of ``cols`` 2-byte elements, ``stride``
+    elements apart: rows ``program * share`` .. ``program * share + share - 1`` (those that exist), one
+    :func:`l2_prefetch_bulk` of ``2 cols`` bytes a row (:data:`NEXT_TAIL`; the launcher checks the 16-byte
+    alignment, :func:`next_weight_region`). Loads nothing; CUDA sm_90 only."""
+    CHUNK: tl.constexpr = 128
+    first = program.to(tl.int64) * share
+    for c0 in range(0, share, CHUNK):
+        row = first + c0 + tl.arange(0, CHUNK)
+        live = (row < first + share) & (row < rows)
+        l2_prefetch_bulk(ptr + tl.where(live, row, 0) * stride, cols * 2, live)
+
+
+@triton.jit
 def _extra_prefetch(program, split, tiles, nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines):
     """Whether this program (column index ``program`` of split ``split``) is one of a launch's extra prefetch
     programs, the columns past the ``tiles`` column tiles (:data:`NEXT_EXTRA`); if so, it has brought its share
@@ -335,6 +360,17 @@ def l2_prefetch(ptrs, EVICT_LAST: tl.constexpr = False):
     else:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def l2_prefetch_bulk(ptrs, nbytes, mask):
+    """One ``cp.async.bulk.prefetch.L2.global`` of ``nbytes`` from each pointer whose ``mask`` is set (PTX ISA,
+    "cp.async.bulk.prefetch", sm_90): the bytes come into L2, no register or shared memory is written and no
+    result depends on it. Each pointer 16-byte aligned and ``nbytes`` a multiple of 16 (the PTX ISA's rule)."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $3, 0;\n\t"
+                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r,r",
+                              [ptrs, nbytes + tl.zeros_like(mask.to(tl.int32)), mask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -395,6 +431,8 @@ def _gemm_tma_kernel(x_desc, w_desc, out_ptr, w_ptr, M, N, K, tiles_per_split, s
     if STORE:
         out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+    if NEXT == NEXT_TAIL:
+        _prefetch_rows_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, pid_n + split * tl.num_programs(0))
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -610,7 +648,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, c: GemmConfig, n: int, glu: b
     launch = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=stages)
     prefetch_k = prefetch_elements(c, k, use_pdl, x.element_size())
     grid, region, next_mode = next_weight_launch(next_weight, x, triton.cdiv(n, c.block_n), c.split_k,
-                                                 c.prefetch_programs, use_pdl)
+                                                 c.prefetch_programs, use_pdl, c.prefetch_at_end)
     if c.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k])
@@ -644,11 +682,13 @@ def prefetch_elements(c: GemmConfig, k: int, use_pdl: bool, elem_bytes: int = 2)
 
 
 def next_weight_launch(next_weight: torch.Tensor | None, x: torch.Tensor, columns: int, split_k: int,
-                       prefetch_programs: int, use_pdl: bool) -> tuple[tuple[int, int], tuple, int]:
+                       prefetch_programs: int, use_pdl: bool, at_end: bool = False
+                       ) -> tuple[tuple[int, int], tuple, int]:
     """The grid, region arguments and ``NEXT`` mode of a launch of ``columns`` x ``split_k`` programs that may
     bring ``next_weight`` into L2 (:func:`next_weight_region`): without a region to prefetch, that grid and 0;
-    with ``prefetch_programs`` 0, every program takes a share (:data:`NEXT_OWN`); else ``ceil(prefetch_programs /
-    split_k)`` extra columns of programs take all of it (:data:`NEXT_EXTRA`).
+    with ``prefetch_programs`` 0, every program takes a share, before its wait (:data:`NEXT_OWN`) or with
+    ``at_end`` (``GemmConfig.prefetch_at_end``) whole rows at its end (:data:`NEXT_TAIL`); else
+    ``ceil(prefetch_programs / split_k)`` extra columns of programs take all of it (:data:`NEXT_EXTRA`).
 
     Raises ValueError for ``prefetch_programs`` > 0 without ``next_weight``: those programs do nothing but the
     prefetch, so they would never be launched and a configuration timed with them would measure nothing."""
@@ -657,32 +697,39 @@ def next_weight_launch(next_weight: torch.Tensor | None, x: torch.Tensor, column
                          f"to bring into L2, got none: they would never be launched (pass next_weight, or set "
                          f"prefetch_programs=0)")
     extra = triton.cdiv(prefetch_programs, split_k)
-    region, lines = next_weight_region(next_weight, x, (extra or columns) * split_k, use_pdl)
+    at_end = at_end and not extra
+    region, lines = next_weight_region(next_weight, x, (extra or columns) * split_k, use_pdl, at_end)
     if not lines:
         return (columns, split_k), region, 0
     if not extra:
-        return (columns, split_k), region, int(NEXT_OWN.value)
+        return (columns, split_k), region, int((NEXT_TAIL if at_end else NEXT_OWN).value)
     return (columns + extra, split_k), region, int(NEXT_EXTRA.value)
 
 
-def next_weight_region(next_weight: torch.Tensor | None, x: torch.Tensor, programs: int, use_pdl: bool
-                       ) -> tuple[tuple, int]:
+def next_weight_region(next_weight: torch.Tensor | None, x: torch.Tensor, programs: int, use_pdl: bool,
+                       by_rows: bool = False) -> tuple[tuple, int]:
     """The kernels' region arguments ``(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines)`` for a launch of
-    ``programs`` programs, and ``nw_lines``: each program takes ``ceil(lines / programs)`` of the region's
-    128-byte lines. ``nw_lines`` 0 (nothing prefetched; x stands in for the pointer) without a region, without
-    PDL (nothing to overlap; this covers the CPU), or for an empty one. Raises TypeError / ValueError naming a
-    region that is not 2-D, 2-byte, unit last stride, on x's device."""
+    ``programs`` programs, and ``nw_lines``: each program's share, ``ceil(lines / programs)`` of the region's
+    128-byte lines, or with ``by_rows`` (:data:`NEXT_TAIL`) ``ceil(rows / programs)`` of its rows. ``nw_lines`` 0
+    (nothing prefetched; x stands in for the pointer) without a region, without PDL (nothing to overlap; this
+    covers the CPU), or for an empty one. Raises TypeError / ValueError naming a region that is not 2-D, 2-byte,
+    unit last stride, on x's device, or with ``by_rows`` one whose rows do not start on 16 bytes or are not a
+    multiple of 16 bytes long (a bulk prefetch's rule, :func:`l2_prefetch_bulk`)."""
     if next_weight is not None:
         if next_weight.element_size() != 2 or not next_weight.dtype.is_floating_point:
             raise TypeError(f"next_weight must hold 2-byte floats, got {next_weight.dtype}")
         if next_weight.dim() != 2 or next_weight.stride(1) != 1 or next_weight.device != x.device:
             raise ValueError(f"next_weight must be 2-D with unit last stride on {x.device}, got shape "
                              f"{tuple(next_weight.shape)} strides {next_weight.stride()} on {next_weight.device}")
+        if by_rows and (next_weight.data_ptr() % 16 or next_weight.stride(0) % 8 or next_weight.shape[1] % 8):
+            raise ValueError(f"a prefetch at the end needs rows starting on 16 bytes, 16-byte multiples long: got "
+                             f"shape {tuple(next_weight.shape)} strides {next_weight.stride()} at "
+                             f"{next_weight.data_ptr() % 16} bytes past 16")
     if next_weight is None or not use_pdl or next_weight.numel() == 0:
         return (x, 0, 0, 0, 0), 0
     rows, cols = next_weight.shape
-    lines = triton.cdiv(rows * triton.cdiv(cols, 64), programs)
-    return (next_weight, rows, cols, next_weight.stride(0), lines), lines
+    share = triton.cdiv(rows, programs) if by_rows else triton.cdiv(rows * triton.cdiv(cols, 64), programs)
+    return (next_weight, rows, cols, next_weight.stride(0), share), share
 
 
 _REDUCE_BLOCK = 1024

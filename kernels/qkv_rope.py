@@ -121,6 +121,8 @@ def _qkv_rope_write_kernel(
             step = HALF * stride_vd
         tl.store(kv, x1, mask=ok[None, :])
         tl.store(kv + step, x2, mask=ok[None, :])
+    if NEXT == gm.NEXT_TAIL:  # a later kernel's weight, whole rows, at the program's end (GemmConfig.prefetch_at_end)
+        gm._prefetch_rows_l2(nw_ptr, nw_rows, nw_cols, nw_stride, nw_lines, tl.program_id(0))
 
 
 @triton.jit
@@ -195,7 +197,8 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, config: gm.GemmConfi
                                 num_stages=gm.num_stages_that_fit(c, block_m, x.device, elem_bytes=x.element_size()))
     parts = d // c.block_n
     programs = (num_heads + 2 * hkv) * parts
-    grid, region, next_mode = gm.next_weight_launch(next_weight, x, programs, 1, c.prefetch_programs, use_pdl)
+    grid, region, next_mode = gm.next_weight_launch(next_weight, x, programs, 1, c.prefetch_programs, use_pdl,
+                                                    c.prefetch_at_end)
     _qkv_rope_write_kernel[grid[:1]](
         x, w_qkv, qkv, cos, sin, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos,
         m, k, *block_tables.shape, x.stride(0), w_qkv.stride(0), qkv.stride(0), cos.stride(0),

@@ -478,11 +478,20 @@ class OuroModel:
 
     def _prefetch_region(self, target: str, w: torch.Tensor) -> torch.Tensor | None:
         """The first ``prefetch_next[target]`` of the K columns of every row of ``w``, rounded up to whole
-        128-byte lines (a view), or None where that target is not asked for."""
+        128-byte lines (a view), or None where that target is not asked for. Where ``w``'s own small-M GEMM
+        configuration splits K into equal ranges (o_proj and down), the first fraction of each split's range
+        instead (a ``[rows * split_k, cols]`` view), so every program of that GEMM finds its first K tiles in L2,
+        not only the first split's."""
+        from loopbench.kernels import gemm
         fraction = self.prefetch_next.get(target)
         if fraction is None:
             return None
-        cols = min(w.shape[1], math.ceil(fraction * w.shape[1] / 64) * 64)
+        cfg = gemm.CONFIGS.get(tuple(w.shape))
+        n, k = w.shape
+        split = cfg.split_k if cfg is not None else 1
+        if split > 1 and k % (cfg.block_k * split) == 0:           # split s covers columns s k / split ...
+            w, k = w.view(n * split, k // split), k // split
+        cols = min(k, math.ceil(fraction * k / 64) * 64)
         return w[:, :cols]
 
     def hazard(self, x: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ def _next_mode(c: gm.GemmConfig, next_lines: int) -> int:
     """The kernels' ``NEXT`` constexpr for ``next_lines`` lines of a later weight (``gemm.next_weight_launch``)."""
     if not next_lines:
         return 0
-    return int((gm.NEXT_EXTRA if c.prefetch_programs else gm.NEXT_OWN).value)
+    return int((gm.NEXT_EXTRA if c.prefetch_programs else gm.NEXT_TAIL if c.prefetch_at_end else gm.NEXT_OWN).value)
 
 
 def _gemm_kernel_args(c: gm.GemmConfig, block_m: int, glu: bool, out_dtype: str, next_lines: int = 0,

@@ -290,6 +290,27 @@ def test_prefetch_programs_without_a_next_weight_is_refused_before_the_launch(mo
     assert len(launched) == 2
 
 
+def test_prefetch_at_end_takes_whole_rows_and_refuses_extra_programs_and_unaligned_rows():
+    """GemmConfig.prefetch_at_end: gemm.next_weight_launch's NEXT_TAIL mode, each of the grid's programs a share of
+    ceil(rows / programs) whole rows; refused beside prefetch_programs (ValueError naming it), and a region whose
+    rows a bulk prefetch cannot take (not on 16 bytes, or not 16-byte multiples long) is refused naming its shape."""
+    with pytest.raises(ValueError, match="prefetch_at_end needs prefetch_programs=0.*got 4"):
+        gm.GemmConfig(prefetch_at_end=True, prefetch_programs=4)
+    with pytest.raises(ValueError, match="prefetch_at_end must be true or false, got 1"):
+        gm.GemmConfig(prefetch_at_end=1)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(40, 512, dtype=torch.bfloat16)
+    grid, region, mode = gm.next_weight_launch(w[:, :128], x, 6, 2, 0, use_pdl=True, at_end=True)
+    assert grid == (6, 2) and mode == gm.NEXT_TAIL.value
+    assert region[1:] == (40, 128, 512, triton.cdiv(40, 12))
+    assert gm.next_weight_launch(w, x, 6, 2, 0, use_pdl=False, at_end=True)[2] == 0       # the CPU: no prefetch
+    for bad in (w[:, 1:65], w[:, :12], torch.zeros(4, 100, dtype=torch.bfloat16)[:, :64].as_strided((4, 64), (100, 1))):
+        with pytest.raises(ValueError, match="a prefetch at the end needs rows starting on 16 bytes"):
+            gm.next_weight_launch(bad, x, 6, 2, 0, use_pdl=True, at_end=True)
+    # the per-line modes take any 2-byte region, as before
+    assert gm.next_weight_launch(w[:, 1:65], x, 6, 2, 0, use_pdl=True)[2] == gm.NEXT_OWN.value
+
+
 def test_next_weight_region_refuses_bad_regions_and_is_off_without_pdl():
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     w = torch.zeros(8, 128, dtype=torch.bfloat16)
@@ -319,6 +340,9 @@ def test_next_weight_prefetch_changes_no_bit_cuda(shape):
     assert torch.equal(gm.gemm(x, w, cfg, nxt), plain)
     extra = dataclasses.replace(cfg, prefetch_programs=40)      # extra programs beside the grid take the region
     assert torch.equal(gm.gemm(x, w, extra, nxt), plain), f"{shape}: extra prefetch programs changed a bit"
+    tail = dataclasses.replace(cfg, prefetch_at_end=True)       # every program whole rows at its end (bulk)
+    assert torch.equal(gm.gemm(x, w, tail, nxt), plain), f"{shape}: the prefetch at the end changed a bit"
+    assert torch.equal(gm.gemm(x, w, tail, _inputs(1, 2048, 2048, "cuda")[1].view(8192, 512)[:, :128]), plain)
     graph = torch.cuda.CUDAGraph()
     gm.gemm(x, w, cfg, nxt)                             # compiled before the capture
     with torch.cuda.graph(graph):
@@ -330,6 +354,8 @@ def test_next_weight_prefetch_changes_no_bit_cuda(shape):
         glu = gm.SWIGLU_CONFIGS[shape]
         assert torch.equal(gm.gemm_swiglu(x, w, glu, nxt), gm.gemm_swiglu(x, w, glu))
         assert torch.equal(gm.gemm_swiglu(x, w, dataclasses.replace(glu, prefetch_programs=44), nxt),
+                           gm.gemm_swiglu(x, w, glu))
+        assert torch.equal(gm.gemm_swiglu(x, w, dataclasses.replace(glu, prefetch_at_end=True), nxt),
                            gm.gemm_swiglu(x, w, glu))
 
 

@@ -79,10 +79,12 @@ def test_fused_qkv_rope_write_is_gemm_then_rope_write(device, heads, kv_heads, h
     if device == "cuda":        # bringing a later weight into L2 (gemm.next_weight_region, PDL on) changes no bit
         cfg_pdl = gm.GemmConfig(block_n=head_dim // parts, block_k=block_k, pdl=True, early_epilogue=early)
         outs = []
-        # no prefetch; every program a share; 36 extra programs take it all (GemmConfig.prefetch_programs)
-        for nxt, extra in ((None, 0), (w[:, : min(hidden, 128)], 0), (w[:, : min(hidden, 128)], 36)):
+        # no prefetch; every program a share; 36 extra programs take it all (GemmConfig.prefetch_programs); every
+        # program whole rows at its end (GemmConfig.prefetch_at_end)
+        region = w[:, : min(hidden, 128)]
+        for nxt, extra, at_end in ((None, 0, False), (region, 0, False), (region, 36, False), (region, 0, True)):
             kc, vc = k_cache.clone(), v_cache.clone()
-            c = dataclasses.replace(cfg_pdl, prefetch_programs=extra)
+            c = dataclasses.replace(cfg_pdl, prefetch_programs=extra, prefetch_at_end=at_end)
             outs.append((qkv_rope_write_kv(x, w, c, cos, sin, kc, vc, *meta, heads, next_weight=nxt), kc, vc))
         for out in outs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(outs[0], out)), "a later weight's prefetch changed a bit"

@@ -96,21 +96,29 @@ def test_tokens_and_exits_do_not_depend_on_batch_padding_or_graphs(model, max_nu
     assert solo == full, f"a third of the requests alone: first difference {first_difference(full, solo)}"
 
 
-def test_cross_kernel_prefetch_changes_no_token_exit_or_logit():
+def test_cross_kernel_prefetch_changes_no_token_exit_or_logit(monkeypatch):
     """OuroModel.prefetch_next (each projection bringing part of the next one's weight into L2 before its PDL
-    wait) on the Ouro shape with our small-M GEMM: the same tokens, exits and logits as without, with graphs
-    and without. Not a speed claim: that is the throughput probe's --prefetch-next."""
+    wait, or with GemmConfig.prefetch_at_end at its end) on the Ouro shape with our small-M GEMM: the same tokens,
+    exits and logits as without, with graphs and without. Not a speed claim: that is the throughput probe's
+    --prefetch-next."""
+    import dataclasses
+    from loopbench.kernels import gemm, qkv_rope
     from loopbench.runtime.model import PREFETCH_TARGETS, check_prefetch_next
     model = OuroModel.from_tensors(PRESETS["ouro-1.4b"], random_ouro_tensors(), device="cuda", dtype=torch.bfloat16,
                                    rope_len=MAX_MODEL_LEN)
     assert model.small_m_gemm
     reqs = requests(25)
     results = {}
-    for plan in ({}, dict.fromkeys(PREFETCH_TARGETS, 0.5), dict.fromkeys(PREFETCH_TARGETS, 1.0)):
+    tables = (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS)
+    for plan, at_end in (({}, False), (dict.fromkeys(PREFETCH_TARGETS, 0.5), False),
+                         (dict.fromkeys(PREFETCH_TARGETS, 1.0), False), (dict.fromkeys(PREFETCH_TARGETS, 0.5), True)):
         model.prefetch_next = check_prefetch_next(plan)
+        for table in tables:
+            for shape, c in list(table.items()):
+                monkeypatch.setitem(table, shape, dataclasses.replace(c, prefetch_at_end=at_end))
         for graphs in (True, False):
             eng, outs = run(model, reqs, 16, exit_policy="ouro", cuda_graphs=graphs, keep_logits=True)
-            results[(tuple(plan.values()), graphs)] = (outs, eng.logits_log)
+            results[(tuple(plan.values()) + (at_end,) * at_end, graphs)] = (outs, eng.logits_log)
     for graphs in (True, False):
         ref_outs, ref_logits = results[((), graphs)]
         for (plan, g), (outs, logits) in results.items():

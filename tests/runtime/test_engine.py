@@ -427,6 +427,22 @@ def test_prefetch_next_is_checked_and_cuts_whole_lines_of_every_row(tiny_ckpt):
     assert model._prefetch_region("gate_up", torch.zeros(4, 64)).shape == (4, 64)     # at least one line a row
 
 
+def test_prefetch_region_of_a_split_k_projection_takes_the_start_of_every_split(tiny_ckpt, monkeypatch):
+    """Where the later weight's own GEMM configuration splits K into equal ranges, the region is the first fraction
+    of each split's range (every program of that GEMM starts at its split's first K tile), as a [rows * split_k,
+    cols] view of the weight; a K that the split does not cut into whole tiles keeps the plain first columns."""
+    from loopbench.kernels import gemm
+    from loopbench.runtime.model import OuroModel
+    model = OuroModel.from_tensors(*tiny_ckpt, prefetch_next={"down": 0.25, "o_proj": 0.5})
+    w = torch.arange(6 * 1024, dtype=torch.float32).reshape(6, 1024)
+    monkeypatch.setitem(gemm.CONFIGS, (6, 1024), gemm.GemmConfig(block_k=128, split_k=4))
+    region = model._prefetch_region("down", w)
+    assert region.shape == (24, 64) and region.stride() == (256, 1) and region.data_ptr() == w.data_ptr()
+    assert torch.equal(region, w.reshape(6, 4, 256)[:, :, :64].reshape(24, 64))
+    monkeypatch.setitem(gemm.CONFIGS, (6, 1024), gemm.GemmConfig(block_k=128, split_k=3))   # 8 tiles in 3 splits
+    assert model._prefetch_region("o_proj", w).shape == (6, 512)
+
+
 @pytest.mark.parametrize("fused_paths", ["qkv_rope and swiglu", "plain gemms"])
 def test_prefetch_next_gives_each_projection_the_next_ones_weight(tiny_ckpt, monkeypatch, fused_paths):
     """The wiring of OuroModel.prefetch_next, traced on the CPU with the GEMM launchers recorded: qkv (+ RoPE)
