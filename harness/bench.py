@@ -32,6 +32,8 @@ from . import conf, progress, report
 from .cards import CardInUse
 
 _EXIT_CODES: list[int] = []
+# Hydra's flags that show something and run no job (Hydra's own argument parser)
+HYDRA_SHOW_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--version", "--shell-completion", "-sc")
 _SWEEP = {"jobs": 0, "started": None}    # a multirun's size (cli.py counts it) and start, for the sweep's ETA
 
 
@@ -139,7 +141,9 @@ def run_hydra(config_name: str, hydra_args: list[str], sweep_jobs: int = 0, swee
               ) -> int:
     """Run :func:`task` under ``@hydra.main`` with ``hydra_args`` (overrides, ``-m``, Hydra's flags) for
     preset ``config_name``; ``sweep_runs``: each job's measured arm runs, which weight the sweep's ETA (the
-    jobs' times are assumed proportional to them); returns the worst exit status of its runs (1 when none ran)."""
+    jobs' times are assumed proportional to them); returns the worst exit status of its runs, 0 when Hydra was
+    asked only to show something (``--cfg``, ``--info``: it runs nothing and says so by returning), else 1 when
+    none ran."""
     import hydra
 
     _EXIT_CODES.clear()
@@ -150,7 +154,9 @@ def run_hydra(config_name: str, hydra_args: list[str], sweep_jobs: int = 0, swee
         hydra.main(version_base=None, config_path=str(conf.CONFIG_DIR), config_name=config_name)(task)()
     finally:
         sys.argv = saved
-    return max(_EXIT_CODES) if _EXIT_CODES else 1
+    if _EXIT_CODES:
+        return max(_EXIT_CODES)
+    return 0 if any(arg.split("=")[0] in HYDRA_SHOW_FLAGS for arg in hydra_args) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,22 @@ def _run_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("-m", "--multirun", action="store_true",
                    help="Hydra multirun: KEY=A,B runs one benchmark per combination, each into its own bundle")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (keys below)")
+    if name == "bench":   # declared so that their values are not taken for overrides, wherever they are written
+        hydra = p.add_argument_group("Hydra's flags (show the composed config: nothing runs, our rules are not "
+                                     "applied)")
+        hydra.add_argument("--cfg", "-c", choices=("job", "hydra", "all"), help="print the config")
+        hydra.add_argument("--package", "-p", help="the package of the config --cfg prints")
+        hydra.add_argument("--resolve", action="store_true", help="resolve interpolations in what --cfg prints")
+        hydra.add_argument("--info", "-i", nargs="?", const="all", metavar="WHAT",
+                           choices=("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
+                           help="Hydra's information (all, config, defaults, defaults-tree, plugins, searchpath)")
     return p
+
+
+def _hydra_flags(args) -> list[str]:
+    """The Hydra flags ``bench``'s parser took (:func:`_run_parser`), as Hydra's own parser takes them."""
+    flags = [f"--{key}={getattr(args, key)}" for key in ("cfg", "package", "info") if getattr(args, key, None)]
+    return flags + (["--resolve"] if getattr(args, "resolve", False) else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _preset(config_name: str | None) -> str:
     from .bench import default_config_name
 
-    if config_name:
+    if config_name is not None:     # `--config-name ""` is a preset name too (an unknown one), not the default
         return config_name
     name = default_config_name()
     progress.say("preset", f"{name} ({'CUDA available' if name == 'ouro-1.4b' else 'no CUDA'})")
@@ -108,15 +123,18 @@ def _no_bundle(command: str, path: Path) -> int | None:
 
 
 def _unpublished(command: str, path: Path) -> int | None:
-    """The one answer to a bundle not yet published (a ``plan.json``, no ``summary.json``), for every command that
+    """The one answer to a bundle not yet published (a ``plan.json``, no ``manifest.json``), for every command that
     reads a published one (audit, show, compare): named on stderr with how to publish it, exit status 3, before
     anything is read or written; None when ``path`` is published. 3 and not 2: the bundle is real and the command
-    right, but its run is incomplete (stopped, or its controller died), which is what 3 means (EXIT_STATUS)."""
-    if (path / "summary.json").is_file():
-        return None
-    from .compare import unpublished_hint
+    right, but its run is incomplete (stopped, or its controller died), which is what 3 means (EXIT_STATUS).
+    Published means the manifest, as ``finish`` and ``show --all`` read it: publishing writes it last and a resume
+    removes it first (``evidence.finalize``, ``evidence.unpublish``), so a ``summary.json`` without one is a
+    publication cut short, which ``finish`` completes."""
+    from .compare import is_published, unpublished_hint
 
-    print(f"loopbench {command}: {path} is not published (no summary.json): nothing to {command} yet"
+    if is_published(path):
+        return None
+    print(f"loopbench {command}: {path} is not published (no manifest.json): nothing to {command} yet"
           + unpublished_hint(path), file=sys.stderr)
     return 3
 
@@ -189,7 +207,22 @@ def _show(args) -> int:
     except ValueError as exc:
         print(f"loopbench show: {exc}", file=sys.stderr)
         return 2
+    except DAMAGE as exc:
+        return _damaged("show", [args.bundle], exc)
     return 0
+
+
+# what reading a bundle whose JSON documents parse but lack a field (or hold one of another type) raises
+DAMAGE = (KeyError, TypeError, AttributeError, IndexError)
+
+
+def _damaged(command: str, paths: list[Path], exc: Exception) -> int:
+    """One line for a bundle whose documents lack what ``command`` reads (a hand-edited or damaged bundle), exit 2
+    as any bundle it cannot read: the auditor names every discrepancy, so the line points at it."""
+    which = " or ".join(map(str, paths))
+    print(f"loopbench {command}: cannot read {which}: a document lacks or mistypes a field ({exc.__class__.__name__}: "
+          f"{exc}); `loopbench audit BUNDLE` names what is wrong", file=sys.stderr)
+    return 2
 
 
 def _compare(args) -> int:
@@ -209,6 +242,8 @@ def _compare(args) -> int:
     except ValueError as exc:
         print(f"loopbench compare: {exc}", file=sys.stderr)
         return 2
+    except DAMAGE as exc:
+        return _damaged("compare", [args.a, args.b], exc)
     if Path(args.a).resolve() == Path(args.b).resolve():
         print("loopbench compare: A and B are the same bundle, so every change below is zero by construction (two "
               "bundles of one commit show the noise between runs)", file=sys.stderr)
@@ -243,7 +278,7 @@ def _main(argv: list[str] | None) -> int:
     if extra and args.command != "bench":     # Hydra's own flags (--cfg job, ...) pass through bench only
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
-        return _bench(args, extra)
+        return _bench(args, _hydra_flags(args) + extra)
     if args.command == "plan":
         return _plan(args)
     if args.command in ("audit", "finish"):

@@ -59,15 +59,36 @@ class Bundle:
         """Read ``plan.json``, ``summary.json`` and ``tables/arms.parquet``; ValueError names what is missing."""
         path = Path(path)
         missing = [f for f in ("plan.json", "summary.json", "tables/arms.parquet") if not (path / f).is_file()]
+        if missing and is_published(path):
+            raise ValueError(f"{path} is damaged: published (a manifest.json) but without {', '.join(missing)}; "
+                             f"`loopbench audit {path}` names what is wrong")
         if missing:
             raise ValueError(f"{path}: not a published bundle (no {', '.join(missing)})" + unpublished_hint(path))
-        return cls(path, json.loads((path / "plan.json").read_text()), json.loads((path / "summary.json").read_text()),
+        return cls(path, read_object(path / "plan.json"), read_object(path / "summary.json"),
                    pd.read_parquet(path / "tables" / "arms.parquet"))
 
 
+def read_object(path: Path) -> dict:
+    """A bundle's JSON document; ValueError naming the file when it is not a JSON object (truncated, empty, a
+    list), rather than the decoder's bare "Expecting value: line 1 column 1"."""
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as exc:     # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({exc}); the bundle is damaged") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} holds a JSON {type(doc).__name__}, not an object; the bundle is damaged")
+    return doc
+
+
+def is_published(path: Path) -> bool:
+    """Whether the bundle at ``path`` is published: its ``manifest.json``, which publishing writes last and a resume
+    removes first, is there (``evidence.finalize``, ``evidence.unpublish``)."""
+    return (Path(path) / "manifest.json").is_file()
+
+
 def unpublished_hint(path: Path) -> str:
-    """For a folder with a plan but no published summary: how to publish it (a run still going publishes itself)."""
-    if (Path(path) / "plan.json").is_file() and not (Path(path) / "summary.json").is_file():
+    """For a folder with a plan but not published: how to publish it (a run still going publishes itself)."""
+    if (Path(path) / "plan.json").is_file() and not is_published(path):
         return (f"; if its run is over (its controller died), `loopbench finish {path}` publishes it as incomplete, "
                 "and `resume=` measures the rest")
     return ""
@@ -262,7 +283,10 @@ def show_text(bundle: Bundle) -> str:
 
     s = bundle.summary
     audit_file = bundle.path / "audit.json"
-    audit = json.loads(audit_file.read_text()).get("status", "?") if audit_file.is_file() else "not audited"
+    try:
+        audit = read_object(audit_file).get("status", "?") if audit_file.is_file() else "not audited"
+    except ValueError:
+        audit = "unreadable (audit.json is damaged; loopbench audit writes it again)"
     status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
     verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
     return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s, bundle.plan),
@@ -280,14 +304,23 @@ def headline(summary: dict) -> str:
 def bundle_line(path: Path) -> str:
     """``show --all``'s line for one bundle folder: folder, the plan's name, model, status (and audit), code SHA,
     headline."""
+    docs = {}
+    for name in ("plan.json", "summary.json", "audit.json"):    # one damaged bundle costs its own line only
+        try:
+            docs[name] = read_object(path / name) if name == "plan.json" or (path / name).is_file() else None
+        except (OSError, ValueError) as exc:
+            return f"{path.name}: unreadable {name} ({exc.__class__.__name__})"
+    plan, summary, audit_doc = docs["plan.json"], docs["summary.json"], docs["audit.json"]
     try:
-        plan = json.loads((path / "plan.json").read_text())
-    except (OSError, ValueError) as exc:
-        return f"{path.name}: unreadable plan.json ({exc.__class__.__name__})"
-    summary_file, audit_file = path / "summary.json", path / "audit.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
-    audit = json.loads(audit_file.read_text()).get("status", "?") if audit_file.is_file() else "not audited"
-    status = summary["status"] if summary else ("unpublished" if not (path / "manifest.json").is_file() else "?")
+        return _line(path, plan, summary, audit_doc)
+    except (KeyError, TypeError, AttributeError) as exc:
+        return f"{path.name}: damaged bundle ({exc.__class__.__name__}: {exc}); loopbench audit names what is wrong"
+
+
+def _line(path: Path, plan: dict, summary: dict | None, audit_doc: dict | None) -> str:
+    """:func:`bundle_line` of a bundle whose documents were read."""
+    audit = audit_doc.get("status", "?") if audit_doc is not None else "not audited"
+    status = summary["status"] if summary else ("unpublished" if not is_published(path) else "?")
     code = plan.get("code", {})
     sha = (code.get("git_sha") or "unknown")[:8] + ("+dirty" if code.get("git_dirty") else "")
     preset = plan.get("checkpoint", {}).get("preset") or "checkpoint"

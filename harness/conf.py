@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -325,6 +326,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     if config_name not in presets():
         raise ValueError(f"unknown preset {config_name!r}; configs/ has {presets()}")
     overrides = list(overrides or [])
+    _check_deletions(overrides)     # `~pairs` composes, and the config then lacks a key that every stage reads
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:
             return _compose(config_name=config_name, overrides=overrides)
@@ -371,8 +373,8 @@ def _check_override_keys(overrides: list[str]) -> None:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
-        _check_bracketed_keys(overrides)
-        return    # a syntax error: Hydra's message names it
+        check_override_syntax(overrides)
+        return    # a syntax error in a value: Hydra's message names it
     for override in parsed:
         key = override.key_or_group
         if _hydras_own(override):
@@ -381,10 +383,69 @@ def _check_override_keys(overrides: list[str]) -> None:
                              BenchConf)
 
 
+def _check_deletions(overrides: list[str]) -> None:
+    """ValueError for an override without a key (``=3``, which Hydra takes for a config group and words as "Config
+    group override must be a string or a list. Got int"), and for a ``~key`` override that the schema cannot lose
+    (``rules.undeletable``): a key of a section (``~pairs``, ``~exit``, ``~resume``) or a list item
+    (``~comparisons.2``); a misspelt key is named as such (``rules.check_key_path``). A dict entry (``~arms.alias``)
+    may go. Overrides that do not parse are left to :func:`check_override_syntax`, after Hydra refuses them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return
+    for override in parsed:
+        if not override.key_or_group:
+            raise ValueError(f"{override.input_line}: an override needs a key before its value (KEY=VALUE, e.g. "
+                             "pairs=6)")
+        if not override.is_delete() or _hydras_own(override):
+            continue
+        path = override.key_or_group
+        rules.check_key_path(path, None, BenchConf)
+        parent = rules.schema_at(path.rpartition(".")[0], BenchConf) if "." in path else BenchConf
+        if dataclasses.is_dataclass(parent):
+            hint = typing.get_type_hints(parent)[path.rpartition(".")[2]]
+            raise rules.undeletable(override.input_line, path, parent, hint)
+        if typing.get_origin(parent) in (list, typing.List):
+            raise rules.undeletable(override.input_line, path, parent, rules.schema_at(path, BenchConf))
+
+
 def _hydras_own(override) -> bool:
     """Hydra's own nodes (``hydra.*``, ``hydra/...`` groups, ``@package``), which our schema does not describe."""
     key = override.key_or_group
     return override.package is not None or "/" in key or key == "hydra" or key.startswith("hydra.")
+
+
+# a key our schema can have, as an override writes it: dotted names (``exit.threshold``, ``points.0.max_num_seqs``)
+_KEY = re.compile(r"(\+\+|\+|~)?[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """ValueError naming the first override whose key Hydra's grammar cannot parse, in our words: a list item in
+    brackets (:func:`_check_bracketed_keys`), no ``=`` at all, or a key that is not dotted names of ASCII letters,
+    digits and ``_`` (``exit.=0.6``, ``.pairs=3``, a non-ASCII letter), where Hydra's lexer names only a column;
+    then the first override whose value Hydra cannot parse, with Hydra's message (``exit.threshold=0.6=1``), which
+    does not always name it. A key of Hydra's own grammar (a group ``hydra/launcher``, a ``@package``) passes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    _check_bracketed_keys(overrides)
+    for line in overrides:
+        key, eq, _ = line.partition("=")
+        if not eq and not line.startswith("~"):
+            raise ValueError(f"{line!r} is not an override: KEY=VALUE needs an '=' (e.g. pairs=6)")
+        if any(c in key for c in "/@") or key.lstrip("+~").split(".")[0] == "hydra" or _KEY.fullmatch(key):
+            continue
+        raise ValueError(f"{line!r}: the key {key!r} is not dotted names of ASCII letters, digits and _ "
+                         "(e.g. exit.threshold=0.6)")
+    for line in overrides:    # a value Hydra cannot parse: its message, which does not always name the override
+        try:
+            OverridesParser.create().parse_overrides([line])
+        except HydraException as exc:
+            why = " ".join(str(exc).split())
+            raise ValueError(f"cannot parse the value of {line!r}: {why}") from None
 
 
 def _check_bracketed_keys(overrides: list[str]) -> None:

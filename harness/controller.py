@@ -38,7 +38,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from . import cards, checker, conf, evidence, inputs, machine, natural, progress
-from .executors import REPO_ROOT, ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
+from .executors import ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
 from .plan import make_plan, point_entries, restart_seqs
@@ -280,10 +280,7 @@ def audit(bundle: Path) -> int:
 def open_bundle(spec: BenchSpec, code: dict) -> Path:
     """A new ``results/<date>-<name>-<short sha>`` folder."""
     short = code["git_sha"][:8] if code["git_sha"] else "nogit"
-    results_dir = Path(spec.results_dir)
-    if not results_dir.is_absolute():
-        results_dir = REPO_ROOT / results_dir
-    return evidence.bundle_dir(results_dir, spec.name, short)
+    return evidence.bundle_dir(inputs.results_path(spec), spec.name, short)
 
 
 def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:

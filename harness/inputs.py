@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import conf, machine, workloads
+from . import conf, machine, rules, workloads
 from .fileio import sha256_bytes
 from .identity import code_identity
 from .spec import BenchSpec, check_fits_model
@@ -44,6 +44,7 @@ def gather(spec: BenchSpec) -> Inputs:
     check_fits_model(spec, model_cfg, longest)
     workloads.check_points_fit(spec, model_cfg["max_position_embeddings"], longest)
     prompts += workloads.point_prompts(spec, model_cfg["vocab_size"])   # points' own prompt lengths, after the pool
+    check_folders(spec)
     devices = machine.planned_devices(spec.executor)
     if all(d["kind"] == "cpu" for d in devices):
         for name, arm in spec.arms.items():
@@ -54,6 +55,24 @@ def gather(spec: BenchSpec) -> Inputs:
     return Inputs(prompts=prompts, prompts_text=json.dumps(prompts, separators=(",", ":")) + "\n",
                   max_model_len=workloads.longest_request(spec, longest), devices=devices,
                   code=code_identity(), cache=conf.cache_dir(spec))
+
+
+def results_path(spec: BenchSpec) -> Path:
+    """``results_dir`` as bench writes into it: a relative one is below the repository, whatever the cwd."""
+    from .executors import REPO_ROOT
+
+    results = Path(spec.results_dir).expanduser()
+    return results if results.is_absolute() else REPO_ROOT / results
+
+
+def check_folders(spec: BenchSpec) -> None:
+    """The results and cache folders can be made (``rules.check_folder``): ValueError naming the key (or
+    ``$LOOPBENCH_CACHE``, where the cache folder comes from it) before anything is written."""
+    rules.check_folder("results_dir", spec.results_dir, results_path(spec))
+    env = os.environ.get("LOOPBENCH_CACHE")
+    key, raw = ("cache_dir", spec.cache_dir) if spec.cache_dir else ("$LOOPBENCH_CACHE", env) if env else (None, None)
+    if key:
+        rules.check_folder(key, raw, conf.cache_dir(spec))
 
 
 def checkpoint_path(spec: BenchSpec) -> Path | None:

@@ -66,7 +66,11 @@ def sweep_arm_runs(config_name: str, overrides: list[str]) -> list[int]:
 
 def _checked_jobs(config_name: str, overrides: list[str]) -> list[tuple[list[str], object]]:
     try:
-        jobs = sweep_jobs(overrides)
+        try:
+            jobs = sweep_jobs(overrides)
+        except HydraException:
+            conf.check_override_syntax(overrides)   # a key Hydra's lexer refuses, in our words where we have them
+            raise
     except CONFIG_ERRORS as exc:
         raise SweepError("(the sweep's overrides)", exc) from exc
     checked = []
@@ -99,11 +103,11 @@ def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None
     for path in sorted(compare.bundle_dirs(results_dir), key=_created, reverse=True):
         try:
             b = compare.Bundle.load(path)
-        except (ValueError, OSError):
-            continue
-        same_devices = {d["label"] for d in b.plan["devices"]} == labels
-        if same_devices and b.summary["status"] == "complete" and not compare.differences(b.plan, plan_like):
-            return b
+            same_devices = {d["label"] for d in b.plan["devices"]} == labels
+            if same_devices and b.summary["status"] == "complete" and not compare.differences(b.plan, plan_like):
+                return b
+        except (ValueError, OSError, KeyError, TypeError, AttributeError):
+            continue     # a damaged bundle gives no estimate; it is no fault of the configuration planned
     return None
 
 
@@ -241,11 +245,7 @@ def _effect_line(spec) -> str:
 
 
 def _estimate_line(spec, got, order, plain, resuming: bool = False) -> str:
-    results = Path(spec.results_dir)
-    if not results.is_absolute():
-        from .executors import REPO_ROOT
-
-        results = REPO_ROOT / results
+    results = inputs.results_path(spec)
     from .fileio import sha256_bytes
 
     plan_like = {"config": plain, "devices": got.devices, "prompts": {"sha256": sha256_bytes(got.prompts_text.encode())},

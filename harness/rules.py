@@ -8,7 +8,7 @@ made; it fills each comparison's default name in that copy and changes nothing e
 A key the schema does not have is worded by :func:`unknown_key` alone, wherever it was written (an override,
 a preset's YAML, a ``+key=`` append): its dotted path and the closest key ("did you mean exit.threshold?").
 An override into a node that is null where it applies (``online.num_requests=3`` under ``online: null``) is
-worded by :func:`null_node` alone.
+worded by :func:`null_node` alone, and a deletion of a key the schema needs (``~pairs``) by :func:`undeletable`.
 """
 from __future__ import annotations
 
@@ -73,6 +73,23 @@ def null_node(override: str, node: str, where: str, schema: Any, presets: typing
         whole = "[...]" if typing.get_origin(hint) in (list, typing.List) else "{...}"
         fix = f"set it whole ({node}={whole})"
     return ValueError(f"cannot apply {override}: {node} is null {where}; {fix}")
+
+
+def undeletable(override: str, path: str, parent: Any, hint: Any) -> ValueError:
+    """The one message for ``~path`` (``override``) where the schema cannot lose ``path``: a key of a section
+    (``~pairs``, ``~exit``; ``parent`` a structured-config dataclass), which a run cannot do without, or a list item
+    (``~comparisons.2``), which Hydra cannot delete. ``hint`` is the type hint at ``path``. A dict entry (an arm,
+    ``~arms.alias``) is no such key and may go."""
+    if not dataclasses.is_dataclass(parent):
+        return ValueError(f"cannot apply {override}: an override cannot delete a list item; set the list whole "
+                          f"({path.rsplit('.', 1)[0]}=[...]) without it")
+    if typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint):
+        fix = f"set it to null ({path}=null) or to a value"
+    elif dataclasses.is_dataclass(_node(hint)):
+        fix = f"set its keys ({path}.<key>=...) instead"
+    else:
+        fix = f"set it ({path}=...) instead"
+    return ValueError(f"cannot apply {override}: {path} is a key of the schema, which a run cannot do without; {fix}")
 
 
 def schema_at(path: str, schema: Any) -> Any:
@@ -172,6 +189,18 @@ def check(plain: dict) -> None:
     if kill is not None and (isinstance(kill, bool) or kill < 0):
         raise ValueError(f"fault.kill_after_arms must be >= 0 or null, got {kill!r}")
     online_config.check(plain)
+
+
+def check_folder(key: str, raw: str, path: Path) -> None:
+    """ValueError naming ``key`` (written ``raw``) when folder ``path`` cannot be had: it, or the nearest part of it
+    that exists, is a file (``results_dir=notes.txt``, ``cache_dir=notes.txt/cache``). Checked before anything is
+    written, where the first ``mkdir`` would otherwise fail with a traceback once a bundle folder exists."""
+    for part in (path, *path.parents):
+        if part.is_dir():
+            return
+        if part.exists():
+            where = "is a file" if part == path else f"is below {part}, which is a file"
+            raise ValueError(f"{key} = {raw!r} {where}, not a folder; name a folder (it is made where missing)")
 
 
 def check_prompt_lengths(wl: dict) -> None:

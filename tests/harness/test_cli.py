@@ -248,7 +248,7 @@ def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and
         said.add(err.removeprefix(f"loopbench {command}: ").replace(f"nothing to {command} yet", "nothing to X yet"))
     assert len(said) == 1, said
     err = said.pop()
-    assert f"{tmp_path} is not published (no summary.json)" in err and f"loopbench finish {tmp_path}" in err, err
+    assert f"{tmp_path} is not published (no manifest.json)" in err and f"loopbench finish {tmp_path}" in err, err
     assert cli.main(["compare", str(tmp_path), str(tmp_path / "none")]) == 2
     assert f"no bundle folder at {tmp_path / 'none'}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
@@ -326,3 +326,105 @@ def test_show_all_marks_the_speedups_of_a_bundle_whose_verdicts_are_barred(tmp_p
     (bundle / "summary.json").write_text(json.dumps(summary))
     line = compare.bundle_line(bundle)
     assert "incomplete (audit " in line and "no verdicts (run incomplete); measured, not evidence: " in line
+
+
+def _copy_bundle(dst: Path, src: Path = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c") -> Path:
+    """What show and compare read of a committed bundle, copied to ``dst``."""
+    (dst / "tables").mkdir(parents=True)
+    for name in ("plan.json", "summary.json", "manifest.json", "audit.json", "tables/arms.parquet"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("plan.json", '{"name": "cpu-sm', "plan.json is not valid JSON (Unterminated string starting at: line 1 column 10"),
+    ("plan.json", "", "plan.json is not valid JSON (Expecting value: line 1 column 1 (char 0)); the bundle is damaged"),
+    ("plan.json", "[]", "plan.json holds a JSON list, not an object; the bundle is damaged"),        # was a traceback
+    ("summary.json", "[1]", "summary.json holds a JSON list, not an object; the bundle is damaged"),  # was a traceback
+])
+def test_show_and_compare_name_the_damaged_document_of_a_bundle(tmp_path, capsys, name, text, words):
+    """Once the decoder's bare "Expecting value: line 1 column 1 (char 0)", naming no file, or a traceback."""
+    good, bad = _copy_bundle(tmp_path / "good"), _copy_bundle(tmp_path / "bad")
+    (bad / name).write_text(text)
+    for command, *args in (("show", bad), ("compare", good, bad), ("compare", bad, good)):
+        assert cli.main([command, *map(str, args)]) == 2, (command, args)
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"loopbench {command}: {bad / name} ") and words in err, err
+        assert len(err.splitlines()) == 1, err
+
+
+def test_show_and_compare_name_a_bundle_whose_document_lacks_a_field(tmp_path, capsys):
+    good, bad = _copy_bundle(tmp_path / "good"), _copy_bundle(tmp_path / "bad")
+    plan = json.loads((bad / "plan.json").read_text())
+    del plan["code"]
+    (bad / "plan.json").write_text(json.dumps(plan))
+    assert cli.main(["show", str(bad)]) == 2
+    assert capsys.readouterr().err == (f"loopbench show: cannot read {bad}: a document lacks or mistypes a field "
+                                       "(KeyError: 'code'); `loopbench audit BUNDLE` names what is wrong\n")
+    assert cli.main(["compare", str(good), str(bad)]) == 2
+    assert f"loopbench compare: cannot read {good} or {bad}: " in capsys.readouterr().err
+
+
+def test_show_survives_a_damaged_audit_json(tmp_path, capsys):
+    bundle = _copy_bundle(tmp_path / "b")
+    (bundle / "audit.json").write_text("{")
+    assert cli.main(["show", str(bundle)]) == 0
+    assert "; audit unreadable (audit.json is damaged; loopbench audit writes it again)\n" in capsys.readouterr().out
+
+
+def test_show_all_gives_a_damaged_bundle_its_own_line_and_lists_the_rest(tmp_path, capsys):
+    """One truncated summary.json once made `show --all` a traceback that listed nothing."""
+    for name, doc, text in (("a-good", None, None), ("b-summary", "summary.json", "{"), ("c-plan", "plan.json", "[]"),
+                            ("d-audit", "audit.json", "nul"), ("e-field", "summary.json", '{"results": []}')):
+        bundle = _copy_bundle(tmp_path / name)
+        if doc:
+            (bundle / doc).write_text(text)
+    assert cli.main(["show", "--all", "--results", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0].rstrip(":") for line in lines] == ["a-good", "b-summary", "c-plan", "d-audit", "e-field"]
+    assert "complete (audit pass)" in lines[0]
+    assert lines[1:4] == ["b-summary: unreadable summary.json (ValueError)",
+                          "c-plan: unreadable plan.json (ValueError)", "d-audit: unreadable audit.json (ValueError)"]
+    assert lines[4] == "e-field: damaged bundle (KeyError: 'status'); loopbench audit names what is wrong"
+
+
+def test_a_bundle_with_a_summary_but_no_manifest_is_unpublished_to_every_command(tmp_path, capsys):
+    """Publishing writes the manifest last and a resume removes it first (evidence.finalize, unpublish): a summary
+    without one is a publication cut short, which `finish` completes. audit once audited it (exit 1, with the
+    discrepancies of a bundle of unknown format), show and compare read it as published."""
+    bundle = _copy_bundle(tmp_path / "b")
+    (bundle / "manifest.json").unlink()
+    other = str(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c")
+    for command, *args in (("audit", bundle), ("show", bundle), ("compare", bundle, other), ("compare", other, bundle)):
+        assert cli.main([command, *map(str, args)]) == 3, (command, args)
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"loopbench {command}: {bundle} is not published (no manifest.json)"), err
+        assert f"`loopbench finish {bundle}` publishes it" in err, err
+
+
+def test_a_published_bundle_without_its_summary_is_damaged_not_unpublished(tmp_path, capsys):
+    """show once said "not a published bundle", and its finish hint led to finish's "published already"."""
+    bundle = _copy_bundle(tmp_path / "b")
+    (bundle / "summary.json").unlink()
+    assert cli.main(["show", str(bundle)]) == 2
+    assert capsys.readouterr().err == (f"loopbench show: {bundle} is damaged: published (a manifest.json) but without "
+                                       f"summary.json; `loopbench audit {bundle}` names what is wrong\n")
+
+
+def test_plan_estimates_past_a_damaged_bundle_and_does_not_blame_the_configuration(two_bundles, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """A damaged bundle created last in results_dir once failed `plan` as "bad configuration: list indices must be
+    integers or slices, not str", exit 2."""
+    _, _, (a, _) = two_bundles
+    results = tmp_path / "r"
+    shutil.copytree(a, results / "a-good")
+    for name, text in (("b-list", "[]"), ("c-nodevices", None)):
+        shutil.copytree(a, results / name)
+        plan = json.loads((results / name / "plan.json").read_text())
+        plan["created_utc"] = "2099-01-01T00:00:00+00:00"
+        del plan["devices"]
+        (results / name / "plan.json").write_text(text if text is not None else json.dumps(plan))
+    (results / "b-list" / "summary.json").write_text("[]")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", *TINY, f"results_dir={results}", f"cache_dir={a.parent.parent / 'c'}"]) == 0
+    assert "audit; from a-good" in capsys.readouterr().out

@@ -126,3 +126,98 @@ def test_hydras_own_refusal_of_a_key_reads_as_ours(tmp_path, args, line):
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == [line], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("override, line", [
+    # `~pairs` composed, and the run then failed with a KeyError traceback, exit 1
+    ("~pairs", "cannot apply ~pairs: pairs is a key of the schema, which a run cannot do without; set it (pairs=...) "
+               "instead"),
+    ("~exit", "cannot apply ~exit: exit is a key of the schema, which a run cannot do without; set its keys "
+              "(exit.<key>=...) instead"),
+    # Hydra: "Could not delete from config. 'resume' does not exist." of a key that is there, null
+    ("~resume", "cannot apply ~resume: resume is a key of the schema, which a run cannot do without; set it to null "
+                "(resume=null) or to a value"),
+    # Hydra: "list indices must be integers or slices, not str"
+    ("~comparisons.2", "cannot apply ~comparisons.2: an override cannot delete a list item; set the list whole "
+                       "(comparisons=[...]) without it"),
+    # Hydra: "Config group override must be a string or a list. Got int"
+    ("=3", "=3: an override needs a key before its value (KEY=VALUE, e.g. pairs=6)"),
+    # Hydra: "LexerNoViableAltException: exit.=0.6 ^ See https://hydra.cc/..."
+    ("exit.=0.6", "'exit.=0.6': the key 'exit.' is not dotted names of ASCII letters, digits and _ "
+                  "(e.g. exit.threshold=0.6)"),
+    ("ëxit.threshold=0.6", "'ëxit.threshold=0.6': the key 'ëxit.threshold' is not dotted names of ASCII letters, "
+                           "digits and _ (e.g. exit.threshold=0.6)"),
+    ("pairs", "'pairs' is not an override: KEY=VALUE needs an '=' (e.g. pairs=6)"),
+    # Hydra: "mismatched input '=' expecting <EOF> See ...", which does not name the override
+    ("exit.threshold=0.6=1", "cannot parse the value of 'exit.threshold=0.6=1': mismatched input '=' expecting <EOF>"),
+])
+def test_an_override_hydra_words_badly_or_lets_through_is_one_line_naming_it(tmp_path, monkeypatch, capsys, command,
+                                                                              override, line):
+    err = _refusal(tmp_path, monkeypatch, capsys, command, override)
+    assert len(err.splitlines()) == 1 and err.startswith(BAD + line), err
+
+
+def test_a_dict_entry_may_still_be_deleted(tmp_path, monkeypatch, capsys):
+    """`~arms.alias` is no key of the schema: the arm goes, and the rules then name the comparison that used it."""
+    err = _refusal(tmp_path, monkeypatch, capsys, "plan", "~arms.alias")
+    assert err == BAD + "comparisons[1].baseline = 'alias' is not an arm; arms are ['alias_prefix', 'native']\n", err
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("key", ["results_dir", "cache_dir"])
+@pytest.mark.parametrize("below", [False, True])
+def test_a_results_or_cache_folder_that_is_a_file_is_named_before_anything_is_written(tmp_path, monkeypatch, capsys,
+                                                                                     command, key, below):
+    """Once a traceback with exit 1 from the first mkdir (cache_dir: after the bundle folder was made)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    path = notes / "sub" if below else notes
+    err = _refusal(tmp_path, monkeypatch, capsys, command, f"{key}={path}")
+    where = f"is below {notes}, which is a file" if below else "is a file"
+    assert err == BAD + f"{key} = '{path}' {where}, not a folder; name a folder (it is made where missing)\n", err
+
+
+def test_loopbench_cache_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    monkeypatch.setenv("LOOPBENCH_CACHE", str(notes))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", "--config-name", "cpu-smoke", f"results_dir={tmp_path / 'r'}"]) == 2
+    assert capsys.readouterr().err == BAD + (f"$LOOPBENCH_CACHE = '{notes}' is a file, not a folder; name a folder "
+                                             "(it is made where missing)\n")
+
+
+def test_a_results_dir_under_home_is_expanded_as_cache_dir_is(tmp_path, monkeypatch):
+    """`results_dir='~/r'` once made a folder named `~` below the repository."""
+    from loopbench.harness import inputs
+    from loopbench.harness.spec import BenchSpec
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spec = BenchSpec.from_plain(conf.to_plain(conf.compose("cpu-smoke", ["results_dir='~/r'"])))
+    assert inputs.results_path(spec) == tmp_path / "r"
+
+
+def test_an_empty_preset_name_is_unknown_not_the_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", "--config-name", ""]) == 2
+    assert capsys.readouterr().err.startswith(BAD + "unknown preset ''; configs/ has ['cpu-context', ")
+
+
+def test_a_bracketed_key_in_a_sweep_is_worded_as_outside_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", "--config-name", "cpu-smoke", "-m", "comparisons[0].candidate=alias,native"]) == 2
+    assert capsys.readouterr().err == ("loopbench: bad configuration in sweep job (the sweep's overrides): "
+                                       "comparisons[0].candidate=alias,native: an override names a list item by a "
+                                       "dot, not brackets: comparisons.0.candidate=alias,native\n")
+
+
+@pytest.mark.parametrize("flags", [["--cfg", "job", "pairs=4"], ["pairs=4", "--cfg", "job"], ["-c", "job", "pairs=4"]])
+def test_hydras_cfg_flag_shows_the_config_wherever_it_is_written_and_exits_0(tmp_path, flags):
+    """`--cfg job` before the overrides once had its `job` taken for an override ("Error parsing override 'job'"),
+    and after them it printed the config and exited 1."""
+    proc = _loopbench(tmp_path, "bench", "--config-name", "cpu-smoke", f"results_dir={tmp_path / 'r'}",
+                      f"cache_dir={tmp_path / 'c'}", *flags)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert "\npairs: 4\n" in proc.stdout and "name: cpu-smoke" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
