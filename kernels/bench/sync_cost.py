@@ -14,6 +14,10 @@ comes from HBM), read by ``G`` programs, one per SM, three ways:
 - ``barrier``: one launch; between slices every program arrives on a grid barrier (the arrival-counter
   protocol of kernels/gemm_norm.py: CTA barrier, release-acquire atomic add at GPU scope, acquire spin),
   then reads the same value. ``prewait`` issues the next share's first loads before it arrives.
+- ``split``: ``barrier`` with the barrier in two halves: a program arrives (release), then issues its next
+  share's first loads (with ``prewait``), then waits for the others (acquire), so its loads and the others'
+  arrival overlap (a split-phase barrier, as an arrive / wait pair of mbarriers or CUDA's ``barrier.arrive`` and
+  ``barrier.wait``), where ``barrier``'s ``prewait`` loads must land before the release lets the program arrive.
 - ``stream``: one launch, no barrier, no dependency: this kernel's own floor for the same bytes.
 
 Every program owns a contiguous share of each slice (a multiple of ``UNROLL * BLOCK`` elements, so the slices
@@ -22,7 +26,7 @@ time)`` give what one boundary or barrier adds; ``--slice-mb 0`` leaves only the
 more chain variants split each slice into chunks of one group (32 KB): ``chunks`` hands program p the chunks
 p, p + G, ...; ``dynamic`` lets each program take the next chunk from a work queue (an atomic counter), so a
 program on a slower path to memory takes fewer (the tail of a static split is its slowest program's share).
-The chain and barrier results must be bitwise equal (same sums, same dependency; this also checks that the
+The chain, barrier and split results must be bitwise equal (same sums, same dependency; this also checks that the
 barrier makes the previous slice's stores visible, as the output starts as NaN), and so must chunks and
 dynamic.
 
@@ -45,8 +49,8 @@ from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceili
 
 BLOCK = 4096            # elements per load per program (4 warps: 32 bf16, four 16-byte loads a thread)
 UNROLL = 4              # loads in flight per program before their sum: 32 KB
-CHAIN, BARRIER, STREAM = 0, 1, 2
-MODES = {"chain": CHAIN, "barrier": BARRIER, "stream": STREAM}
+CHAIN, BARRIER, STREAM, SPLIT = 0, 1, 2, 3
+MODES = {"chain": CHAIN, "barrier": BARRIER, "stream": STREAM, "split": SPLIT}
 COLUMNS = ("mode", "pdl", "prewait", "slice_mb", "slices", "us_per_slice", "gb_per_s", "pct_ceiling",
            "added_us")
 
@@ -64,12 +68,30 @@ def _grid_barrier(cnt_ptr, G):
 
 
 @triton.jit
-def _share_sum(base, v0, iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    """fp32 sum of a program's share: ``v0`` (its first UNROLL * BLOCK elements, already loaded) and ``iters - 1``
-    more groups of UNROLL * BLOCK from ``base``."""
+def _arrive(cnt_ptr, G):
+    """The first half of :func:`_grid_barrier`: this program arrives (its earlier stores released to the GPU) and
+    gets the count its wait needs, :func:`_wait_all`; what it does between the two overlaps the others' arrival."""
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    return (old // G + 1) * G
+
+
+@triton.jit
+def _wait_all(cnt_ptr, target):
+    """The second half of :func:`_grid_barrier`: spin until every program has arrived (acquire: their stores
+    before their arrival are visible after it)."""
+    while tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _share_sum(base, v0, iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr, START: tl.constexpr = 1):
+    """fp32 sum of a program's share: ``v0`` (its first ``START`` groups of UNROLL * BLOCK elements, already
+    loaded and summed in order) and its groups ``START .. iters - 1`` from ``base``."""
     offs = tl.arange(0, BLOCK)
     acc = v0
-    for i in range(1, iters):
+    for i in range(START, iters):
         p = base + i * (UNROLL * BLOCK)
         a = tl.load(p + offs)
         b = tl.load(p + BLOCK + offs)
@@ -93,9 +115,19 @@ def _first_group(base, iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _first_groups(base, iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr, GROUPS: tl.constexpr):
+    """The share's first ``GROUPS`` (1 or 2) groups, all their loads issued before any sum, summed in
+    :func:`_share_sum`'s order (zeros for the groups past the share)."""
+    acc = _first_group(base, iters, BLOCK, UNROLL)
+    if GROUPS == 2:
+        acc += _first_group(base + UNROLL * BLOCK, iters - 1, BLOCK, UNROLL)
+    return acc
+
+
 @triton.jit(do_not_specialize=["first", "count"])
 def _stream_kernel(w_ptr, out_ptr, cnt_ptr, iters, first, count, G, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                   MODE: tl.constexpr, PDL: tl.constexpr, PREWAIT: tl.constexpr):
+                   MODE: tl.constexpr, PDL: tl.constexpr, PREWAIT: tl.constexpr, START: tl.constexpr = 1):
     pid = tl.program_id(0)
     per = iters * (UNROLL * BLOCK)
     slice_elems = per.to(tl.int64) * G
@@ -118,15 +150,20 @@ def _stream_kernel(w_ptr, out_ptr, cnt_ptr, iters, first, count, G, BLOCK: tl.co
         for j in range(first + 1, first + count):
             tl.store(out_ptr + (j - 1) * G + pid, total)
             base = w_ptr + j * slice_elems + pid * per
+            if MODE == 3:   # SPLIT: arrive, then the next share's first loads, then wait for the others
+                target = _arrive(cnt_ptr, G)
             if PREWAIT:
-                v0 = _first_group(base, iters, BLOCK, UNROLL)
+                v0 = _first_groups(base, iters, BLOCK, UNROLL, PREWAIT)
             dep = 0.0
             if MODE == 1:   # BARRIER
                 _grid_barrier(cnt_ptr, G)
                 dep = tl.load(out_ptr + (j - 1) * G + nxt, cache_modifier=".cg")
+            if MODE == 3:
+                _wait_all(cnt_ptr, target)
+                dep = tl.load(out_ptr + (j - 1) * G + nxt, cache_modifier=".cg")
             if not PREWAIT:
                 v0 = _first_group(base, iters, BLOCK, UNROLL)
-            total = _share_sum(base, v0, iters, BLOCK, UNROLL) + dep
+            total = _share_sum(base, v0, iters, BLOCK, UNROLL, START) + dep     # START: the groups v0 holds
         tl.store(out_ptr + (first + count - 1) * G + pid, total)
 
 
@@ -179,9 +216,10 @@ class Stream:
         self.outc = torch.full((self.slices, max(1, self.chunks)), float("nan"), device=device)
         self.queue = torch.zeros(self.slices, dtype=torch.int32, device=device)
 
-    def launch(self, mode: str, use_pdl: bool, prewait: bool, first: int, count: int) -> None:
+    def launch(self, mode: str, use_pdl: bool, prewait: bool | int, first: int, count: int) -> None:
         _stream_kernel[(self.G,)](self.w, self.out, self.counter, self.iters, first, count, self.G, BLOCK=BLOCK,
-                                  UNROLL=UNROLL, MODE=MODES[mode], PDL=pdl.mode(use_pdl), PREWAIT=prewait,
+                                  UNROLL=UNROLL, MODE=MODES[mode], PDL=pdl.mode(use_pdl), PREWAIT=int(prewait),
+                                  START=max(int(prewait), 1),
                                   **pdl.launch_options(use_pdl, num_warps=4, num_stages=1))
 
     def run(self, mode: str, use_pdl: bool, prewait: bool) -> None:
@@ -222,25 +260,25 @@ class Stream:
 
 
 VARIANTS = [("stream", False, False), ("stream", False, True), ("chain", False, False), ("chain", True, False),
-            ("chain", True, True), ("barrier", False, False), ("barrier", False, True), ("chunks", True, False),
-            ("dynamic", True, False)]
+            ("chain", True, True), ("barrier", False, False), ("barrier", False, True), ("split", False, False),
+            ("split", False, True), ("split", False, 2), ("chunks", True, False), ("dynamic", True, False)]
 
 
 def measure(slice_mb: float, programs: int, ceiling: float) -> tuple[list[dict], bool]:
     """One row per variant at one slice size, and whether every chain and barrier variant gave the same bits."""
     s = Stream(slice_mb, programs)
     reference = s.result("chain", False, False)
-    agree = all(torch.equal(s.result(m, p, w), reference) for m, p, w in VARIANTS if m in ("chain", "barrier"))
+    agree = all(torch.equal(s.result(m, p, w), reference) for m, p, w in VARIANTS if m in ("chain", "barrier", "split"))
     agree = agree and (not s.chunks or torch.equal(s.result("dynamic", True, False), s.result("chunks", True, False)))
     rows, floor = [], {}
     for mode, use_pdl, prewait in VARIANTS:
         us = graph_ms_per_call([lambda m=mode, p=use_pdl, w=prewait: s.run(m, p, w)]) * 1e3 / s.slices
         if mode == "stream":
-            floor[prewait] = us
+            floor[bool(prewait)] = us
         gbs = s.slice_bytes / (us * 1e-6) / 1e9
-        rows.append(dict(mode=mode, pdl="on" if use_pdl else "off", prewait="yes" if prewait else "no",
+        rows.append(dict(mode=mode, pdl="on" if use_pdl else "off", prewait="no" if not prewait else "yes" if prewait is True else f"{prewait} groups",
                          slice_mb=s.slice_bytes / 2 ** 20, slices=s.slices, us_per_slice=us, gb_per_s=gbs,
-                         pct_ceiling=100 * gbs * 1e9 / ceiling, added_us=us - floor[prewait]))
+                         pct_ceiling=100 * gbs * 1e9 / ceiling, added_us=us - floor[bool(prewait)]))
     del s
     torch.cuda.empty_cache()
     return rows, agree
