@@ -207,13 +207,9 @@ def _show(args) -> int:
     except ValueError as exc:
         print(f"loopbench show: {exc}", file=sys.stderr)
         return 2
-    except DAMAGE as exc:
+    except compare.DAMAGE as exc:
         return _damaged("show", [args.bundle], exc)
     return 0
-
-
-# what reading a bundle whose JSON documents parse but lack a field (or hold one of another type) raises
-DAMAGE = (KeyError, TypeError, AttributeError, IndexError)
 
 
 def _damaged(command: str, paths: list[Path], exc: Exception) -> int:
@@ -242,7 +238,7 @@ def _compare(args) -> int:
     except ValueError as exc:
         print(f"loopbench compare: {exc}", file=sys.stderr)
         return 2
-    except DAMAGE as exc:
+    except compare.DAMAGE as exc:
         return _damaged("compare", [args.a, args.b], exc)
     if Path(args.a).resolve() == Path(args.b).resolve():
         print("loopbench compare: A and B are the same bundle, so every change below is zero by construction (two "

@@ -68,6 +68,10 @@ class Bundle:
                    pd.read_parquet(path / "tables" / "arms.parquet"))
 
 
+# what reading a bundle whose JSON documents parse but lack a field (or hold one of another type) raises
+DAMAGE = (KeyError, TypeError, AttributeError, IndexError)
+
+
 def read_object(path: Path) -> dict:
     """A bundle's JSON document; ValueError naming the file when it is not a JSON object (truncated, empty, a
     list), rather than the decoder's bare "Expecting value: line 1 column 1"."""

@@ -106,7 +106,7 @@ def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None
             same_devices = {d["label"] for d in b.plan["devices"]} == labels
             if same_devices and b.summary["status"] == "complete" and not compare.differences(b.plan, plan_like):
                 return b
-        except (ValueError, OSError, KeyError, TypeError, AttributeError):
+        except (ValueError, OSError, *compare.DAMAGE):
             continue     # a damaged bundle gives no estimate; it is no fault of the configuration planned
     return None
 

@@ -482,10 +482,10 @@ class OuroModel:
         configuration splits K into equal ranges (o_proj and down), the first fraction of each split's range
         instead (a ``[rows * split_k, cols]`` view), so every program of that GEMM finds its first K tiles in L2,
         not only the first split's."""
-        from loopbench.kernels import gemm
         fraction = self.prefetch_next.get(target)
         if fraction is None:
             return None
+        from loopbench.kernels import gemm
         cfg = gemm.CONFIGS.get(tuple(w.shape))
         n, k = w.shape
         split = cfg.split_k if cfg is not None else 1

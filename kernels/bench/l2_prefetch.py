@@ -166,14 +166,6 @@ def measure(region_mb: float, between_mb: list[float], programs: int, ceiling: f
     return rows, agree
 
 
-def _numbers(text: str, name: str) -> list[float]:
-    """``"8,25"`` -> [8.0, 25.0]; ValueError naming the option and its value."""
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--region-mb", default="8,25", help="region sizes in MB (MiB), comma-separated, each > 0")
@@ -185,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="markdown table here, a .csv beside it")
     args = ap.parse_args(argv)
     try:
-        regions, between = _numbers(args.region_mb, "--region-mb"), _numbers(args.between_mb, "--between-mb")
+        regions, between = sc.numbers(args.region_mb, "--region-mb"), sc.numbers(args.between_mb, "--between-mb")
     except ValueError as e:
         print(f"l2_prefetch: {e}", file=sys.stderr)
         return 2

@@ -304,15 +304,23 @@ def write_table(head: str, rows: list[dict], columns: tuple[str, ...], out: Path
             writer.writerows(rows)
 
 
+def numbers(text: str, name: str) -> list[float]:
+    """A bench's comma-separated option, ``"8,25"`` -> [8.0, 25.0]; ValueError naming the option and its value."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slice-mb", default="0,8,23,46", help="slice sizes in MB (MiB), comma-separated; 0: no bytes")
     ap.add_argument("--out", type=Path, help="markdown table here, a .csv beside it")
     args = ap.parse_args(argv)
     try:
-        sizes = [float(v) for v in args.slice_mb.split(",")]
-    except ValueError:
-        print(f"sync_cost: --slice-mb must be comma-separated numbers, got {args.slice_mb!r}", file=sys.stderr)
+        sizes = numbers(args.slice_mb, "--slice-mb")
+    except ValueError as e:
+        print(f"sync_cost: {e}", file=sys.stderr)
         return 2
     if any(v < 0 for v in sizes):
         print(f"sync_cost: --slice-mb must be >= 0, got {args.slice_mb!r}", file=sys.stderr)
