@@ -46,6 +46,8 @@ import triton.language as tl
 
 from loopbench.kernels import pdl
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
+from loopbench.kernels.mlp_block import arrive as _arrive          # the split-phase halves, as the kernel runs them
+from loopbench.kernels.mlp_block import wait_arrived as _wait_all
 
 BLOCK = 4096            # elements per load per program (4 warps: 32 bf16, four 16-byte loads a thread)
 UNROLL = 4              # loads in flight per program before their sum: 32 KB
@@ -62,24 +64,6 @@ def _grid_barrier(cnt_ptr, G):
     tl.debug_barrier()
     old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     target = (old // G + 1) * G
-    while tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target:
-        pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _arrive(cnt_ptr, G):
-    """The first half of :func:`_grid_barrier`: this program arrives (its earlier stores released to the GPU) and
-    gets the count its wait needs, :func:`_wait_all`; what it does between the two overlaps the others' arrival."""
-    tl.debug_barrier()
-    old = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    return (old // G + 1) * G
-
-
-@triton.jit
-def _wait_all(cnt_ptr, target):
-    """The second half of :func:`_grid_barrier`: spin until every program has arrived (acquire: their stores
-    before their arrival are visible after it)."""
     while tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target:
         pass
     tl.debug_barrier()

@@ -6,20 +6,14 @@ row each; a first launch runs in a child process with a time limit (a broken arr
 fails), then the Ouro shapes at every graph bucket, repeated and under a CUDA graph, against the separate kernels
 to rounding (this kernel's fp32 row sums run in another warp layout).
 """
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from loopbench.kernels import fused_ops as fo
 from loopbench.kernels import gemm as gm
 from loopbench.kernels import gemm_norm as gn
+from tests.kernels.child import run_in_child
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = gm.GemmConfig(block_n=64, block_k=64, split_k=4, num_stages=1)
 
 
@@ -88,7 +82,7 @@ def test_first_cuda_launch_finishes_in_a_child_process():
     """The arrival protocol, once, where a hang costs a time limit and not the suite."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    code = textwrap.dedent("""
+    proc = run_in_child("""
         import torch
         from loopbench.kernels import gemm as gm, gemm_norm as gn
         torch.manual_seed(0)
@@ -101,8 +95,6 @@ def test_first_cuda_launch_finishes_in_a_child_process():
         torch.cuda.synchronize()
         print("counters", c.tolist())
     """)
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "counters [0, 0]" in proc.stdout, proc.stdout + proc.stderr
 
 
