@@ -334,6 +334,15 @@ def programs_for(device, programs_per_sm: int = 1) -> int:
     return programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _stages_that_fit(c: MlpBlockConfig, block_m: int, a: torch.Tensor) -> int:
+    """``c.num_stages``, lowered until the largest stage's pipeline (weight tile and x tile per stage) fits one
+    program's shared memory (``gemm.num_stages_that_fit``, per stage; stages change no bit)."""
+    tiles = (gm.GemmConfig(block_n=c.o_bn, block_k=c.block_k, num_stages=c.num_stages),
+             gm.GemmConfig(block_n=2 * c.u_bn, block_k=c.block_k_u, num_stages=c.num_stages),
+             gm.GemmConfig(block_n=c.d_bn, block_k=c.block_k, num_stages=c.num_stages))
+    return min(gm.num_stages_that_fit(t, block_m, a.device, 1, a.element_size()) for t in tiles)
+
+
 _RESIDENT: dict = {}
 
 
@@ -449,7 +458,7 @@ def mlp_block(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torc
         if not staged or not set(only) <= set(stages):
             raise ValueError(f"only needs staged=True and stages among {stages}, got {only}")
         stages = [s for s in stages if s in only]
-    options = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=c.num_stages)
+    options = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=_stages_that_fit(c, block_m, a))
     if not staged:
         _check_resident(_mlp_block_kernel, args, g, dict(meta, STAGE=ALL.value, PDL=pdl_mode), options,
                         c.programs_per_sm, a.device)
