@@ -40,7 +40,7 @@ test holds the one launch bitwise equal to the staged one, and its first M rows 
 Measured (kernels/bench/mlp_block.py, kernels/results/mlp_block_h100_*.md, H100): every configuration tried is
 slower than the five-kernel PDL chain; each stage alone is slower than its tuned kernel, and the barriers win back
 less than that. The L2 prefetch across a barrier changes nothing measurable; an earlier form that held each
-stage's first 16-64 KB of weight in registers across the wait (the stand-in's method) was 0.45-0.79x (the
+stage's first 16-64 KB of weight in registers across the wait (the stand-in's method) was 0.43-0.79x (the
 register tile must pass through shared memory to feed the MMA).
 """
 from __future__ import annotations
