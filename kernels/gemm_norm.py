@@ -116,8 +116,11 @@ def _row_inputs(row, res_ptr, w1_ptr, w2_ptr, gw_ptr, gb_ptr, offs, mask, stride
 def _norm_row(row, x, w1, w2, gw, gb, part_ptr, x_out_ptr, h_out_ptr, hazard_ptr, offs, mask, hidden, stride_pm,
               stride_ps, stride_xo, stride_ho, eps, SPLIT: tl.constexpr, GATE: tl.constexpr):
     """Row ``row``'s norm step from the finished partials and its :func:`_row_inputs` (``fused_ops.add_rms_norm``
-    for one row)."""
+    for one row). The projection is rounded to the output dtype before the norm, as a stored projection is: sum_partials
+    rounds the sum of two or more partials, and a single fp32 partial (kernels/mlp_block.py at split 1) is rounded
+    here (a no-op for a rounded sum)."""
     y = sum_partials(part_ptr + row * stride_pm, offs, mask, stride_ps, SPLIT, x_out_ptr.dtype.element_ty, ".cg")
+    y = y.to(x_out_ptr.dtype.element_ty)
     norm_pair_store(x, y, w1, w2, gw, gb, x_out_ptr + row * stride_xo, h_out_ptr + row * stride_ho, hazard_ptr + row,
                     offs, mask, hidden, eps, GATE)
 

@@ -21,12 +21,14 @@ The launch has G programs (CUDA: ``programs_per_sm`` per SM, all resident for th
   hazard on h2 (``fused_ops.add_rms_norm_gate``).
 
 Between O and N1, N1 and U, U and D, D and N2 every program arrives on an arrival counter (a release atomic add at
-GPU scope after a CTA barrier: its stores come first), asks L2 for the first ``pre_*`` K elements of its next unit's
-weight rows (``gemm._prefetch_l2``; the next stage's weight is a parameter, which no stage writes), and then waits
-until the counter shows every program of the launch (an acquire spin). O's prefetch comes before the PDL wait. A
-program without a row skips the waits before N1 and N2 (it reads nothing those stages wrote until the next
-barrier). Loads of what another program stored in this launch read past L1 (``.cg``). The four int64 counters only
-grow, by G a barrier, so a launch finds each at a multiple of G: nothing to reset, no overflow in practice (2^63).
+GPU scope after a CTA barrier: its stores come first) and waits until the counter shows every program of the launch
+(an acquire spin). Between its arrival after O and its wait before U, and between its arrival after U and its wait
+before D, a program asks L2 for the first ``pre_*`` K elements of its next unit's weight rows (``gemm._prefetch_l2``;
+a weight is a parameter, which no stage writes); O's own comes before the PDL wait. A program without a row skips
+the waits before N1 and N2 (it reads nothing those stages wrote until the next barrier). Loads of what another
+program stored in this launch read past L1 (``.cg``). The four int64 counters only grow, by G a barrier, so a launch
+of G programs finds each at a multiple of G as long as every launch on that counters tensor had G programs: the
+launcher refuses a counters tensor last used with another grid (nothing to reset; no overflow in practice, 2^63).
 The dependents are released (PDL, always the late trigger) after the barrier before D, when every program has
 arrived somewhere and so is resident: a dependent's programs cannot take an SM a program of this launch still needs.
 The launcher refuses a configuration whose ``programs_per_sm`` programs do not fit on one SM together.
@@ -46,6 +48,8 @@ register tile must pass through shared memory to feed the MMA).
 from __future__ import annotations
 
 import functools
+import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -355,8 +359,11 @@ def _check_resident(kernel, args, grid: int, meta: dict, options: dict, per_sm: 
         compiled._init_handles()        # loads the module: n_regs is known from here (Triton 3.x)
         props = torch.cuda.get_device_properties(device)
         threads = 32 * options["num_warps"]
-        regs = compiled.n_regs * threads * per_sm
-        shared = compiled.metadata.shared * per_sm
+        # as the hardware allocates: registers per thread in steps of 8, a warp's in steps of 256 (sm_90), and 1 KB
+        # of shared memory a block reserved beside what the kernel asks for (CUDA occupancy calculator's rules)
+        warp_regs = -(-(-(-compiled.n_regs // 8) * 8 * 32) // 256) * 256
+        regs = warp_regs * options["num_warps"] * per_sm
+        shared = (compiled.metadata.shared + 1024) * per_sm
         fits = (regs <= getattr(props, "regs_per_multiprocessor", 65536)
                 and shared <= getattr(props, "shared_memory_per_multiprocessor", 233472)
                 and threads * per_sm <= props.max_threads_per_multi_processor)
@@ -366,14 +373,32 @@ def _check_resident(kernel, args, grid: int, meta: dict, options: dict, per_sm: 
         raise ValueError(_RESIDENT[key])
 
 
+_COUNTERS_GRID: dict[int, int] = {}        # id of a live counters tensor -> its grid (dropped when it is freed)
+
+
+def claim_counters(counters: torch.Tensor, grid: int) -> None:
+    """Record that ``counters`` serves launches of ``grid`` programs; ValueError if it served another grid: its
+    counts would then not be at a multiple of this grid, and a barrier would let programs through early or never
+    (module docstring). Host bookkeeping only (no read of the tensor)."""
+    if id(counters) not in _COUNTERS_GRID:
+        _COUNTERS_GRID[id(counters)] = grid
+        weakref.finalize(counters, _COUNTERS_GRID.pop, id(counters), None)
+    used = _COUNTERS_GRID[id(counters)]
+    if used != grid:
+        raise ValueError(f"these counters served launches of {used} programs; a launch of {grid} programs "
+                         f"(another programs_per_sm) needs its own new_counters()")
+
+
 def check_config(config: MlpBlockConfig, hidden: int, inter: int) -> None:
     """ValueError naming the tile of ``config`` that does not divide a ``hidden`` x ``inter`` layer (the kernel has
     no masks along N or K), or a head longer than its unit's K range."""
     if not isinstance(config, MlpBlockConfig):
         raise TypeError(f"config must be an MlpBlockConfig, got {type(config).__name__}")
+    if hidden < 1 or inter < 1:
+        raise ValueError(f"hidden and intermediate must be positive, got {hidden} and {inter}")
     c = config
     for what, n, d in (("hidden", hidden, c.o_bn), ("hidden", hidden, c.d_bn), ("intermediate", inter, c.u_bn),
-                       ("hidden / o_split", hidden // c.o_split, c.block_k), ("hidden", hidden, c.o_split),
+                       ("hidden", hidden, c.o_split), ("hidden / o_split", hidden // c.o_split, c.block_k),
                        ("intermediate", inter, c.d_split), ("intermediate / d_split", inter // c.d_split, c.block_k),
                        ("hidden", hidden, c.block_k), ("hidden", hidden, c.block_k_u)):
         if n % d:
@@ -395,20 +420,21 @@ def mlp_block(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torc
 
     Args:
         a: ``[M, H D]`` attention output, bf16/fp16, 1 <= M <= :data:`MAX_M`, unit last stride. x: ``[M, hidden]``
-        residual, a's dtype, unit last stride. w_o ``[hidden, H D]`` (H D = hidden), gate_up ``[2 I, hidden]`` (gate
+        residual, a's dtype, contiguous. eps: the norms' epsilon, finite, >= 0. w_o ``[hidden, H D]`` (H D = hidden), gate_up ``[2 I, hidden]`` (gate
         rows then up rows), down ``[hidden, I]``: contiguous, a's dtype and device. ln_*: ``[hidden]`` norm weights.
         config: :class:`MlpBlockConfig` (:data:`CONFIGS`). counters: :func:`new_counters` on a's device (CUDA,
-        one launch at a time per tensor). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``): also return
+        one launch at a time per tensor, every launch with the same grid: :func:`claim_counters`). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``): also return
         the hazard of h2. staged: five launches without barriers (default: on the CPU, for the interpreter).
-        only: with ``staged``, launch only these stages (:data:`O` .. :data:`N2`; to time a stage alone: what the
-        others write is left unset).
+        only: with ``staged``, launch only these stages (a non-empty sequence of :data:`O` .. :data:`N2` or their
+        values 0 .. 4; to time a stage alone: what the others write is left unset).
 
     Returns:
         (x2, h2) ``[M, hidden]`` in a's dtype, or (x2, h2, hazard [M] fp32) with ``gate``.
 
     Raises:
-        TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range, tiles that
-        do not divide the layer, counters missing or of the wrong kind on CUDA).
+        TypeError / ValueError naming the bad argument (dtype, shape, stride, device, M out of range, eps, tiles that
+        do not divide the layer, counters missing, of the wrong kind or last used with another grid, programs that
+        cannot all be resident at once).
     """
     m, hidden = x.shape if x.dim() == 2 else (0, 0)
     inter = gate_up.shape[0] // 2
@@ -418,6 +444,10 @@ def mlp_block(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torc
                             f"{t.device}")
         if t.dim() != 2 or t.stride(1) != 1:
             raise ValueError(f"{name} must be 2-D with unit last stride, got {tuple(t.shape)} strides {t.stride()}")
+    if not x.is_contiguous():       # x1, x2 are written, and x1 read, with x's row stride
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if not 1 <= m <= MAX_M or a.shape != (m, hidden):
         raise ValueError(f"a and x must be [M, hidden] with 1 <= M <= {MAX_M}, got {tuple(a.shape)} and "
                          f"{tuple(x.shape)}")
@@ -426,6 +456,12 @@ def mlp_block(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torc
         if t.shape != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous {list(shape)}, got {tuple(t.shape)} strides {t.stride()}")
     check_vectors(a.device, hidden, ln_in2=ln_in2, ln_post=ln_post, ln_post2=ln_post2, ln_next=ln_next)
+    for name, t in (("ln_in2", ln_in2), ("ln_post", ln_post), ("ln_post2", ln_post2), ("ln_next", ln_next)):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if gate is not None and (not isinstance(gate, (tuple, list)) or len(gate) != 2
+                             or not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in gate)):
+        raise TypeError(f"gate must be (weight, bias), two floating-point tensors, got {gate!r}")
     check_config(config, hidden, inter)
     staged = not a.is_cuda if staged is None else staged
     if not staged and (counters is None or counters.dtype != torch.int64 or counters.numel() != BARRIERS
@@ -455,11 +491,13 @@ def mlp_block(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torc
                 PRE_U=c.pre_u, PRE_D=c.pre_d, GATE=gate is not None, DOT_FP32=not a.is_cuda)
     stages = [s.value for s in (O, N1, U, D, N2)] if staged else [ALL.value]
     if only is not None:
-        if not staged or not set(only) <= set(stages):
-            raise ValueError(f"only needs staged=True and stages among {stages}, got {only}")
-        stages = [s for s in stages if s in only]
+        chosen = [getattr(s, "value", s) for s in only] if isinstance(only, (tuple, list)) else None
+        if not staged or not chosen or not set(chosen) <= set(stages):
+            raise ValueError(f"only needs staged=True and a non-empty sequence of stages among {stages}, got {only!r}")
+        stages = [s for s in stages if s in chosen]
     options = pdl.launch_options(use_pdl, num_warps=c.num_warps, num_stages=_stages_that_fit(c, block_m, a))
     if not staged:
+        claim_counters(counters, g)
         _check_resident(_mlp_block_kernel, args, g, dict(meta, STAGE=ALL.value, PDL=pdl_mode), options,
                         c.programs_per_sm, a.device)
     for stage in stages:

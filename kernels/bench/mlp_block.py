@@ -83,7 +83,6 @@ def measure(m: int, layers: list, ceiling: float) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(m)
     a = torch.randn((m, HIDDEN), generator=g, device="cuda", dtype=torch.bfloat16)
     x = torch.randn((m, HIDDEN), generator=g, device="cuda", dtype=torch.bfloat16)
-    counters = mb.new_counters("cuda")
     base = five(a, x, layers[0])
     rows = []
     base_us = graph_ms_per_call([lambda w=w: five(a, x, w) for w in layers]) * 1e3
@@ -101,6 +100,7 @@ def measure(m: int, layers: list, ceiling: float) -> list[dict]:
     rows.append(dict(m=m, path="five", us_per_layer=base_us, max_abs_diff=0.0, bitwise_staged="",
                      stage_us=" ".join(f"{n}={t:.2f}" for n, t in zip(STAGE_NAMES, per_kernel))))
     for label, cfg in VARIANTS.items():
+        counters = mb.new_counters("cuda")      # one grid a counters tensor (mb.claim_counters)
         try:
             block(a, x, layers[0], cfg, counters)
         except (triton.runtime.errors.OutOfResources, ValueError) as e:     # a configuration that does not fit: say so

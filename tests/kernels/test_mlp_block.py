@@ -71,6 +71,45 @@ def test_staged_block_is_the_reference_on_the_interpreter(dtype, m, hidden, inte
         _close(o, f, f"{what} against the five kernels")
 
 
+@pytest.mark.parametrize("split,u_bn,m", [(1, 16, 9), (4, 32, 33)])
+def test_other_splits_unit_widths_and_wide_batches_on_the_interpreter(split, u_bn, m):
+    """o_proj / down in 1 split (one fp32 partial, rounded before its norm as a stored projection is) or 4, gate_up
+    units of 32 columns, and 33 rows (a 64-row tile, rows past 4 x the grid)."""
+    cfg = mb.MlpBlockConfig(o_bn=16, o_split=split, u_bn=u_bn, d_bn=16, d_split=split, block_k=32, pre_o=64,
+                            pre_u=64, pre_d=64, u_block_k=64)
+    a, x, w_o, gate_up, down, lns, gate = _inputs(m, 256, 512, torch.float16, "cpu", seed=split)
+    got = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, cfg, gate=gate)
+    five = _five(a, x, w_o, gate_up, down, lns, gate, gm.GemmConfig(block_n=16, block_k=32, num_stages=1))
+    _close(got[0], five[0], "x2 against the five kernels")
+    _close(got[1], five[1], "h2 against the five kernels")
+    # split 4 rounds its projections' sums where the five kernels' split 1 rounds one product: the gate logit may
+    # move by a rounding of h2's dtype
+    assert torch.allclose(got[2], five[2], rtol=0, atol=1e-3), (got[2] - five[2]).abs().max()
+
+
+def test_only_runs_the_stages_asked_for():
+    """``only`` takes the stage constants or their values; O then N1 alone leave x2 unwritten (NaN-filled here) and
+    give the x1 / h1 of the whole block (read back through the next stages, run alone afterwards)."""
+    a, x, w_o, gate_up, down, lns, _ = _inputs(4, 128, 192, torch.bfloat16, "cpu")
+    whole = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, SMALL)
+    for only in ((mb.O, mb.N1, mb.U, mb.D, mb.N2), (0, 1, 2, 3, 4)):
+        got = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, SMALL, only=only)
+        assert all(torch.equal(p, q) for p, q in zip(got, whole))
+    for bad in ((), 0, (5,), [mb.ALL]):
+        with pytest.raises(ValueError, match="only needs staged=True and a non-empty sequence"):
+            mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, SMALL, only=bad)
+
+
+def test_a_counters_tensor_serves_one_grid():
+    """A counters tensor keeps its grid while it lives; a new one (even at a freed one's address) starts free."""
+    c = mb.new_counters("cpu")
+    mb.claim_counters(c, 132)
+    mb.claim_counters(c, 132)
+    with pytest.raises(ValueError, match="served launches of 132 programs; a launch of 264 programs"):
+        mb.claim_counters(c, 264)
+    mb.claim_counters(mb.new_counters("cpu"), 264)
+
+
 def test_mlp_block_names_what_it_cannot_run():
     a, x, w_o, gate_up, down, lns, gate = _inputs(4, 128, 192, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="1 <= M <= 64"):
@@ -89,6 +128,24 @@ def test_mlp_block_names_what_it_cannot_run():
                                        pre_u=64, pre_d=64, u_block_k=None))
     with pytest.raises(ValueError, match=r"ln_next must be \[128\]"):
         mb.mlp_block(a, x, w_o, gate_up, down, *lns[:3], lns[3][:64], 1e-6, SMALL)
+    with pytest.raises(ValueError, match=r"x must be contiguous, got strides \(256, 1\)"):
+        mb.mlp_block(a, torch.cat([x, x], 1)[:, :128], w_o, gate_up, down, *lns, 1e-6, SMALL)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        mb.mlp_block(a, x[:1].expand(4, 128), w_o, gate_up, down, *lns, 1e-6, SMALL)
+    for eps in (None, "1e-6", -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            mb.mlp_block(a, x, w_o, gate_up, down, *lns, eps, SMALL)
+    with pytest.raises(TypeError, match="ln_post must be a floating-point tensor, got torch.int64"):
+        mb.mlp_block(a, x, w_o, gate_up, down, lns[0], lns[1].long(), *lns[2:], 1e-6, SMALL)
+    for bad in ((gate[0], 0.5), (gate[0], gate[1], gate[1]), (gate[0], gate[1].long())):
+        with pytest.raises(TypeError, match=r"gate must be \(weight, bias\)"):
+            mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, SMALL, gate=bad)
+    with pytest.raises(ValueError, match="hidden and intermediate must be positive, got 128 and 0"):
+        mb.mlp_block(a, x, w_o, gate_up[:0], down[:, :0], *lns, 1e-6, SMALL)
+    with pytest.raises(ValueError, match="hidden=128 is not a multiple of 3"):
+        mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, mb.MlpBlockConfig(o_bn=16, o_split=3, u_bn=16, d_bn=16,
+                                                                                d_split=2, block_k=32, u_block_k=32,
+                                                                                pre_o=0, pre_u=0, pre_d=0))
     with pytest.raises(ValueError, match="one launch needs counters"):
         mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, SMALL, staged=False)
     with pytest.raises(ValueError, match=r"pre_u must be 0 or a power of two >= 64 \(128-byte lines\), got 48"):
@@ -140,7 +197,8 @@ def test_ouro_shape_on_cuda_is_its_staged_form_bitwise(m, with_gate):
         assert torch.equal(s, o), f"{what}: max diff {(s.double() - o.double()).abs().max().item():.3e}"
     # near the five kernels of the fused loop (other accumulation orders: a few roundings)
     five = _five(a, x, w_o, gate_up, down, lns, g)
-    _close(got[0], five[0], "x2 against the five kernels", ulps=8)
+    for o, f, what in zip(got, five, ("x2", "h2", "hazard")):
+        _close(o, f, f"{what} against the five kernels", ulps=8)
     # the first M rows of a larger batch are the M-row result (batch invariance)
     a64, x64 = torch.cat([a, torch.randn(64 - m, h, device="cuda", dtype=a.dtype)]), \
         torch.cat([x, torch.randn(64 - m, h, device="cuda", dtype=a.dtype)])
@@ -169,8 +227,8 @@ def test_grid_changes_no_bit_and_a_grid_that_cannot_be_resident_is_refused():
     one = mb.MlpBlockConfig(o_bn=32, d_bn=32, u_bn=16)
     two = mb.MlpBlockConfig(o_bn=32, d_bn=32, u_bn=16, programs_per_sm=2)
     a, x, w_o, gate_up, down, lns, _ = _inputs(16, h, i, torch.bfloat16, "cuda", seed=3)
-    counters = mb.new_counters("cuda")
-    got_one = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, one, counters)
+    got_one = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, one, mb.new_counters("cuda"))
+    counters = mb.new_counters("cuda")      # one grid a counters tensor (claim_counters)
     got_two = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, two, counters)
     for p, q in zip(got_one, got_two):
         assert torch.equal(p, q)
