@@ -47,7 +47,6 @@ register tile must pass through shared memory to feed the MMA).
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ import triton.language as tl
 from . import gemm as gm
 from . import pdl
 from .fused_ops import check_gate, check_vectors
-from .gemm_norm import _norm_row, _row_inputs
+from .gemm_norm import _norm_row, _row_inputs, _sm_count
 
 ALL = tl.constexpr(-1)          # the STAGE constexpr: every stage in one launch, barriers between them
 O, N1, U, D, N2 = (tl.constexpr(i) for i in range(5))     # one stage a launch (``staged``)
@@ -321,11 +320,6 @@ def new_counters(device) -> torch.Tensor:
     """The arrival counters of :func:`mlp_block`: int64 [4], zero (allocate outside a graph capture; a launch leaves
     each at a multiple of its grid size, which is all the next one needs)."""
     return torch.zeros(BARRIERS, dtype=torch.int64, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def programs_for(device, programs_per_sm: int = 1) -> int:

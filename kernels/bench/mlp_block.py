@@ -15,13 +15,12 @@ device-to-device copy ceiling measured in the same run (read + write bytes), and
 difference of (x2, h2) from ``five`` (not bitwise: two kernels' orders) and whether the one launch is bitwise its
 staged form (``staged=True``, five launches of the same code).
 
-Prints a markdown table and writes it to ``--out`` with a ``.csv`` beside it.
+Prints a markdown table and writes it to ``--out`` with a ``.csv`` beside it (``sync_cost.write_table``).
 Usage: ``PYTHONPATH=<repo> python3 kernels/bench/mlp_block.py --out $OUT/mlp_block_h100.md`` (CUDA only).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import triton
 from loopbench.kernels import fused_ops as fo
 from loopbench.kernels import gemm as gm
 from loopbench.kernels import mlp_block as mb
+from loopbench.kernels.bench import sync_cost as sc
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 
 HIDDEN, INTER, EPS = 2048, 5632, 1e-6
@@ -138,20 +138,8 @@ def main(argv=None) -> int:
     layers = _layers(max(4, -(-MIN_WORKING_SET // weight_bytes())))
     rows = [r for m in args.ms for r in measure(m, layers, ceiling)]
     head = (f"{torch.cuda.get_device_name()}, copy ceiling {ceiling / 1e9:.0f} GB/s, {len(layers)} weight copies of "
-            f"{weight_bytes() / 1e6:.1f} MB, graph-chain time per layer")
-    lines = [head, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) and c != "max_abs_diff"
-                                       else f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
-                                       for c in COLUMNS) + " |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-        with args.out.with_suffix(".csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows({c: r[c] for c in COLUMNS} for r in rows)
+            f"{weight_bytes() / 1e6:.1f} MB, graph-chain time per layer\n")
+    sc.write_table(head, rows, COLUMNS, args.out)
     return 0
 
 

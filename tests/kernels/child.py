@@ -6,11 +6,17 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_in_child(code: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` (dedented) in a fresh Python with the repository importable; its CompletedProcess (text)."""
+    """Run ``code`` (dedented) in a fresh Python with the repository importable; its CompletedProcess (text). Skips
+    the calling test where there is no CUDA device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)

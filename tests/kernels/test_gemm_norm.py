@@ -71,7 +71,8 @@ def test_gemm_add_rms_norm_names_what_it_cannot_run():
     assert c.tolist() == [0, 0], "a refused call must not touch the counters"
 
 
-def _close(a, b, what, ulps=2):
+def close_ulps(a, b, what, ulps=2):
+    """a within ``ulps`` of its dtype's epsilon of b, relative (absolute below 1); the message gives max and mean."""
     diff = (a.double() - b.double()).abs()
     tol = ulps * torch.finfo(a.dtype).eps * b.double().abs().clamp(min=1.0)
     assert bool((diff <= tol).all()), f"{what}: max diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
@@ -80,8 +81,6 @@ def _close(a, b, what, ulps=2):
 @pytest.mark.gpu
 def test_first_cuda_launch_finishes_in_a_child_process():
     """The arrival protocol, once, where a hang costs a time limit and not the suite."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     proc = run_in_child("""
         import torch
         from loopbench.kernels import gemm as gm, gemm_norm as gn
@@ -117,8 +116,8 @@ def test_ouro_shapes_on_cuda_match_the_separate_kernels(shape, m, with_gate):
         got = gn.gemm_add_rms_norm(x, w, cfg, res, w1, w2, 1e-6, counters, gate if with_gate else None)
     torch.cuda.synchronize()
     assert counters.tolist() == [0, 0]
-    _close(got[0], want[0], "x_new")
-    _close(got[1], want[1], "h")
+    close_ulps(got[0], want[0], "x_new")
+    close_ulps(got[1], want[1], "h")
     if with_gate:
         assert torch.allclose(got[2], want[2], rtol=0, atol=2e-3)
     # the same under a CUDA graph, replayed

@@ -14,6 +14,7 @@ from loopbench.kernels import fused_ops as fo
 from loopbench.kernels import gemm as gm
 from loopbench.kernels import mlp_block as mb
 from tests.kernels.child import run_in_child
+from tests.kernels.test_gemm_norm import close_ulps
 
 SMALL = mb.MlpBlockConfig(o_bn=16, o_split=2, u_bn=16, d_bn=16, d_split=2, block_k=32, pre_o=64, pre_u=64,
                           pre_d=64, num_warps=4, num_stages=1, u_block_k=64)
@@ -30,12 +31,6 @@ def _inputs(m, hidden, inter, dtype, device, seed=0):
     lns = [1 + r(hidden, scale=0.1) for _ in range(4)]
     gate = (r(1, hidden, scale=hidden ** -0.5), r(1))
     return a, x, w_o, gate_up, down, lns, gate
-
-
-def _close(got, want, what, ulps=4):
-    diff = (got.double() - want.double()).abs()
-    tol = ulps * torch.finfo(got.dtype).eps * want.double().abs().clamp(min=1.0)
-    assert bool((diff <= tol).all()), f"{what}: max diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
 
 
 def _five(a, x, w_o, gate_up, down, lns, gate, cfg=None):
@@ -62,13 +57,13 @@ def test_staged_block_is_the_reference_on_the_interpreter(dtype, m, hidden, inte
     got = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, SMALL, gate=g)
     want = mb.mlp_block_ref(a, x, w_o, gate_up, down, *lns, 1e-6, gate=g)
     assert len(got) == len(want) == 2 + with_gate
-    _close(got[0], want[0], "x2", ulps=8)      # the torch norms round elsewhere than the norm kernel (3 ulps seen)
-    _close(got[1], want[1], "h2", ulps=8)
+    close_ulps(got[0], want[0], "x2", ulps=8)      # the torch norms round elsewhere than the norm kernel (3 ulps seen)
+    close_ulps(got[1], want[1], "h2", ulps=8)
     if with_gate:
         assert torch.allclose(got[2], want[2].float(), rtol=0, atol=2e-2), (got[2], want[2])
     five = _five(a, x, w_o, gate_up, down, lns, g, gm.GemmConfig(block_n=16, block_k=32, num_stages=1))
     for o, f, what in zip(got, five, ("x2", "h2", "hazard")):
-        _close(o, f, f"{what} against the five kernels")
+        close_ulps(o, f, f"{what} against the five kernels", ulps=4)
 
 
 @pytest.mark.parametrize("split,u_bn,m", [(1, 16, 9), (4, 32, 33)])
@@ -80,8 +75,8 @@ def test_other_splits_unit_widths_and_wide_batches_on_the_interpreter(split, u_b
     a, x, w_o, gate_up, down, lns, gate = _inputs(m, 256, 512, torch.float16, "cpu", seed=split)
     got = mb.mlp_block(a, x, w_o, gate_up, down, *lns, 1e-6, cfg, gate=gate)
     five = _five(a, x, w_o, gate_up, down, lns, gate, gm.GemmConfig(block_n=16, block_k=32, num_stages=1))
-    _close(got[0], five[0], "x2 against the five kernels")
-    _close(got[1], five[1], "h2 against the five kernels")
+    close_ulps(got[0], five[0], "x2 against the five kernels", ulps=4)
+    close_ulps(got[1], five[1], "h2 against the five kernels", ulps=4)
     # split 4 rounds its projections' sums where the five kernels' split 1 rounds one product: the gate logit may
     # move by a rounding of h2's dtype
     assert torch.allclose(got[2], five[2], rtol=0, atol=1e-3), (got[2] - five[2]).abs().max()
@@ -157,8 +152,6 @@ def test_mlp_block_names_what_it_cannot_run():
 @pytest.mark.gpu
 def test_first_cuda_launch_finishes_in_a_child_process():
     """The barriers, once, where a hang costs a time limit and not the suite."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     proc = run_in_child("""
         import torch
         from loopbench.kernels import mlp_block as mb
@@ -198,7 +191,7 @@ def test_ouro_shape_on_cuda_is_its_staged_form_bitwise(m, with_gate):
     # near the five kernels of the fused loop (other accumulation orders: a few roundings)
     five = _five(a, x, w_o, gate_up, down, lns, g)
     for o, f, what in zip(got, five, ("x2", "h2", "hazard")):
-        _close(o, f, f"{what} against the five kernels", ulps=8)
+        close_ulps(o, f, f"{what} against the five kernels", ulps=8)
     # the first M rows of a larger batch are the M-row result (batch invariance)
     a64, x64 = torch.cat([a, torch.randn(64 - m, h, device="cuda", dtype=a.dtype)]), \
         torch.cat([x, torch.randn(64 - m, h, device="cuda", dtype=a.dtype)])
