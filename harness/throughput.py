@@ -140,6 +140,34 @@ def _gemm_override(text: str) -> tuple[str, str, int | bool]:
     return role, field, value
 
 
+WGMMA_ROLES = ("qkv", "o_proj", "gate_up", "down", "swiglu")
+
+
+def _wgmma_override(text: str) -> tuple[str, tuple[tuple[str, int | bool], ...]]:
+    """``ROLE:FIELD=INT,...`` -> (role, ((field, value), ...)) over kernels/wgmma_gemm.py WgmmaConfig's fields; an
+    argparse error names the bad part (the values are checked by WgmmaConfig itself)."""
+    from loopbench.kernels.wgmma_gemm import WgmmaConfig
+    role, sep, rest = text.partition(":")
+    if role not in WGMMA_ROLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: role {role!r} is not one of {', '.join(WGMMA_ROLES)} "
+                                         "(ROLE:FIELD=INT,... e.g. o_proj:pre=4,early_trigger=1)")
+    fields = {f.name: f.type in ("bool", bool) for f in dataclasses.fields(WgmmaConfig)}
+    items = []
+    for part in filter(None, rest.split(",")):
+        name, eq, raw = part.partition("=")
+        if name not in fields or not eq:
+            raise argparse.ArgumentTypeError(f"{text!r}: {part!r} is not FIELD=VALUE over {', '.join(fields)}")
+        try:
+            items.append((name, _flag(name, raw) if fields[name] else int(raw)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {name} must be an integer, got {raw!r}") from None
+    try:
+        WgmmaConfig(**dict(items))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return role, tuple(items)
+
+
 def _prefetch_next(text: str) -> dict[str, float]:
     """``TARGET=FRACTION,...`` -> {target: fraction}; an argparse error names the bad part."""
     plans = []
@@ -179,6 +207,8 @@ class Variant:
     attention_config: dict[str, int | bool] | None = None
     greedy_from_logits: bool | None = None
     norm_in_gemm: bool | None = None
+    wgmma: tuple[tuple[str, tuple[tuple[str, int | bool], ...]], ...] = ()
+    no_wgmma: bool | None = None
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -197,7 +227,8 @@ def _variant(text: str) -> Variant:
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan,
-                   ns.attention_config, ns.greedy_from_logits, ns.norm_in_gemm)
+                   ns.attention_config, ns.greedy_from_logits, ns.norm_in_gemm, tuple(ns.wgmma),
+                   ns.no_wgmma)
 
 
 def attention_knobs() -> dict[str, type]:
@@ -264,6 +295,14 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--greedy-from-logits", action="store_true", default=None,
                     help="decode writes lm_head's logits and samples from them (OuroModel.greedy_tiles off) "
                          "instead of from lm_head's per-tile maxima: the same tokens, the A/B of that fusion")
+    ap.add_argument("--wgmma", type=_wgmma_override, action="append", default=[], metavar="ROLE:FIELD=INT,...",
+                    help="run one plain projection on kernels/wgmma_gemm.py (weight tiles into shared memory before "
+                         "the PDL wait) with these WgmmaConfig fields over its defaults, split_k defaulting to the "
+                         "role's gemm.CONFIGS split; where the model would run gemm.gemm (repeatable). ROLE: "
+                         + ", ".join(WGMMA_ROLES))
+    ap.add_argument("--no-wgmma", action="store_true", default=None,
+                    help="empty kernels/wgmma_gemm.py's tables before any --wgmma: every projection on kernels/gemm.py "
+                         "(the same bits; the A/B of the shared-memory weight copies before the PDL wait)")
     ap.add_argument("--norm-in-gemm", action="store_true", default=None,
                     help="o_proj and down run the norm step after them in their own launch (OuroModel.norm_in_gemm, "
                          "kernels/gemm_norm.py; off by default): one kernel fewer after each, where they run on our "
@@ -313,6 +352,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pdl", default="on", choices=["on", "off", "late", "early"],
                     help="programmatic dependent launch of our Triton kernels (kernels/pdl.py; sm_90+ only): on "
                          "(with the default trigger), off, or on with the trigger late or early (pdl.TRIGGER)")
+    ap.add_argument("--norm-trigger", default="late", choices=["late", "early"],
+                    help="where the decode loop's residual norm kernels release their dependents "
+                         "(kernels/fused_ops.py NORM_TRIGGER): after their loads (late) or right after their PDL wait "
+                         "(early), so the next projection's programs start during the norm")
     add_kernel_options(ap)
     ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="OPTIONS",
                     help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
@@ -350,10 +393,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def kernel_tables() -> tuple[dict, ...]:
     """The module tables the model reads at every launch: the GEMM configurations (kernels/gemm.py CONFIGS,
-    SWIGLU_CONFIGS; kernels/qkv_rope.py CONFIGS), then their FASTER_UP_TO tables."""
-    from loopbench.kernels import gemm, qkv_rope
+    SWIGLU_CONFIGS; kernels/qkv_rope.py CONFIGS), then their FASTER_UP_TO tables, then kernels/wgmma_gemm.py CONFIGS and SWIGLU_CONFIGS."""
+    from loopbench.kernels import gemm, qkv_rope, wgmma_gemm
     return (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS,
-            gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO)
+            gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO, wgmma_gemm.CONFIGS,
+            wgmma_gemm.SWIGLU_CONFIGS)
 
 
 def snapshot_tables() -> list[dict]:
@@ -379,19 +423,40 @@ def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
     captured (kernels/pdl.ENABLED and TRIGGER; the prefetch in the GEMM configuration tables the model reads).
     Returns the function that puts the previous values back (:func:`main` calls it when it ends, so a later probe in
     the same process starts from the defaults)."""
-    from loopbench.kernels import pdl
+    from loopbench.kernels import fused_ops, pdl
     saved_enabled, saved_trigger, saved_tables = pdl.ENABLED, pdl.TRIGGER, snapshot_tables()
+    saved_norm = fused_ops.NORM_TRIGGER
 
     def restore() -> None:
-        pdl.ENABLED, pdl.TRIGGER = saved_enabled, saved_trigger
+        pdl.ENABLED, pdl.TRIGGER, fused_ops.NORM_TRIGGER = saved_enabled, saved_trigger, saved_norm
         load_tables(saved_tables)
 
     mode = getattr(args, "pdl", "on")
     pdl.ENABLED = mode != "off"
     if mode in pdl.TRIGGERS:
         pdl.TRIGGER = mode
+    fused_ops.NORM_TRIGGER = getattr(args, "norm_trigger", "late")
     set_prefetch_tiles(getattr(args, "prefetch_tiles", None))
     return restore
+
+
+def apply_wgmma(cfg: OuroConfig | None, overrides: list[tuple[str, tuple[tuple[str, int | bool], ...]]],
+                clear: bool = False) -> None:
+    """``--no-wgmma`` (``clear``): empty kernels/wgmma_gemm.py's tables; then ``--wgmma``: put a WgmmaConfig for each
+    role's weight shape (``cfg``) into its ``CONFIGS``, its split_k the role's gemm.CONFIGS split unless given
+    (swiglu: ``SWIGLU_CONFIGS``, split_k 1); :func:`apply_kernel_options`' restore puts the tables back."""
+    from loopbench.kernels import gemm, wgmma_gemm
+    if clear:
+        wgmma_gemm.CONFIGS.clear()
+        wgmma_gemm.SWIGLU_CONFIGS.clear()
+    if not overrides:
+        return
+    roles = gemm_roles(cfg)
+    for role, items in overrides:
+        shape = roles[role].shape
+        base = gemm.CONFIGS.get(shape) if role != "swiglu" else None
+        table = wgmma_gemm.SWIGLU_CONFIGS if role == "swiglu" else wgmma_gemm.CONFIGS
+        table[shape] = wgmma_gemm.WgmmaConfig(**{"split_k": base.split_k if base else 1, **dict(items)})
 
 
 def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str, int | bool]]) -> None:
@@ -623,6 +688,9 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "attention_config": ",".join(f"{k}={v}" for k, v in (getattr(args, "attention_config", None) or {}).items())
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
+            "norm_trigger": getattr(args, "norm_trigger", "late"),
+            "wgmma": ("off; " if getattr(args, "no_wgmma", None) else "as configured; ") + (" ".join(
+                f"{r}:" + ",".join(f"{f}={v}" for f, v in items) for r, items in getattr(args, "wgmma", [])) or "no overrides"),
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
@@ -717,8 +785,9 @@ def main(argv=None) -> int:
     restore_kernel_options = apply_kernel_options(args)
     try:
         try:
-            cfg = model_config(args) if args.gemm_config or args.variant else None
+            cfg = model_config(args) if args.gemm_config or args.variant or args.wgmma else None
             apply_gemm_overrides(cfg, args.gemm_config)
+            apply_wgmma(cfg, args.wgmma, bool(args.no_wgmma))
             # GemmConfig.prefetch_programs without the region the plan gives them would time programs never launched.
             # Without --gemm-config the shipped tables ask for none (tests/runtime/test_engine.py holds them to it);
             # with --variant each variant's tables and plan are what runs, and a variant's plan may complete ours.
@@ -749,6 +818,7 @@ def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict],
     plan = prefetch_next if variant.prefetch_next is None else variant.prefetch_next
     try:
         apply_gemm_overrides(cfg, list(variant.gemm_config))
+        apply_wgmma(cfg, list(variant.wgmma), bool(variant.no_wgmma))
         check_prefetch_programs(cfg, plan)
     except ValueError as e:
         raise ValueError(f"--variant {variant.label!r}: {e}") from None

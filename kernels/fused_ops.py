@@ -26,6 +26,12 @@ import triton.language as tl
 
 from . import pdl
 
+# Where add_rms_norm's programs release their dependents under PDL: "late" (kernels/pdl.py TRIGGER's choice) or
+# "early", right after their wait, so the next projection's programs become resident during the norm and start
+# what they do before their own wait (kernels/wgmma_gemm.py: their first weight tiles). Read at launch (the
+# throughput probe's ``--norm-trigger``); changes no value.
+NORM_TRIGGER = "late"
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, hidden, stride_x, stride_out, eps, BLOCK: tl.constexpr,
@@ -232,7 +238,8 @@ def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b):
         _add_rms_norm_kernel[(x.shape[0],)](x, y2, w1, w2, x_new, h, gate_w if gate else w1, gate_b if gate else w1,
                                             hazard if gate else x_new, hidden, x.stride(0), y2.stride(0), stride_ys,
                                             x_new.stride(0), h.stride(0), eps,
-                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split, PDL=pdl.mode(use_pdl),
+                                            BLOCK=triton.next_power_of_2(hidden), SPLIT=split,
+                                            PDL=pdl.mode(use_pdl, NORM_TRIGGER == "early"),
                                             GATE=gate, **pdl.launch_options(use_pdl, num_warps=8))
     return x_new, h, hazard
 

@@ -149,9 +149,11 @@ FASTER_UP_TO: dict[tuple[int, int], int] = {
 # The pointer kernel with gate and up rows in one tile (176 programs at n32, 352 at n16) did not beat it in
 # the decode loop (throughput probe, H200, 2026-12-03, median of 2, B16 / B32 tok/s: n64 TMA 3,190 / 4,920,
 # n32 3,171 / 4,897, n16 3,087 / 4,693).
+# early_trigger: down, next, runs on kernels/wgmma_gemm.py, whose programs copy their first weight tiles into shared
+# memory before their PDL wait, so releasing them early lets them fill gate_up's tail (kernels/wgmma_gemm.py CONFIGS).
 SWIGLU_CONFIGS: dict[tuple[int, int], GemmConfig] = {
     (11264, 2048): GemmConfig(block_n=64, block_k=128, split_k=1, num_stages=4, tma=True, pdl=True,
-                              prefetch_tiles=1),
+                              prefetch_tiles=1, early_trigger=True),
 }
 SWIGLU_FASTER_UP_TO: dict[tuple[int, int], int] = {(11264, 2048): 64}
 

@@ -410,13 +410,23 @@ class OuroModel:
                                          self._prefetch_region("gate_up", w.gate_up), gate=False)
             nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
             pf_down = self._prefetch_region("down", w.down)
-            act = (gemm.gemm_swiglu(h, w.gate_up, glu_cfg, pf_down) if glu_cfg
+            act = (self._swiglu(h, w.gate_up, glu_cfg, pf_down) if glu_cfg
                    else fo.silu_mul(proj(h, w.gate_up, gemm_rows, False, pf_down)))
             gate = i + 1 == len(self.layers) and self.rope_dtype == torch.float32
             x, h, hazard = self._project_norm(act, w.down, x, w.ln_post2, nxt, gemm_rows,
                                               self._prefetch_region("qkv", nxt_layer.qkv), gate)
         # the last norm step ran the exit gate, except for an fp64 model (whose hazard is fp64: the torch gate)
         return h, self.hazard(h) if hazard is None else hazard
+
+    @staticmethod
+    def _swiglu(h: torch.Tensor, gate_up: torch.Tensor, glu_cfg, next_weight: torch.Tensor | None) -> torch.Tensor:
+        """gate_up + SwiGLU in one launch: kernels/wgmma_gemm.py where its SWIGLU_CONFIGS has this weight shape
+        (at most its MAX_M rows, on CUDA, no L2 prefetch asked for), else ``gemm.gemm_swiglu`` with ``glu_cfg``."""
+        from loopbench.kernels import gemm, wgmma_gemm
+        wg = wgmma_gemm.SWIGLU_CONFIGS.get(tuple(gate_up.shape))
+        if wg is not None and next_weight is None and h.shape[0] <= wgmma_gemm.MAX_M and h.is_cuda:
+            return wgmma_gemm.gemm_swiglu(h, gate_up, wg)
+        return gemm.gemm_swiglu(h, gate_up, glu_cfg, next_weight)
 
     def _project_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, w1: torch.Tensor,
                       w2: torch.Tensor, gemm_rows: int | None, next_weight: torch.Tensor | None, gate: bool):
@@ -469,10 +479,14 @@ class OuroModel:
         :func:`linear` (cuBLAS). [N, out] in x's dtype, or with ``partials`` possibly the GEMM's fp32
         split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order).
         ``next_weight``: a region our GEMM brings into L2 (:meth:`_prefetch_region`; cuBLAS ignores it)."""
-        from loopbench.kernels import gemm
+        from loopbench.kernels import gemm, wgmma_gemm
         cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, w, x, gemm_rows)
         if cfg is None:
             return linear(x, w, gemm_rows)
+        wg = wgmma_gemm.CONFIGS.get(tuple(w.shape))
+        if wg is not None and next_weight is None and x.shape[0] <= wgmma_gemm.MAX_M and x.is_cuda:
+            out = wgmma_gemm.gemm(x, w, wg)
+            return out if partials or wg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
         out = gemm.gemm(x, w, cfg, next_weight)
         return out if partials or cfg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
 

@@ -410,3 +410,39 @@ def test_greedy_record_says_off_where_lm_head_cannot_sample_from_tiles():
     assert throughput._greedy_record(model, SimpleNamespace(backend="torch", max_num_seqs=16)).startswith("off (")
     assert throughput._greedy_record(stub(True, False), args).startswith("off (")
     assert throughput._greedy_record(stub(False, True), args) == "off"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lm_head:pre=1", "role 'lm_head' is not one of qkv, o_proj, gate_up, down, swiglu"),
+    ("down:bogus=1", "'bogus=1' is not FIELD=VALUE"),
+    ("down:stages", "'stages' is not FIELD=VALUE"),
+    ("down:stages=x", "stages must be an integer, got 'x'"),
+    ("down:pre=7", "WgmmaConfig.pre must be an int in 0..stages (4), got 7"),
+    ("down:early_trigger=maybe", "early_trigger must be true or false, got 'maybe'"),
+])
+def test_bad_wgmma_options_are_argparse_errors_naming_them(text, message, capsys):
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--wgmma", text])
+    assert message in capsys.readouterr().err
+
+
+def test_wgmma_options_fill_and_empty_the_tables_and_are_put_back():
+    """--no-wgmma empties kernels/wgmma_gemm.py's tables, then each --wgmma puts one role's configuration in at that
+    role's gemm.CONFIGS split (swiglu: its own table, split 1); the probe's restore puts the tables as they were."""
+    from loopbench.kernels import wgmma_gemm as wg
+    from loopbench.runtime.model import PRESETS
+    before = (dict(wg.CONFIGS), dict(wg.SWIGLU_CONFIGS))
+    args = throughput.parse_args(["--no-wgmma", "--wgmma", "down:stages=2,pre=1", "--wgmma", "swiglu:early_trigger=1",
+                                  "--norm-trigger", "early"])
+    restore = throughput.apply_kernel_options(args)
+    try:
+        from loopbench.kernels import fused_ops
+        assert fused_ops.NORM_TRIGGER == "early"
+        throughput.apply_wgmma(PRESETS["ouro-1.4b"], args.wgmma, args.no_wgmma)
+        assert wg.CONFIGS == {(2048, 5632): wg.WgmmaConfig(split_k=4, stages=2, pre=1)}
+        assert wg.SWIGLU_CONFIGS == {(11264, 2048): wg.WgmmaConfig(early_trigger=True)}
+    finally:
+        restore()
+    assert (dict(wg.CONFIGS), dict(wg.SWIGLU_CONFIGS)) == before and fused_ops.NORM_TRIGGER == "late"
+    assert throughput._variant("--no-wgmma").no_wgmma is True and throughput._variant("").no_wgmma is None
+    assert throughput._variant("--wgmma o_proj:pre=0").wgmma == (("o_proj", (("pre", 0),)),)

@@ -155,17 +155,23 @@ def test_ouro_shapes_batch_invariant_and_graph_safe_cuda(shape):
     # replayed from a CUDA graph (PDL launches become graph edges): the same bits
     xs = x[:16].clone()
     eager = gm.gemm(xs, w, cfg).clone()
+    assert torch.equal(graph_replay(lambda: gm.gemm(xs, w, cfg)), eager), f"{shape}: graph replay differs from eager"
+
+
+def graph_replay(fn):
+    """``fn()``'s output when captured in a CUDA graph (after one call on a side stream, as capture needs) and
+    replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        gm.gemm(xs, w, cfg)
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gm.gemm(xs, w, cfg)
+        out = fn()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager), f"{shape}: graph replay differs from eager"
+    return out
 
 
 @pytest.mark.parametrize("m,inter,k,bn,bk", [(3, 64, 64, 64, 64), (17, 100, 200, 64, 64), (33, 128, 96, 64, 32),
