@@ -140,7 +140,9 @@ def _gemm_override(text: str) -> tuple[str, str, int | bool]:
     return role, field, value
 
 
-WGMMA_ROLES = ("qkv", "o_proj", "gate_up", "down", "swiglu")
+# The projections the fused loop can run on kernels/wgmma_gemm.py: the plain o_proj and down (where gemm.gemm would
+# run) and gate_up + SwiGLU (where gemm.gemm_swiglu would); qkv and gate_up run fused (qkv_rope, swiglu) at its rows.
+WGMMA_ROLES = ("o_proj", "down", "swiglu")
 
 
 def _wgmma_override(text: str) -> tuple[str, tuple[tuple[str, int | bool], ...]]:
@@ -161,11 +163,19 @@ def _wgmma_override(text: str) -> tuple[str, tuple[tuple[str, int | bool], ...]]
             items.append((name, _flag(name, raw) if fields[name] else int(raw)))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: {name} must be an integer, got {raw!r}") from None
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     try:
-        WgmmaConfig(**dict(items))
+        c = WgmmaConfig(**dict(items))
+        if role == "swiglu" and c.split_k != 1:
+            raise ValueError(f"SwiGLU needs whole sums: split_k must be 1, got {c.split_k}")
+        c.check_fits(MAX_WGMMA_ROWS, glu=role == "swiglu")
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return role, tuple(items)
+
+
+MAX_WGMMA_ROWS = 64     # kernels/wgmma_gemm.py MAX_M, the rows at which a --wgmma configuration must fit
 
 
 def _prefetch_next(text: str) -> dict[str, float]:
@@ -281,7 +291,8 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
     as ``--pdl`` stay with the probe)."""
     ap.add_argument("--prefetch-tiles", type=_at_least_zero, default=None, metavar="TILES",
                     help="GemmConfig.prefetch_tiles of every small-M GEMM configuration: weight K tiles each "
-                         "program prefetches into L2 before its PDL wait (default: as configured)")
+                         "program prefetches into L2 before its PDL wait (default: as configured; the projections "
+                         "on kernels/wgmma_gemm.py copy WgmmaConfig.pre tiles into shared memory instead)")
     ap.add_argument("--gemm-config", type=_gemm_override, action="append", default=[], metavar="ROLE.FIELD=VALUE",
                     help="override one field of one projection's small-M GEMM configuration for this probe, e.g. "
                          "gate_up.num_stages=3 or qkv_rope.faster_up_to=128 (repeatable; applied after "
@@ -296,10 +307,10 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
                     help="decode writes lm_head's logits and samples from them (OuroModel.greedy_tiles off) "
                          "instead of from lm_head's per-tile maxima: the same tokens, the A/B of that fusion")
     ap.add_argument("--wgmma", type=_wgmma_override, action="append", default=[], metavar="ROLE:FIELD=INT,...",
-                    help="run one plain projection on kernels/wgmma_gemm.py (weight tiles into shared memory before "
-                         "the PDL wait) with these WgmmaConfig fields over its defaults, split_k defaulting to the "
-                         "role's gemm.CONFIGS split; where the model would run gemm.gemm (repeatable). ROLE: "
-                         + ", ".join(WGMMA_ROLES))
+                    help="run one projection on kernels/wgmma_gemm.py (weight tiles into shared memory before the PDL "
+                         "wait) with these WgmmaConfig fields over its defaults, split_k defaulting to the role's "
+                         "gemm.CONFIGS split, where the model would run gemm.gemm (o_proj, down) or gemm.gemm_swiglu "
+                         "(swiglu) at up to 64 rows (repeatable). ROLE: " + ", ".join(WGMMA_ROLES))
     ap.add_argument("--no-wgmma", action="store_true", default=None,
                     help="empty kernels/wgmma_gemm.py's tables before any --wgmma: every projection on kernels/gemm.py "
                          "(the same bits; the A/B of the shared-memory weight copies before the PDL wait)")
@@ -441,22 +452,34 @@ def apply_kernel_options(args: argparse.Namespace) -> Callable[[], None]:
 
 
 def apply_wgmma(cfg: OuroConfig | None, overrides: list[tuple[str, tuple[tuple[str, int | bool], ...]]],
-                clear: bool = False) -> None:
-    """``--no-wgmma`` (``clear``): empty kernels/wgmma_gemm.py's tables; then ``--wgmma``: put a WgmmaConfig for each
-    role's weight shape (``cfg``) into its ``CONFIGS``, its split_k the role's gemm.CONFIGS split unless given
-    (swiglu: ``SWIGLU_CONFIGS``, split_k 1); :func:`apply_kernel_options`' restore puts the tables back."""
+                clear: bool = False, gemm_overrides: list[tuple[str, str, int | bool]] = ()) -> None:
+    """``--no-wgmma`` (``clear``): empty kernels/wgmma_gemm.py's tables. A ``--gemm-config`` field of o_proj, down or
+    swiglu (``gemm_overrides``; not ``faster_up_to``, which decides where either kernel runs) asks for kernels/gemm.py's
+    kernel with that field, so that role leaves the wgmma tables: otherwise the field would change nothing at the
+    rows wgmma runs. Then ``--wgmma``: put a WgmmaConfig for each role's weight shape (``cfg``) into its table, its
+    split_k the role's gemm.CONFIGS split unless given (swiglu: ``SWIGLU_CONFIGS``, split_k 1).
+    :func:`apply_kernel_options`' restore puts the tables back. ValueError naming a role given to both options."""
     from loopbench.kernels import gemm, wgmma_gemm
     if clear:
         wgmma_gemm.CONFIGS.clear()
         wgmma_gemm.SWIGLU_CONFIGS.clear()
-    if not overrides:
+    if not (overrides or gemm_overrides):
         return
     roles = gemm_roles(cfg)
+
+    def table(role: str) -> dict:
+        return wgmma_gemm.SWIGLU_CONFIGS if role == "swiglu" else wgmma_gemm.CONFIGS
+
+    to_gemm = {role for role, field, _ in gemm_overrides if role in WGMMA_ROLES and field != "faster_up_to"}
+    both = sorted(to_gemm & {role for role, _ in overrides})
+    if both:
+        raise ValueError(f"--gemm-config {both[0]}.* and --wgmma {both[0]}:... both given: one kernel runs {both[0]}")
+    for role in to_gemm:
+        table(role).pop(roles[role].shape, None)
     for role, items in overrides:
         shape = roles[role].shape
         base = gemm.CONFIGS.get(shape) if role != "swiglu" else None
-        table = wgmma_gemm.SWIGLU_CONFIGS if role == "swiglu" else wgmma_gemm.CONFIGS
-        table[shape] = wgmma_gemm.WgmmaConfig(**{"split_k": base.split_k if base else 1, **dict(items)})
+        table(role)[shape] = wgmma_gemm.WgmmaConfig(**{"split_k": base.split_k if base else 1, **dict(items)})
 
 
 def apply_gemm_overrides(cfg: OuroConfig | None, overrides: list[tuple[str, str, int | bool]]) -> None:
@@ -689,8 +712,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "norm_trigger": getattr(args, "norm_trigger", "late"),
-            "wgmma": ("off; " if getattr(args, "no_wgmma", None) else "as configured; ") + (" ".join(
-                f"{r}:" + ",".join(f"{f}={v}" for f, v in items) for r, items in getattr(args, "wgmma", [])) or "no overrides"),
+            "wgmma": _wgmma_record(model, args),
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
             "unprofiled_median_wall_s": round(statistics.median(r.elapsed_s for r in timed), 4),
@@ -716,6 +738,24 @@ def _greedy_record(model: OuroModel, args: argparse.Namespace) -> str:
         return "off"
     runs = args.backend == "triton" and model.greedy_tiles_config(args.max_num_seqs) is not None
     return "on" if runs else "off (lm_head on cuBLAS at these rows, or the torch backend)"
+
+
+def _wgmma_record(model: OuroModel, args: argparse.Namespace) -> str:
+    """Which projections ran on kernels/wgmma_gemm.py at max_num_seqs rows, as the model decides it
+    (``OuroModel.wgmma_config``, with this run's tables and prefetch plan, the norm step in o_proj / down taking
+    precedence), with their configurations; "off" where none did."""
+    w, cfg = model.layers[0], model.cfg
+    rows = args.max_num_seqs
+    ran = []
+    for name, weight, k, nxt, glu in (
+            ("o_proj", w.o, cfg.num_attention_heads * cfg.head_dim, model._prefetch_region("gate_up", w.gate_up), False),
+            ("swiglu", w.gate_up, cfg.hidden_size, model._prefetch_region("down", w.down), True),
+            ("down", w.down, cfg.intermediate_size, model._prefetch_region("qkv", w.qkv), False)):
+        a = torch.empty(rows, k, dtype=model.dtype, device="meta")
+        wc = model.wgmma_config(a, weight, None, nxt, swiglu=glu)
+        if wc is not None and (glu or model.norm_gemm_config(a, weight, None, nxt) is None):
+            ran.append(f"{name} ({wc})")
+    return ", ".join(ran) or "off"
 
 
 def _norm_record(model: OuroModel, args: argparse.Namespace) -> str:
@@ -787,7 +827,7 @@ def main(argv=None) -> int:
         try:
             cfg = model_config(args) if args.gemm_config or args.variant or args.wgmma else None
             apply_gemm_overrides(cfg, args.gemm_config)
-            apply_wgmma(cfg, args.wgmma, bool(args.no_wgmma))
+            apply_wgmma(cfg, args.wgmma, bool(args.no_wgmma), args.gemm_config)
             # GemmConfig.prefetch_programs without the region the plan gives them would time programs never launched.
             # Without --gemm-config the shipped tables ask for none (tests/runtime/test_engine.py holds them to it);
             # with --variant each variant's tables and plan are what runs, and a variant's plan may complete ours.
@@ -818,7 +858,7 @@ def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict],
     plan = prefetch_next if variant.prefetch_next is None else variant.prefetch_next
     try:
         apply_gemm_overrides(cfg, list(variant.gemm_config))
-        apply_wgmma(cfg, list(variant.wgmma), bool(variant.no_wgmma))
+        apply_wgmma(cfg, list(variant.wgmma), bool(variant.no_wgmma), list(variant.gemm_config))
         check_prefetch_programs(cfg, plan)
     except ValueError as e:
         raise ValueError(f"--variant {variant.label!r}: {e}") from None

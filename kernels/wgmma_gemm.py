@@ -32,6 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from loopbench.kernels import pdl
 
 MAX_M = 64          # the MMA's narrow side (BLOCK_M) is at most 64 rows here
+SHARED_LIMIT = 227 * 1024       # the most shared memory one program may take on an H100 / H200 (CUDA C++ Guide)
 
 # The TMA copy into shared memory is ``tma.async_copy_global_to_shared`` in Triton 3.6 (the GPU machine's) and
 # ``tma.async_load`` from 3.7 on (the CI's 3.9 refuses the old name).
@@ -59,23 +60,40 @@ class WgmmaConfig:
     early_trigger: bool = False
 
     def __post_init__(self):
-        for name, lo, hi in (("block_n", 64, 256), ("block_k", 64, 256)):
+        def whole(name: str) -> int:
             v = getattr(self, name)
-            if not isinstance(v, int) or not lo <= v <= hi or v & (v - 1):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"WgmmaConfig.{name} must be an int, got {v!r}")
+            return v
+        for name, lo, hi in (("block_n", 64, 256), ("block_k", 64, 256)):
+            v = whole(name)
+            if not lo <= v <= hi or v & (v - 1):
                 raise ValueError(f"WgmmaConfig.{name} must be a power of two in {lo}..{hi}, got {v!r}")
-        if not isinstance(self.split_k, int) or self.split_k < 1:
+        if whole("split_k") < 1:
             raise ValueError(f"WgmmaConfig.split_k must be an int >= 1, got {self.split_k!r}")
-        if not isinstance(self.stages, int) or not 1 <= self.stages <= 8:
+        if not 1 <= whole("stages") <= 8:
             raise ValueError(f"WgmmaConfig.stages must be an int in 1..8, got {self.stages!r}")
-        if not isinstance(self.pre, int) or not 0 <= self.pre <= self.stages:
+        if not 0 <= whole("pre") <= self.stages:
             raise ValueError(f"WgmmaConfig.pre must be an int in 0..stages ({self.stages}), got {self.pre!r}")
-        if self.num_warps not in (4, 8):
+        if whole("num_warps") not in (4, 8):
             raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8, got {self.num_warps!r}")
+        for name in ("pdl", "early_trigger"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"WgmmaConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def smem_bytes(self, block_m: int, glu: bool = False) -> int:
         """Shared memory of one program: the pipeline's weight (two tiles a stage with ``glu``) and activation
         tiles (bf16) and 2 mbarriers a stage. Triton may add a little for the epilogue's layout conversion."""
         return self.stages * (2 * self.block_k * ((2 if glu else 1) * self.block_n + block_m) + 16)
+
+    def check_fits(self, block_m: int, glu: bool = False) -> None:
+        """ValueError naming the configuration when one program's pipeline (:meth:`smem_bytes`) exceeds the
+        :data:`SHARED_LIMIT` an H100 / H200 program may take (the kernel could not launch)."""
+        need = self.smem_bytes(block_m, glu)
+        if need > SHARED_LIMIT:
+            raise ValueError(f"{self} needs {need:,} bytes of shared memory a program at {block_m} rows"
+                             f"{' with SwiGLU' if glu else ''}, more than the {SHARED_LIMIT:,} an sm_90 program may "
+                             f"take: fewer stages, or a smaller block_n / block_k")
 
 
 # Plain projections (weight shape [N, K]) that run here instead of on kernels/gemm.py wherever the model would run
@@ -204,20 +222,22 @@ def block_m_for(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def _validate(x: torch.Tensor, weight: torch.Tensor, config: WgmmaConfig) -> None:
+def _validate(x: torch.Tensor, weight: torch.Tensor, config: WgmmaConfig, glu: bool = False) -> None:
     if not isinstance(config, WgmmaConfig):
         raise TypeError(f"config must be a WgmmaConfig, got {type(config).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         raise TypeError(f"x and weight must be bf16 or fp16 of one dtype, got {x.dtype} and {weight.dtype}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"K must be >= 1, got x {tuple(x.shape)}")
     if not (x.is_cuda and weight.device == x.device):
         raise ValueError(f"wgmma_gemm runs on one CUDA device, got x on {x.device} and weight on {weight.device}")
     for name, t in (("x", x), ("weight", weight)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            raise ValueError(f"{name} needs unit stride along K and 16-byte aligned rows (TMA), got strides "
-                             f"{t.stride()}")
-    block_m_for(x.shape[0])
+            raise ValueError(f"{name} needs unit stride along K, 16-byte aligned rows and a 16-byte aligned start "
+                             f"(TMA), got strides {t.stride()} at address {t.data_ptr():#x}")
+    config.check_fits(block_m_for(x.shape[0]), glu)
 
 
 def _layout(block: list[int], dtype: torch.dtype):
@@ -237,7 +257,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: WgmmaConfig) -> torch.Te
         ``[split_k, M, N]`` whose sum in split order is the product.
 
     Raises:
-        TypeError / ValueError naming the bad argument.
+        TypeError / ValueError naming the bad argument (a pipeline larger than :data:`SHARED_LIMIT` too).
     """
     _validate(x, weight, config)
     return _launch(x, weight, config, weight.shape[0], glu=False)
@@ -257,7 +277,7 @@ def gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, config: WgmmaConfig) -> 
     Raises:
         TypeError / ValueError naming the bad argument (an odd row count, ``split_k`` > 1).
     """
-    _validate(x, gate_up, config)
+    _validate(x, gate_up, config, glu=True)
     if gate_up.shape[0] % 2:
         raise ValueError(f"gate_up must hold gate rows then as many up rows, got {gate_up.shape[0]} rows")
     if config.split_k != 1:
@@ -269,19 +289,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config: WgmmaConfig, n: int, 
     m, k = x.shape
     block_m = block_m_for(m)
     c = config
-    tiles = triton.cdiv(k, c.block_k)
-    tiles_per_split = triton.cdiv(tiles, c.split_k)
-    split = triton.cdiv(tiles, tiles_per_split)
-    if split == 1:
+    # gemm.gemm's K ranges: a split past the last K tile has none and stores zeros, so there are always split_k
+    tiles_per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
+    if c.split_k == 1:
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
         stride_os = 0
     else:
-        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+        out = torch.empty((c.split_k, m, n), device=x.device, dtype=torch.float32)
         stride_os = out.stride(0)
     w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k], _layout([c.block_n, c.block_k], x.dtype))
     x_desc = TensorDescriptor.from_tensor(x, [block_m, c.block_k], _layout([block_m, c.block_k], x.dtype))
     use_pdl = c.pdl and pdl.active(x)
-    _wgmma_gemm_kernel[(triton.cdiv(n, c.block_n), split)](
+    _wgmma_gemm_kernel[(triton.cdiv(n, c.block_n), c.split_k)](
         w_desc, x_desc, out, m, n, k, tiles_per_split, out.stride(-2), stride_os,
         c.block_n, block_m, c.block_k, c.stages, c.pre, pdl.mode(use_pdl, c.early_trigger),
         num_warps=c.num_warps, GLU=glu, **pdl.launch_options(use_pdl))

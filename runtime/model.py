@@ -418,15 +418,28 @@ class OuroModel:
         # the last norm step ran the exit gate, except for an fp64 model (whose hazard is fp64: the torch gate)
         return h, self.hazard(h) if hazard is None else hazard
 
-    @staticmethod
-    def _swiglu(h: torch.Tensor, gate_up: torch.Tensor, glu_cfg, next_weight: torch.Tensor | None) -> torch.Tensor:
-        """gate_up + SwiGLU in one launch: kernels/wgmma_gemm.py where its SWIGLU_CONFIGS has this weight shape
-        (at most its MAX_M rows, on CUDA, no L2 prefetch asked for), else ``gemm.gemm_swiglu`` with ``glu_cfg``."""
+    def _swiglu(self, h: torch.Tensor, gate_up: torch.Tensor, glu_cfg, next_weight: torch.Tensor | None
+                ) -> torch.Tensor:
+        """gate_up + SwiGLU in one launch: kernels/wgmma_gemm.py where :meth:`wgmma_config` gives a configuration,
+        else ``gemm.gemm_swiglu`` with ``glu_cfg``."""
         from loopbench.kernels import gemm, wgmma_gemm
-        wg = wgmma_gemm.SWIGLU_CONFIGS.get(tuple(gate_up.shape))
-        if wg is not None and next_weight is None and h.shape[0] <= wgmma_gemm.MAX_M and h.is_cuda:
-            return wgmma_gemm.gemm_swiglu(h, gate_up, wg)
-        return gemm.gemm_swiglu(h, gate_up, glu_cfg, next_weight)
+        wg = self.wgmma_config(h, gate_up, None, next_weight, swiglu=True)
+        return wgmma_gemm.gemm_swiglu(h, gate_up, wg) if wg else gemm.gemm_swiglu(h, gate_up, glu_cfg, next_weight)
+
+    def wgmma_config(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None = None,
+                     next_weight: torch.Tensor | None = None, swiglu: bool = False):
+        """The kernels/wgmma_gemm.py configuration with which the projection of ``w`` runs on rows ``x`` [N, K] (a
+        meta tensor will do), or None where kernels/gemm.py or cuBLAS runs it: only where our small-M GEMM would run
+        (``gemm.CONFIGS`` / ``FASTER_UP_TO``; with ``swiglu``, gate_up + SwiGLU by ``gemm.SWIGLU_CONFIGS``), at most
+        ``wgmma_gemm.MAX_M`` rows, with no L2 prefetch asked for (``next_weight``; that kernel has none) and this
+        weight shape in ``wgmma_gemm.CONFIGS`` (``SWIGLU_CONFIGS``). One per weight shape, never per M."""
+        from loopbench.kernels import gemm, wgmma_gemm
+        configs, faster, table = ((gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO, wgmma_gemm.SWIGLU_CONFIGS) if swiglu
+                                  else (gemm.CONFIGS, gemm.FASTER_UP_TO, wgmma_gemm.CONFIGS))
+        if (next_weight is not None or x.shape[0] > wgmma_gemm.MAX_M or x.device.type not in ("cuda", "meta")
+                or self._fused_config(configs, faster, w, x, gemm_rows) is None):
+            return None
+        return table.get(tuple(w.shape))
 
     def _project_norm(self, a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, w1: torch.Tensor,
                       w2: torch.Tensor, gemm_rows: int | None, next_weight: torch.Tensor | None, gate: bool):
@@ -474,17 +487,18 @@ class OuroModel:
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None, partials: bool = False,
                  next_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T for the fused loop: our small-M GEMM (kernels/gemm.py) where it is measured faster
-        for this weight shape and row count (``gemm.config_for``) and the rows run in one call, else
-        :func:`linear` (cuBLAS). [N, out] in x's dtype, or with ``partials`` possibly the GEMM's fp32
-        split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``, which sums them in order).
+        """x @ w.T for the fused loop: our small-M GEMM (kernels/gemm.py, or kernels/wgmma_gemm.py where
+        :meth:`wgmma_config` says) where it is measured faster for this weight shape and row count
+        (``gemm.config_for``) and the rows run in one call, else :func:`linear` (cuBLAS). [N, out] in x's dtype,
+        or with ``partials`` possibly the GEMM's fp32 split-K partials [S, N, out] (for ``fused_ops.add_rms_norm``,
+        which sums them in order).
         ``next_weight``: a region our GEMM brings into L2 (:meth:`_prefetch_region`; cuBLAS ignores it)."""
         from loopbench.kernels import gemm, wgmma_gemm
         cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, w, x, gemm_rows)
         if cfg is None:
             return linear(x, w, gemm_rows)
-        wg = wgmma_gemm.CONFIGS.get(tuple(w.shape))
-        if wg is not None and next_weight is None and x.shape[0] <= wgmma_gemm.MAX_M and x.is_cuda:
+        wg = self.wgmma_config(x, w, gemm_rows, next_weight)
+        if wg is not None:
             out = wgmma_gemm.gemm(x, w, wg)
             return out if partials or wg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
         out = gemm.gemm(x, w, cfg, next_weight)

@@ -413,12 +413,16 @@ def test_greedy_record_says_off_where_lm_head_cannot_sample_from_tiles():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("lm_head:pre=1", "role 'lm_head' is not one of qkv, o_proj, gate_up, down, swiglu"),
+    ("lm_head:pre=1", "role 'lm_head' is not one of o_proj, down, swiglu"),
+    ("qkv:pre=1", "role 'qkv' is not one of o_proj, down, swiglu"),
+    ("swiglu:split_k=2", "split_k must be 1, got 2"),
+    ("o_proj:block_n=256", "bytes of shared memory a program at 64 rows"),
+    ("swiglu:stages=7", "with SwiGLU, more than the 232,448"),
     ("down:bogus=1", "'bogus=1' is not FIELD=VALUE"),
     ("down:stages", "'stages' is not FIELD=VALUE"),
     ("down:stages=x", "stages must be an integer, got 'x'"),
     ("down:pre=7", "WgmmaConfig.pre must be an int in 0..stages (4), got 7"),
-    ("down:early_trigger=maybe", "early_trigger must be true or false, got 'maybe'"),
+    ("down:early_trigger=maybe", "'down:early_trigger=maybe': early_trigger must be true or false, got 'maybe'"),
 ])
 def test_bad_wgmma_options_are_argparse_errors_naming_them(text, message, capsys):
     with pytest.raises(SystemExit):
@@ -446,3 +450,43 @@ def test_wgmma_options_fill_and_empty_the_tables_and_are_put_back():
     assert (dict(wg.CONFIGS), dict(wg.SWIGLU_CONFIGS)) == before and fused_ops.NORM_TRIGGER == "late"
     assert throughput._variant("--no-wgmma").no_wgmma is True and throughput._variant("").no_wgmma is None
     assert throughput._variant("--wgmma o_proj:pre=0").wgmma == (("o_proj", (("pre", 0),)),)
+
+
+def test_a_gemm_override_of_a_projection_on_wgmma_puts_it_back_on_gemm():
+    """A --gemm-config field of o_proj / down / swiglu asks for kernels/gemm.py's kernel with it, so that role leaves the
+    wgmma tables (it would change nothing there); faster_up_to keeps it; a role given to both options is refused."""
+    from loopbench.kernels import wgmma_gemm as wg
+    from loopbench.runtime.model import PRESETS
+    cfg = PRESETS["ouro-1.4b"]
+    saved = dict(wg.CONFIGS)
+    try:
+        throughput.apply_wgmma(cfg, [], gemm_overrides=[("o_proj", "faster_up_to", 16), ("qkv_rope", "block_n", 64)])
+        assert wg.CONFIGS == saved
+        throughput.apply_wgmma(cfg, [], gemm_overrides=[("o_proj", "split_k", 2)])
+        assert (2048, 2048) not in wg.CONFIGS and (2048, 5632) in wg.CONFIGS
+        with pytest.raises(ValueError, match=r"--gemm-config down.\* and --wgmma down:... both given"):
+            throughput.apply_wgmma(cfg, [("down", (("pre", 1),))], gemm_overrides=[("down", "num_stages", 3)])
+    finally:
+        wg.CONFIGS.clear()
+        wg.CONFIGS.update(saved)
+
+
+def test_wgmma_record_says_where_the_model_ran_it(tiny_ckpt, monkeypatch):
+    """The profile's wgmma entry asks the model (OuroModel.wgmma_config): the projections whose shapes the tables
+    hold at these rows, none above wgmma_gemm.MAX_M, none with an L2 prefetch asked for, o_proj / down not where
+    their norm step runs in their own launch."""
+    from types import SimpleNamespace
+    from loopbench.kernels import gemm as gm
+    from loopbench.kernels import wgmma_gemm as wg
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "_fused_config", lambda configs, faster, w, x, rows: gm.GemmConfig(split_k=2))
+    w = model.layers[0]
+    monkeypatch.setattr(wg, "CONFIGS", {tuple(w.o.shape): wg.WgmmaConfig(split_k=2)})
+    monkeypatch.setattr(wg, "SWIGLU_CONFIGS", {tuple(w.gate_up.shape): wg.WgmmaConfig()})
+    assert throughput._wgmma_record(model, SimpleNamespace(max_num_seqs=16)).startswith("o_proj (WgmmaConfig(")
+    assert "swiglu (" in throughput._wgmma_record(model, SimpleNamespace(max_num_seqs=16))
+    assert throughput._wgmma_record(model, SimpleNamespace(max_num_seqs=65)) == "off"
+    model.prefetch_next = {"gate_up": 1.0, "down": 1.0}     # o_proj and gate_up then prefetch: gemm.py runs them
+    assert throughput._wgmma_record(model, SimpleNamespace(max_num_seqs=16)) == "off"

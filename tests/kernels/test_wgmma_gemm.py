@@ -20,6 +20,9 @@ SM90_SHARED_LIMIT = 227 * 1024          # the most shared memory one program may
     ("stages", 9, "stages must be an int in 1..8, got 9"),
     ("pre", 5, "pre must be an int in 0..stages (4), got 5"),
     ("num_warps", 2, "num_warps must be 4 or 8, got 2"),
+    ("stages", True, "stages must be an int, got True"),
+    ("num_warps", 4.0, "num_warps must be an int, got 4.0"),
+    ("early_trigger", "no", "early_trigger must be a bool, got 'no'"),
 ])
 def test_config_refuses_a_bad_value_by_name(field, value, words):
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -35,6 +38,16 @@ def test_block_m_is_the_mma_narrow_side(m, want):
 def test_rows_outside_the_mma_are_refused(m):
     with pytest.raises(ValueError, match=f"1..64 rows, got {m}"):
         wg.block_m_for(m)
+
+
+def test_a_pipeline_larger_than_an_sm_allows_is_refused_by_name():
+    wg.WgmmaConfig(stages=4).check_fits(64)
+    with pytest.raises(ValueError, match=r"needs 344,176 bytes of shared memory a program at 64 rows with SwiGLU"):
+        wg.WgmmaConfig(stages=7).check_fits(64, glu=True)
+    for shape, c in wg.CONFIGS.items():
+        c.check_fits(wg.MAX_M)
+    for shape, c in wg.SWIGLU_CONFIGS.items():
+        c.check_fits(wg.MAX_M, glu=True)
 
 
 def test_configured_shapes_keep_gemm_splits():
@@ -55,6 +68,9 @@ def test_refusals_name_the_argument():
         wg.gemm(x, torch.zeros((64, 32), dtype=torch.bfloat16), wg.WgmmaConfig())
     with pytest.raises(ValueError, match="one CUDA device"):
         wg.gemm(x, torch.zeros((64, 64), dtype=torch.bfloat16), wg.WgmmaConfig())
+    with pytest.raises(ValueError, match=r"K must be >= 1, got x \(4, 0\)"):
+        wg.gemm(torch.zeros((4, 0), dtype=torch.bfloat16), torch.zeros((64, 0), dtype=torch.bfloat16),
+                wg.WgmmaConfig())
 
 
 def _ptx_order(ptx: str) -> list[str]:
@@ -111,7 +127,7 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("shape", sorted(wg.CONFIGS))
-@pytest.mark.parametrize("m", [1, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 16, 32, 33, 64])
 def test_configured_projection_is_bitwise_gemm(shape, m):
     g = torch.Generator(device="cuda").manual_seed(m)
     n, k = shape
@@ -130,7 +146,7 @@ def test_configured_projection_is_bitwise_gemm(shape, m):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("m", [1, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 16, 32, 33, 64])
 @pytest.mark.parametrize("config", [wg.WgmmaConfig(stages=3, pre=3, early_trigger=True),
                                     wg.WgmmaConfig(stages=2, pre=0, pdl=False)], ids=["early", "no-pdl"])
 def test_swiglu_is_bitwise_gemm_swiglu(m, config):
@@ -141,6 +157,39 @@ def test_swiglu_is_bitwise_gemm_swiglu(m, config):
     want = gm.gemm_swiglu(x, w, gm.SWIGLU_CONFIGS[(11264, 2048)])
     diff = (ours.float() - want.float()).abs()
     assert torch.equal(ours, want), f"max {diff.max().item():.3g} mean {diff.mean().item():.3g}"
+
+
+UNEVEN = [  # (n, k, m, config, glu): N and K off the tiles, fewer K tiles than stages, a split with no K tile
+    (200, 200, 5, wg.WgmmaConfig(block_k=64, stages=6, pre=6, early_trigger=True), False),
+    (192, 320, 17, wg.WgmmaConfig(block_k=128, split_k=4, stages=2, pre=1), False),    # 3 tiles over 4 splits
+    (96, 1000, 40, wg.WgmmaConfig(block_k=64, split_k=3, stages=4, pre=2), False),     # 16 tiles: 6, 6, 4
+    (2 * 100, 136, 9, wg.WgmmaConfig(block_k=64, stages=3, pre=3), True),             # I = 100 off block_n
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("n,k,m,config,glu", UNEVEN)
+def test_uneven_shapes_match_gemm_and_a_float64_reference(n, k, m, config, glu):
+    g = torch.Generator(device="cuda").manual_seed(n + k + m)
+    w = 0.05 * torch.randn((n, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn((m, k), generator=g, device="cuda", dtype=torch.bfloat16)
+    # gemm.py at the same K tiles and splits (gate_up + SwiGLU as configured there: TMA)
+    twin = gm.GemmConfig(block_n=64, block_k=config.block_k, split_k=config.split_k, pdl=True, tma=glu)
+    if glu:
+        ours, want = wg.gemm_swiglu(x, w, config), gm.gemm_swiglu(x, w, twin)
+        prod = x.double() @ w.double().T
+        ref = torch.nn.functional.silu(prod[:, : n // 2]) * prod[:, n // 2:]
+        got = ours.double()
+    else:
+        ours, want = wg.gemm(x, w, config), gm.gemm(x, w, twin)
+        assert ours.shape == ((config.split_k, m, n) if config.split_k > 1 else (m, n))
+        ref = x.double() @ w.double().T
+        got = ours.double().sum(0) if config.split_k > 1 else ours.double()
+    diff = (ours.float() - want.float()).abs()
+    assert torch.equal(ours, want), f"max {diff.max().item():.3g} mean {diff.mean().item():.3g}"
+    err = (got - ref).abs()
+    assert err.max().item() < 2e-2 * ref.abs().max().item() + 1e-3, f"max {err.max().item():.3g}"
 
 
 @pytest.mark.gpu
