@@ -146,36 +146,23 @@ WGMMA_ROLES = ("o_proj", "down", "swiglu")
 
 
 def _wgmma_override(text: str) -> tuple[str, tuple[tuple[str, int | bool], ...]]:
-    """``ROLE:FIELD=INT,...`` -> (role, ((field, value), ...)) over kernels/wgmma_gemm.py WgmmaConfig's fields; an
-    argparse error names the bad part (the values are checked by WgmmaConfig itself)."""
-    from loopbench.kernels.wgmma_gemm import WgmmaConfig
-    role, sep, rest = text.partition(":")
+    """``ROLE:FIELD=VALUE,...`` -> (role, ((field, value), ...)) over kernels/wgmma_gemm.py WgmmaConfig's fields
+    (``wgmma_gemm.parse_overrides``); an argparse error names the bad part, also a SwiGLU split or a pipeline that
+    does not fit at ``wgmma_gemm.MAX_M`` rows."""
+    from loopbench.kernels import wgmma_gemm
+    role, _, rest = text.partition(":")
     if role not in WGMMA_ROLES:
         raise argparse.ArgumentTypeError(f"{text!r}: role {role!r} is not one of {', '.join(WGMMA_ROLES)} "
                                          "(ROLE:FIELD=INT,... e.g. o_proj:pre=4,early_trigger=1)")
-    fields = {f.name: f.type in ("bool", bool) for f in dataclasses.fields(WgmmaConfig)}
-    items = []
-    for part in filter(None, rest.split(",")):
-        name, eq, raw = part.partition("=")
-        if name not in fields or not eq:
-            raise argparse.ArgumentTypeError(f"{text!r}: {part!r} is not FIELD=VALUE over {', '.join(fields)}")
-        try:
-            items.append((name, _flag(name, raw) if fields[name] else int(raw)))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: {name} must be an integer, got {raw!r}") from None
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     try:
-        c = WgmmaConfig(**dict(items))
+        items = wgmma_gemm.parse_overrides(rest)
+        c = wgmma_gemm.WgmmaConfig(**items)
         if role == "swiglu" and c.split_k != 1:
             raise ValueError(f"SwiGLU needs whole sums: split_k must be 1, got {c.split_k}")
-        c.check_fits(MAX_WGMMA_ROWS, glu=role == "swiglu")
+        c.check_fits(wgmma_gemm.MAX_M, glu=role == "swiglu")
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    return role, tuple(items)
-
-
-MAX_WGMMA_ROWS = 64     # kernels/wgmma_gemm.py MAX_M, the rows at which a --wgmma configuration must fit
+    return role, tuple(items.items())
 
 
 def _prefetch_next(text: str) -> dict[str, float]:
@@ -404,7 +391,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def kernel_tables() -> tuple[dict, ...]:
     """The module tables the model reads at every launch: the GEMM configurations (kernels/gemm.py CONFIGS,
-    SWIGLU_CONFIGS; kernels/qkv_rope.py CONFIGS), then their FASTER_UP_TO tables, then kernels/wgmma_gemm.py CONFIGS and SWIGLU_CONFIGS."""
+    SWIGLU_CONFIGS; kernels/qkv_rope.py CONFIGS), then their FASTER_UP_TO tables, then kernels/wgmma_gemm.py
+    CONFIGS and SWIGLU_CONFIGS."""
     from loopbench.kernels import gemm, qkv_rope, wgmma_gemm
     return (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS,
             gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO, wgmma_gemm.CONFIGS,
@@ -740,18 +728,24 @@ def _greedy_record(model: OuroModel, args: argparse.Namespace) -> str:
     return "on" if runs else "off (lm_head on cuBLAS at these rows, or the torch backend)"
 
 
+def _projections(model: OuroModel, rows: int) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """o_proj, gate_up + SwiGLU ("swiglu") and down of layer 0 as the fused loop launches them at ``rows`` rows:
+    (name, rows [rows, K] on the meta device, weight, the L2 region it is asked to prefetch or None)."""
+    w, cfg = model.layers[0], model.cfg
+    return [(name, torch.empty(rows, k, dtype=model.dtype, device="meta"), weight, region)
+            for name, weight, k, region in (
+                ("o_proj", w.o, cfg.num_attention_heads * cfg.head_dim, model._prefetch_region("gate_up", w.gate_up)),
+                ("swiglu", w.gate_up, cfg.hidden_size, model._prefetch_region("down", w.down)),
+                ("down", w.down, cfg.intermediate_size, model._prefetch_region("qkv", w.qkv)))]
+
+
 def _wgmma_record(model: OuroModel, args: argparse.Namespace) -> str:
     """Which projections ran on kernels/wgmma_gemm.py at max_num_seqs rows, as the model decides it
     (``OuroModel.wgmma_config``, with this run's tables and prefetch plan, the norm step in o_proj / down taking
     precedence), with their configurations; "off" where none did."""
-    w, cfg = model.layers[0], model.cfg
-    rows = args.max_num_seqs
     ran = []
-    for name, weight, k, nxt, glu in (
-            ("o_proj", w.o, cfg.num_attention_heads * cfg.head_dim, model._prefetch_region("gate_up", w.gate_up), False),
-            ("swiglu", w.gate_up, cfg.hidden_size, model._prefetch_region("down", w.down), True),
-            ("down", w.down, cfg.intermediate_size, model._prefetch_region("qkv", w.qkv), False)):
-        a = torch.empty(rows, k, dtype=model.dtype, device="meta")
+    for name, a, weight, nxt in _projections(model, args.max_num_seqs):
+        glu = name == "swiglu"
         wc = model.wgmma_config(a, weight, None, nxt, swiglu=glu)
         if wc is not None and (glu or model.norm_gemm_config(a, weight, None, nxt) is None):
             ran.append(f"{name} ({wc})")
@@ -764,12 +758,8 @@ def _norm_record(model: OuroModel, args: argparse.Namespace) -> str:
     only", "down only", or "off" (with why where the switch is on)."""
     if not model.norm_in_gemm:
         return "off"
-    w, cfg = model.layers[0], model.cfg
-    rows = args.max_num_seqs
-    fused = [name for name, weight, k, nxt in (
-        ("o_proj", w.o, cfg.num_attention_heads * cfg.head_dim, model._prefetch_region("gate_up", w.gate_up)),
-        ("down", w.down, cfg.intermediate_size, model._prefetch_region("qkv", w.qkv)))
-        if model.norm_gemm_config(torch.empty(rows, k, dtype=model.dtype, device="meta"), weight, None, nxt)]
+    fused = [name for name, a, weight, nxt in _projections(model, args.max_num_seqs)
+             if name != "swiglu" and model.norm_gemm_config(a, weight, None, nxt)]
     if len(fused) == 2:
         return "on"
     return f"{fused[0]} only" if fused else "off (neither runs on a split-K pointer GEMM that fits here)"

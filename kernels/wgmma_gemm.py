@@ -20,6 +20,7 @@ module is exercised by an sm_90 compile test on the CPU and by GPU tests.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,30 @@ class WgmmaConfig:
                              f"take: fewer stages, or a smaller block_n / block_k")
 
 
+def parse_overrides(text: str) -> dict[str, int | bool]:
+    """``"FIELD=VALUE,..."`` over :class:`WgmmaConfig`'s fields (an int, or for ``pdl`` / ``early_trigger`` true,
+    false, 1 or 0) -> {field: value}, checked by building the configuration; ``""`` -> {}. Raises ValueError naming
+    the bad part (the throughput probe's ``--wgmma`` and kernels/bench/wgmma_gemm.py's variants)."""
+    flags = {f.name for f in dataclasses.fields(WgmmaConfig) if f.type in ("bool", bool)}
+    fields = [f.name for f in dataclasses.fields(WgmmaConfig)]
+    out: dict[str, int | bool] = {}
+    for part in filter(None, text.split(",")):
+        name, eq, raw = part.partition("=")
+        if name not in fields or not eq:
+            raise ValueError(f"{part!r} is not FIELD=VALUE over {', '.join(fields)}")
+        if name in flags:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{name} must be true or false, got {raw!r}")
+            out[name] = raw.lower() in ("true", "1")
+            continue
+        try:
+            out[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    WgmmaConfig(**out)
+    return out
+
+
 # Plain projections (weight shape [N, K]) that run here instead of on kernels/gemm.py wherever the model would run
 # ``gemm.gemm`` (runtime/model.py ``OuroModel._project``) at most MAX_M rows with no L2 prefetch asked for. o_proj
 # and down, at gemm.CONFIGS' split_k (so the same partials, bitwise), releasing their dependents early. Chosen from
@@ -168,7 +193,7 @@ def _wgmma_gemm_kernel(w_desc, x_desc, out_ptr, M, N, K, tiles_per_split, stride
         _load_w(w_desc, w_smem, w_bar, s, row0, k0 + s * BLOCK_K, s < num_tiles, up_row0, GLU)
     if PDL != 0:
         _gdc_wait()
-    if PDL == 2:
+    if PDL == pdl.EARLY:
         _gdc_launch_dependents()
     for s in gl.static_range(PRE, STAGES):
         _load_w(w_desc, w_smem, w_bar, s, row0, k0 + s * BLOCK_K, s < num_tiles, up_row0, GLU)
@@ -196,7 +221,7 @@ def _wgmma_gemm_kernel(w_desc, x_desc, out_ptr, M, N, K, tiles_per_split, stride
         nxt = i + STAGES
         _load_w(w_desc, w_smem, w_bar, slot, row0, k0 + nxt * BLOCK_K, nxt < num_tiles, up_row0, GLU)
         _load_x(x_desc, x_smem, x_bar, slot, k0 + nxt * BLOCK_K, nxt < num_tiles)
-    if PDL == 1:
+    if PDL == pdl.LATE:
         _gdc_launch_dependents()
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(w_bar.index(s))

@@ -10,20 +10,20 @@ Two kinds of CUDA-graph chain, every weight byte from HBM (distinct weight copie
 
 ``pct``: weight + activation + output bytes (bf16; fp32 partials where split) over the time, as a percentage of a
 device-to-device copy ceiling measured in the same run. ``max_abs_diff``: against ``gemm.gemm`` at the same split
-(``bitwise``: equal). A variant is ``WgmmaConfig`` field overrides, e.g. ``pre=0`` or
+(``bitwise``: equal). A variant is ``WgmmaConfig`` field overrides (``wgmma_gemm.parse_overrides``), e.g. ``pre=0`` or
 ``block_n=128,stages=3,pre=3,early_trigger=1``; ``split_k`` defaults to the shape's ``gemm.CONFIGS`` split.
 Usage: ``PYTHONPATH=<repo> python3 kernels/bench/wgmma_gemm.py --out $OUT/wgmma.md``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
 from loopbench.kernels import gemm as gm
+from loopbench.kernels import wgmma_gemm as wg
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 from loopbench.kernels.bench.sync_cost import write_table
 
@@ -31,20 +31,6 @@ SHAPES = {"qkv": (6144, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048),
 DEFAULT_VARIANTS = ("pre=0", "", "early_trigger=1", "pre=0,early_trigger=1", "stages=6,pre=6,early_trigger=1",
                     "block_n=128,stages=3,pre=3,early_trigger=1")
 COLUMNS = ("chain", "m", "kernel", "variant", "us", "pct", "vs_gemm", "max_abs_diff", "bitwise")
-
-
-def parse_variant(text: str) -> dict:
-    """``"a=1,b=2"`` -> {"a": 1, "b": 2} over WgmmaConfig's fields; ValueError naming a bad field or value."""
-    from loopbench.kernels.wgmma_gemm import WgmmaConfig
-    fields = {f.name for f in dataclasses.fields(WgmmaConfig)}
-    out = {}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        if name not in fields or not value.lstrip("-").isdigit():
-            raise ValueError(f"variant {text!r}: {part!r} is not FIELD=INT over {sorted(fields)}")
-        out[name] = bool(int(value)) if name in ("pdl", "early_trigger") else int(value)
-    WgmmaConfig(**out)                 # validates the values
-    return out
 
 
 def _moved(n: int, k: int, m: int, split: int) -> int:
@@ -61,7 +47,6 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, str]:
 
 
 def per_shape(name: str, m: int, variants: list[str], ceiling: float) -> list[dict]:
-    from loopbench.kernels import wgmma_gemm as wg
     n, k = SHAPES[name]
     cfg = gm.CONFIGS[(n, k)]
     ws = _weights(n, k, max(4, -(-MIN_WORKING_SET // (2 * n * k))), 0)
@@ -72,7 +57,7 @@ def per_shape(name: str, m: int, variants: list[str], ceiling: float) -> list[di
     rows = [dict(chain="shape", m=m, kernel=name, variant="gemm as configured", us=base,
                  pct=100 * moved / (base * 1e-6) / ceiling, vs_gemm=1.0, max_abs_diff=0.0, bitwise="yes")]
     for v in variants:
-        wc = wg.WgmmaConfig(**{"split_k": cfg.split_k, **parse_variant(v)})
+        wc = wg.WgmmaConfig(**{"split_k": cfg.split_k, **wg.parse_overrides(v)})
         diff, same = _compare(wg.gemm(x, ws[0], wc), ref)
         us = graph_ms_per_call([lambda w=w: wg.gemm(x, w, wc) for w in ws]) * 1e3
         rows.append(dict(chain="shape", m=m, kernel=name, variant=v or "default", us=us,
@@ -84,7 +69,6 @@ def per_shape(name: str, m: int, variants: list[str], ceiling: float) -> list[di
 
 def layer(m: int, variants: list[str], ceiling: float) -> list[dict]:
     """The four projections in the loop's order, one graph node chain of ``copies`` layers."""
-    from loopbench.kernels import wgmma_gemm as wg
     per_layer = sum(2 * n * k for n, k in SHAPES.values())
     copies = max(4, -(-MIN_WORKING_SET // per_layer))
     ws = {s: _weights(*SHAPES[s], copies, i) for i, s in enumerate(SHAPES)}
@@ -98,7 +82,7 @@ def layer(m: int, variants: list[str], ceiling: float) -> list[dict]:
     rows = [dict(chain="layer", m=m, kernel="qkv,o_proj,gate_up,down", variant="gemm as configured", us=base,
                  pct=100 * moved / (base * 1e-6) / ceiling, vs_gemm=1.0, max_abs_diff=0.0, bitwise="yes")]
     for v in variants:
-        over = parse_variant(v)
+        over = wg.parse_overrides(v)
         cfgs = {s: wg.WgmmaConfig(**{"split_k": gm.CONFIGS[SHAPES[s]].split_k, **over}) for s in SHAPES}
         us = graph_ms_per_call(chain(lambda s, w: wg.gemm(xs[s], w, cfgs[s]))) * 1e3
         rows.append(dict(chain="layer", m=m, kernel="qkv,o_proj,gate_up,down", variant=v or "default", us=us,
@@ -122,7 +106,7 @@ def main(argv=None) -> int:
         ap.error(f"--ms {bad[0]} is outside 1..64")
     for v in args.variants:
         try:
-            parse_variant(v)
+            wg.parse_overrides(v)
         except (ValueError, TypeError) as exc:
             ap.error(str(exc))
     if not torch.cuda.is_available():

@@ -453,8 +453,9 @@ def test_wgmma_options_fill_and_empty_the_tables_and_are_put_back():
 
 
 def test_a_gemm_override_of_a_projection_on_wgmma_puts_it_back_on_gemm():
-    """A --gemm-config field of o_proj / down / swiglu asks for kernels/gemm.py's kernel with it, so that role leaves the
-    wgmma tables (it would change nothing there); faster_up_to keeps it; a role given to both options is refused."""
+    """A --gemm-config field of o_proj / down / swiglu asks for kernels/gemm.py's kernel with it, so that role leaves
+    the wgmma tables (it would change nothing there); faster_up_to keeps it; a role given to both options is
+    refused."""
     from loopbench.kernels import wgmma_gemm as wg
     from loopbench.runtime.model import PRESETS
     cfg = PRESETS["ouro-1.4b"]

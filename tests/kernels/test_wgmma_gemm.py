@@ -29,6 +29,18 @@ def test_config_refuses_a_bad_value_by_name(field, value, words):
         wg.WgmmaConfig(**{field: value})
 
 
+def test_parse_overrides_reads_fields_by_type_and_names_a_bad_part():
+    assert wg.parse_overrides("") == {}
+    assert wg.parse_overrides("stages=3,pre=2,early_trigger=true,pdl=0") == dict(stages=3, pre=2, early_trigger=True,
+                                                                                  pdl=False)
+    for text, words in (("bogus=1", "'bogus=1' is not FIELD=VALUE over block_n, "), ("stages", "'stages' is not"),
+                        ("stages=x", "stages must be an integer, got 'x'"),
+                        ("pdl=maybe", "pdl must be true or false, got 'maybe'"),
+                        ("pre=5", "pre must be an int in 0..stages (4), got 5")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            wg.parse_overrides(text)
+
+
 @pytest.mark.parametrize("m,want", [(1, 16), (16, 16), (17, 32), (33, 64), (64, 64)])
 def test_block_m_is_the_mma_narrow_side(m, want):
     assert wg.block_m_for(m) == want
