@@ -62,7 +62,7 @@ def task(cfg) -> int:
     try:
         spec = conf.validate(cfg)    # a bad key or value: one clear line and exit 2, not a traceback
     except (ValueError, TypeError) as exc:
-        print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
+        print(f"loopbench: bad configuration: {conf.plain_error(str(exc))}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
     from .resume import ResumeRefused

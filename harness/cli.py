@@ -141,7 +141,9 @@ def _unpublished(command: str, path: Path) -> int | None:
 
 def _bad(exc: Exception, where: str = "") -> int:
     cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
-    text = " ".join(f"{exc}{cause}".split())   # Hydra's messages span lines; ours is one
+    from .conf import plain_error
+
+    text = plain_error(" ".join(f"{exc}{cause}".split()))   # Hydra's messages span lines; ours is one
     print(f"loopbench: bad configuration{where}: {text}", file=sys.stderr)
     return 2
 

@@ -521,3 +521,12 @@ def validate(cfg: DictConfig | dict) -> BenchSpec:
     rules.check_keys(plain, BenchConf)
     rules.check(plain)
     return BenchSpec.from_plain(plain)
+
+
+def plain_error(text: str) -> str:
+    """OmegaConf's error text for people: a missing required value as "missing required key <path>", and OmegaConf's
+    ``full_key`` / ``reference_type`` / ``object_type`` trailers dropped (the path is in the message already)."""
+    missing = re.search(r"Missing mandatory value: \S+\s+full_key: (\S+)", text)
+    if missing:
+        return f"missing required key {missing.group(1)}: give it a value"
+    return re.sub(r"\s+(?:full_key: \S+|reference_type=\S+|object_type=\S+)", "", text).strip()

@@ -72,22 +72,28 @@ def make_executor(spec: BenchSpec, bundle: Path, cache: Path, devices: list[dict
 
 
 def _progress(bundle: Path, total: int):
+    """The arms' progress bar: (update, close, say), ``say(phase, what)`` printing a progress line above the bar."""
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is a dependency, but a bar is never worth failing a run for
-        return lambda: None, lambda: None
+        return lambda: None, lambda: None, progress.say
     bar = tqdm(total=total, desc="arms", unit="arm", dynamic_ncols=True, file=sys.stderr, disable=progress.quiet())
 
     def update() -> None:
         done = len(list((bundle / "raw").glob("*/*.json")))
         if done > bar.n:
             bar.update(done - bar.n)
-    return update, bar.close
+
+    def say(phase: str, what: str) -> None:
+        if not progress.quiet():
+            tqdm.write(f"loopbench: {phase}: {what}", file=sys.stderr)
+    return update, bar.close, say
 
 
-def _log_echo(log: Path, prefix: str):
-    """A progress callback that prints each new line of a child's ``log`` that starts with ``prefix``
-    (after the child's timestamp): the reference child's one line per point."""
+def _log_echo(log: Path, prefix: str, phase: str = "references", say=progress.say):
+    """A progress callback that prints, as ``say(phase, ...)``, each new line of a child's ``log`` that starts with
+    ``prefix`` (after the child's timestamp): the reference child's one line per point, a session's one line per
+    online run."""
     seen = [0]
 
     def echo() -> None:
@@ -95,7 +101,7 @@ def _log_echo(log: Path, prefix: str):
         for line in lines[seen[0]:]:
             text = line.split("] ", 1)[-1]
             if text.startswith(prefix):
-                progress.say("references", text[len(prefix):])
+                say(phase, text[len(prefix):])
         seen[0] = len(lines)
     return echo
 
@@ -198,9 +204,17 @@ def run_sessions(ex: ExecutorSpec, executor, bundle: Path, devices: list[dict], 
                                sid, attempt, d.get("cpu_index")))
     write_children(bundle, children + [running_result(s).to_dict() for s in specs])
     total = sum(len(v) for v in json.loads((bundle / "plan.json").read_text())["order"].values())
-    update, close = _progress(bundle, total)
+    update, close, say = _progress(bundle, total)
+    echoes = [_log_echo(s.log_file, "online ", f"online {s.name}" if len(specs) > 1 else "online", say)
+              for s in specs]
+
+    def tick() -> None:
+        update()
+        for echo in echoes:
+            echo()
     try:
-        results = executor.run(specs, progress=update, poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)
+        results = executor.run(specs, progress=tick, poll_s=ex.poll_s, stop=stop, grace_s=ex.stop_grace_s)
+        tick()          # what the children logged after the last poll
     finally:
         close()
     return [r.to_dict() for r in results]

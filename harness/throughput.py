@@ -53,7 +53,7 @@ import torch
 from loopbench.runtime.api import EngineConfig, EngineStats, Request
 from loopbench.runtime.checkpoint import load_checkpoint, read_config
 from loopbench.runtime.engine import LoopEngine
-from loopbench.runtime.model import (PREFETCH_TARGETS, OuroConfig, OuroModel, check_prefetch_next,
+from loopbench.runtime.model import (PREFETCH_TARGETS, PRESETS, OuroConfig, OuroModel, check_prefetch_next,
                                      check_prefetch_programs, gemm_roles)
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
@@ -326,15 +326,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     cache = os.path.join(os.path.expanduser(os.environ.get("LOOPBENCH_CACHE", "~/.cache/loopbench")), "checkpoints")
     # No abbreviations: "--var X" would be --variant without _variant_values_joined's care, and an abbreviation
     # can come to mean another option when one is added.
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--preset", default="tiny", help="synthetic model preset (tiny, ouro-1.4b)")
-    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (overrides --preset)")
+    ap = argparse.ArgumentParser(prog="python3 -m loopbench.harness.throughput", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                    help="synthetic model preset (default: %(default)s)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="HF checkpoint directory (overrides --preset; it must hold config.json: a wrong path is an "
+                         "error, never a synthetic model written there)")
     ap.add_argument("--cache", default=cache, help="where synthetic checkpoints are written and reused")
-    ap.add_argument("--max-num-seqs", type=_at_least_one, default=16, help="B: batch capacity")
-    ap.add_argument("--num-requests", type=_at_least_one, default=32, help="C: requests submitted at once")
-    ap.add_argument("--prompt-len", type=_at_least_one, default=128, help="P: prompt tokens (seeded random ids)")
-    ap.add_argument("--output-len", type=_at_least_one, default=128, help="D: output tokens per request")
-    ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"])
+    ap.add_argument("--max-num-seqs", type=_at_least_one, default=16, help="B: batch capacity (default: %(default)s)")
+    ap.add_argument("--num-requests", type=_at_least_one, default=32, help="C: requests submitted at once (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=_at_least_one, default=128, help="P: prompt tokens (seeded random ids) (default: %(default)s)")
+    ap.add_argument("--output-len", type=_at_least_one, default=128, help="D: output tokens per request (default: %(default)s)")
+    ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"],
+                    help="KV layout (default: %(default)s)")
     ap.add_argument("--backend", default="triton" if device == "cuda" else "torch", choices=["torch", "triton"],
                     help="attention backend (default: triton on CUDA, torch on the CPU)")
     ap.add_argument("--no-graphs", action="store_true", help="run eagerly (graphs need CUDA and triton)")
@@ -359,12 +364,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sweep mode (repeatable): time each variant's replay in one process, one model load, "
                          "each variant with its own captured schedule and engine, the variants alternating "
                          "within a repeat; OPTIONS: any of --prefetch-tiles, --gemm-config, --prefetch-next, "
-                         "--attention-config, --greedy-from-logits, --norm-in-gemm "
+                         "--attention-config, --greedy-from-logits, --norm-in-gemm, --wgmma, --no-wgmma "
                          "(quoted; \"\" is the probe's own configuration). Ends with each variant's median tok/s "
                          "and its ratio to the first")
-    ap.add_argument("--repeats", type=_at_least_one, default=3, help="timed runs per policy after the warmup")
+    ap.add_argument("--repeats", type=_at_least_one, default=3,
+                    help="timed runs per policy after the warmup (default: %(default)s)")
     ap.add_argument("--policy", default="replay", choices=sorted(POLICIES),
-                    help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating")
+                    help="what is timed: the schedule's replay, the natural ouro_delayed engine, or both alternating "
+                         "(default: %(default)s)")
     ap.add_argument("--profile", type=_markdown_path, default=None, metavar="PATH.md",
                     help="after the timed runs, one more run per policy under torch.profiler; "
                          "the report goes to PATH.md and PATH.json")
@@ -504,9 +511,10 @@ def model_config(args: argparse.Namespace) -> OuroConfig:
 
 
 def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
-    """The checkpoint (a synthetic one is written once) as a model: bf16 on CUDA, fp32 on the CPU."""
+    """The checkpoint (``--checkpoint``, else --preset's synthetic one, written once into ``--cache``) as a model:
+    bf16 on CUDA, fp32 on the CPU. A ``--checkpoint`` is only read (main checks it before anything runs)."""
     path = Path(args.checkpoint) if args.checkpoint else Path(args.cache) / f"{args.preset}-seed0-bfloat16-calibrated"
-    if not (path / "config.json").exists():
+    if not args.checkpoint and not (path / "config.json").exists():
         t0 = time.perf_counter()
         write_calibrated_checkpoint(path, args.preset, seed=0, dtype=torch.bfloat16, device=device)
         print(f"wrote {path} in {time.perf_counter() - t0:.1f}s")
@@ -815,7 +823,8 @@ def main(argv=None) -> int:
     restore_kernel_options = apply_kernel_options(args)
     try:
         try:
-            cfg = model_config(args) if args.gemm_config or args.variant or args.wgmma else None
+            shape = model_config(args)      # a --checkpoint without config.json is named here, before any run
+            cfg = shape if args.gemm_config or args.variant or args.wgmma else None
             apply_gemm_overrides(cfg, args.gemm_config)
             apply_wgmma(cfg, args.wgmma, bool(args.no_wgmma), args.gemm_config)
             # GemmConfig.prefetch_programs without the region the plan gives them would time programs never launched.

@@ -108,7 +108,9 @@ def measure_online(job: dict, log) -> None:
             if not capacity:
                 raise RuntimeError(f"the online calibration run completed no request ({figs['failed']} failed): "
                                    f"no capacity to scale the rates by; see {out_dir / rec['server']['log']}")
+        ttft, rate = figs["p99_ttft_s"], figs["request_rate_rps"]
         log(f"online {item['seq']:3d} {item['kind']:11s} {item['arm']:>14s} rate "
             f"{'closed' if rec['rate_rps'] is None else format(rec['rate_rps'], '.3f') + '/s'}: "
-            f"{figs['completed']} done, {figs['failed']} failed, p99 TTFT {figs['p99_ttft_s']}, "
-            f"{figs['request_rate_rps']} req/s")
+            f"{figs['completed']} done, {figs['failed']} failed, p99 TTFT "
+            f"{'n/a' if ttft is None else format(ttft * 1e3, '.1f') + ' ms'}, "
+            f"{'n/a' if rate is None else format(rate, '.2f')} req/s")

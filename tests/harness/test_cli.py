@@ -72,6 +72,11 @@ def test_plan_names_a_bad_key_and_quiet_silences_progress(tmp_path, monkeypatch,
     assert cli.main(["-q", "plan", "exit.treshold=0.2"]) == 2
     err = capsys.readouterr().err
     assert "exit.treshold" in err and "loopbench: preset" not in err
+    # a required value left out is named by its path, without OmegaConf's type trailers
+    assert cli.main(["-q", "plan", "points=[{max_num_seqs:3}]"]) == 2
+    err = capsys.readouterr().err
+    assert "bad configuration: missing required key points[0].num_requests: give it a value" in err
+    assert "object_type" not in err
     assert list(tmp_path.iterdir()) == []
 
 

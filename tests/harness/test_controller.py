@@ -282,3 +282,21 @@ def test_projects_own_repository_clone_symlink_and_worktree_record_their_sha(tmp
     ident = identity.code_identity(wt)
     assert ident["git_sha"] == _git(wt, "rev-parse", "HEAD") != sha
     assert (ident["git_dirty"], ident["git_sha_source"]) == (False, "git")
+
+
+def test_session_logs_echo_one_progress_line_per_online_run(tmp_path):
+    """The controller echoes a session child's ``online`` log lines as ``loopbench: online: ...`` progress lines
+    (the online runs take most of an online plan's wall time and fill no arm of the bar), each line once."""
+    from loopbench.harness import controller
+    log = tmp_path / "cpu0.log"
+    said = []
+    echo = controller._log_echo(log, "online ", "online", lambda phase, what: said.append((phase, what)))
+    echo()                                          # no log yet: nothing
+    log.write_text("[12:00:00]    0 3/5 native_vs_native pair 0 first native: 0.1s 10 tok/s\n"
+                   "[12:00:01] online   0 calibration native rate closed: 16 done\n")
+    echo()
+    with log.open("a") as f:
+        f.write("[12:00:02] online   1 arm native rate 14.973/s: 16 done\n")
+    echo()
+    assert said == [("online", "  0 calibration native rate closed: 16 done"),
+                    ("online", "  1 arm native rate 14.973/s: 16 done")]

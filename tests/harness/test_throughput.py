@@ -167,6 +167,13 @@ def test_gemm_config_for_an_unconfigured_shape_or_a_refused_value_names_it(tmp_p
                           "--gemm-config", "qkv.split_k=2"])
     assert rc == 2
     assert f"{tmp_path / 'none'}: checkpoint directory does not exist" in capsys.readouterr().err
+    # a mistyped --checkpoint alone is named too: never a synthetic model written there and timed under its name
+    rc = throughput.main(["--cache", str(tmp_path / "c"), "--checkpoint", str(tmp_path / "none"), "--repeats", "1"])
+    assert rc == 2 and not (tmp_path / "none").exists()
+    assert f"{tmp_path / 'none'}: checkpoint directory does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        throughput.parse_args(["--preset", "tinyy"])
+    assert exc.value.code == 2 and "invalid choice: 'tinyy' (choose from 'ouro-1.4b', 'tiny')" in capsys.readouterr().err
 
 
 def test_prefetch_next_parses_into_the_model_option_and_bad_values_are_argparse_errors(capsys):
