@@ -65,7 +65,6 @@ The kernels know nothing about exit policies or the scheduler; they read the met
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -73,7 +72,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm import l2_prefetch_if
+from .gemm import l2_prefetch_if, sm_count
 
 LAYOUTS = ("native", "alias")
 
@@ -561,18 +560,6 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int =
     return cfg
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 for any other device)."""
-    if device.type != "cuda":
-        return 0
-    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
                 maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
@@ -688,7 +675,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = torch.empty((n, h, num_splits, head_dim_pad), device=q.device, dtype=torch.float32)
     else:
         part_m = part_l = part_acc = out     # unused by the DIRECT_OUT variant
-    cfg = launch_config(d, block_n, programs=h * n * num_splits, sm_count=_sm_count(q.device))
+    cfg = launch_config(d, block_n, programs=h * n * num_splits, sm_count=sm_count(q.device))
     if num_warps is not None:
         cfg["num_warps"] = num_warps
     if num_stages is not None:

@@ -39,6 +39,7 @@ PDL are CUDA-only and off there.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -374,6 +375,21 @@ def l2_prefetch_bulk(ptrs, nbytes, mask):
                               "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r,r",
                               [ptrs, nbytes + tl.zeros_like(mask.to(tl.int32)), mask.to(tl.int32)], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one for an index-less ``cuda``), 0 for any other
+    device (the grid-size checks of kernels/gemm_norm.py, kernels/mlp_block.py and decode attention's splits)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit

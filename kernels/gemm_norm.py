@@ -30,7 +30,6 @@ when the kernel before it has completed), so one pair per device serves a whole 
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -125,11 +124,6 @@ def _norm_row(row, x, w1, w2, gw, gb, part_ptr, x_out_ptr, h_out_ptr, hazard_ptr
                     offs, mask, hidden, eps, GATE)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def fits(device, config: gm.GemmConfig, n: int) -> bool:
     """Whether :func:`gemm_add_rms_norm` may run an ``n``-column launch on ``device`` with waiting programs: a grid
     of at most one program per SM on a CUDA device, so every program is resident at once, given the whole GPU (no
@@ -138,7 +132,7 @@ def fits(device, config: gm.GemmConfig, n: int) -> bool:
     if device.type != "cuda":
         return True
     programs = triton.cdiv(n, config.block_n) * config.split_k
-    return programs <= _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return programs <= gm.sm_count(device)
 
 
 def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, config: gm.GemmConfig, residual: torch.Tensor,

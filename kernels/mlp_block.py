@@ -58,7 +58,7 @@ import triton.language as tl
 from . import gemm as gm
 from . import pdl
 from .fused_ops import check_gate, check_vectors
-from .gemm_norm import _norm_row, _row_inputs, _sm_count
+from .gemm_norm import _norm_row, _row_inputs
 
 ALL = tl.constexpr(-1)          # the STAGE constexpr: every stage in one launch, barriers between them
 O, N1, U, D, N2 = (tl.constexpr(i) for i in range(5))     # one stage a launch (``staged``)
@@ -329,7 +329,7 @@ def programs_for(device, programs_per_sm: int = 1) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return 8
-    return programs_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return programs_per_sm * gm.sm_count(device)
 
 
 def _stages_that_fit(c: MlpBlockConfig, block_m: int, a: torch.Tensor) -> int:
