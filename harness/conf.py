@@ -524,9 +524,11 @@ def validate(cfg: DictConfig | dict) -> BenchSpec:
 
 
 def plain_error(text: str) -> str:
-    """OmegaConf's error text for people: a missing required value as "missing required key <path>", and OmegaConf's
-    ``full_key`` / ``reference_type`` / ``object_type`` trailers dropped (the path is in the message already)."""
+    """OmegaConf's error text for people: a missing required value as "missing required key <path>"; elsewhere
+    OmegaConf's ``full_key: <path>`` trailer as "(key <path>)" and its ``reference_type`` / ``object_type`` trailers
+    dropped."""
     missing = re.search(r"Missing mandatory value: \S+\s+full_key: (\S+)", text)
     if missing:
         return f"missing required key {missing.group(1)}: give it a value"
-    return re.sub(r"\s+(?:full_key: \S+|reference_type=\S+|object_type=\S+)", "", text).strip()
+    text = re.sub(r"\s+(?:reference_type|object_type)=\S+", "", text)
+    return re.sub(r"\s+full_key: (\S+)", r" (key \1)", text).strip()

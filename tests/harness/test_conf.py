@@ -234,3 +234,13 @@ def test_config_choices_mirror_the_runtime_choices():
         assert [m.value for m in ours] == [m.value for m in runtime], ours.__name__
         assert all(m.name == m.value for m in ours), f"{ours.__name__}: Hydra parses overrides by member name"
     assert [m.value for m in conf.ExitPolicy] == [m.value for m in api.ExitPolicyName if m.value != "replay"]
+
+
+def test_plain_error_words_omegaconf_trailers_for_people():
+    from loopbench.harness.conf import plain_error
+    assert plain_error("Missing mandatory value: num_requests full_key: points[0].num_requests "
+                       "reference_type=PointConf object_type=PointConf") == \
+        "missing required key points[0].num_requests: give it a value"
+    assert plain_error("Value 'x' of type 'str' could not be converted to Integer full_key: pairs "
+                       "object_type=BenchConf") == "Value 'x' of type 'str' could not be converted to Integer (key pairs)"
+    assert plain_error("pairs must be a positive integer, got 0") == "pairs must be a positive integer, got 0"
