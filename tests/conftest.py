@@ -16,6 +16,16 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _language_state() -> list[tuple[object, dict]]:
+    """Every attribute of triton.language's modules and tensor classes, as they are now (taken at this file's
+    import, before any test launches a kernel)."""
+    import triton.language as tl
+    return [(obj, dict(vars(obj))) for obj in (tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base)]
+
+
+_LANGUAGE = _language_state()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
@@ -45,3 +55,21 @@ def model64(tiny_ckpt):
 def naive(tiny_ckpt):
     from loopbench.runtime.reference import NaiveOuro
     return NaiveOuro(*tiny_ckpt, dtype=torch.float64)
+
+
+@pytest.fixture
+def unpatched_triton_language():
+    """triton.language as imported, for a test that compiles a Gluon kernel after interpreted kernels ran in the
+    same process. Triton 3.9's interpreter patches the language while it runs a kernel and restores it after, but a
+    jit helper the kernel calls from another module (``tl.sum`` from triton/language/standard.py) patches
+    ``triton.language.core`` again and never restores it (``InterpretedFunction.__call__``); a later Gluon compile
+    then builds scalar arithmetic with the interpreter ("'value' object has no attribute 'dtype'"). Seen only with
+    an empty Triton cache, where the Gluon kernel is compiled rather than loaded."""
+    for obj, attrs in _LANGUAGE:
+        now = vars(obj)
+        for name in [n for n in now if n not in attrs]:
+            delattr(obj, name)
+        for name, value in attrs.items():
+            if now.get(name) is not value:
+                setattr(obj, name, value)
+    yield

@@ -11,6 +11,8 @@ from loopbench.kernels import wgmma_gemm as wg
 from tests.kernels.test_gemm import graph_replay
 
 SM90_SHARED_LIMIT = 227 * 1024          # the most shared memory one program may take on an H100 / H200
+# the sm_90 compiles run after interpreted kernels in one pytest process (tests/conftest.py says why)
+pytestmark = pytest.mark.usefixtures("unpatched_triton_language")
 
 
 @pytest.mark.parametrize("field,value,words", [
