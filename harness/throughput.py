@@ -335,9 +335,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "error, never a synthetic model written there)")
     ap.add_argument("--cache", default=cache, help="where synthetic checkpoints are written and reused")
     ap.add_argument("--max-num-seqs", type=_at_least_one, default=16, help="B: batch capacity (default: %(default)s)")
-    ap.add_argument("--num-requests", type=_at_least_one, default=32, help="C: requests submitted at once (default: %(default)s)")
-    ap.add_argument("--prompt-len", type=_at_least_one, default=128, help="P: prompt tokens (seeded random ids) (default: %(default)s)")
-    ap.add_argument("--output-len", type=_at_least_one, default=128, help="D: output tokens per request (default: %(default)s)")
+    ap.add_argument("--num-requests", type=_at_least_one, default=32,
+                    help="C: requests submitted at once (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=_at_least_one, default=128,
+                    help="P: prompt tokens (seeded random ids) (default: %(default)s)")
+    ap.add_argument("--output-len", type=_at_least_one, default=128,
+                    help="D: output tokens per request (default: %(default)s)")
     ap.add_argument("--layout", default="native", choices=["native", "alias", "alias_prefix"],
                     help="KV layout (default: %(default)s)")
     ap.add_argument("--backend", default="triton" if device == "cuda" else "torch", choices=["torch", "triton"],

@@ -420,10 +420,10 @@ class OuroModel:
 
     def _swiglu(self, h: torch.Tensor, gate_up: torch.Tensor, glu_cfg, next_weight: torch.Tensor | None
                 ) -> torch.Tensor:
-        """gate_up + SwiGLU in one launch: kernels/wgmma_gemm.py where :meth:`wgmma_config` gives a configuration,
-        else ``gemm.gemm_swiglu`` with ``glu_cfg``."""
+        """gate_up + SwiGLU in one launch, where it runs on our small-M GEMM (``glu_cfg``, its configuration there):
+        kernels/wgmma_gemm.py where :meth:`wgmma_config` would give a configuration, else ``gemm.gemm_swiglu``."""
         from loopbench.kernels import gemm, wgmma_gemm
-        wg = self.wgmma_config(h, gate_up, None, next_weight, swiglu=True)
+        wg = self._wgmma_where_fused(h, gate_up, next_weight, wgmma_gemm.SWIGLU_CONFIGS)
         return wgmma_gemm.gemm_swiglu(h, gate_up, wg) if wg else gemm.gemm_swiglu(h, gate_up, glu_cfg, next_weight)
 
     def wgmma_config(self, x: torch.Tensor, w: torch.Tensor, gemm_rows: int | None = None,
@@ -436,8 +436,17 @@ class OuroModel:
         from loopbench.kernels import gemm, wgmma_gemm
         configs, faster, table = ((gemm.SWIGLU_CONFIGS, gemm.SWIGLU_FASTER_UP_TO, wgmma_gemm.SWIGLU_CONFIGS) if swiglu
                                   else (gemm.CONFIGS, gemm.FASTER_UP_TO, wgmma_gemm.CONFIGS))
-        if (next_weight is not None or x.shape[0] > wgmma_gemm.MAX_M or x.device.type not in ("cuda", "meta")
-                or self._fused_config(configs, faster, w, x, gemm_rows) is None):
+        if self._fused_config(configs, faster, w, x, gemm_rows) is None:
+            return None
+        return self._wgmma_where_fused(x, w, next_weight, table)
+
+    @staticmethod
+    def _wgmma_where_fused(x: torch.Tensor, w: torch.Tensor, next_weight: torch.Tensor | None, table: dict):
+        """The rest of :meth:`wgmma_config`'s decision, for a projection already known to run on our small-M GEMM
+        (its fused configuration in hand): ``table``'s configuration for w's shape, at most ``wgmma_gemm.MAX_M``
+        rows on CUDA (or meta), no L2 prefetch asked for; else None."""
+        from loopbench.kernels import wgmma_gemm
+        if next_weight is not None or x.shape[0] > wgmma_gemm.MAX_M or x.device.type not in ("cuda", "meta"):
             return None
         return table.get(tuple(w.shape))
 
@@ -497,7 +506,7 @@ class OuroModel:
         cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, w, x, gemm_rows)
         if cfg is None:
             return linear(x, w, gemm_rows)
-        wg = self.wgmma_config(x, w, gemm_rows, next_weight)
+        wg = self._wgmma_where_fused(x, w, next_weight, wgmma_gemm.CONFIGS)      # cfg: it runs on our GEMM
         if wg is not None:
             out = wgmma_gemm.gemm(x, w, wg)
             return out if partials or wg.split_k == 1 else gemm.reduce_partials(out, x.dtype)

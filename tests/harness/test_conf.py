@@ -242,5 +242,6 @@ def test_plain_error_words_omegaconf_trailers_for_people():
                        "reference_type=PointConf object_type=PointConf") == \
         "missing required key points[0].num_requests: give it a value"
     assert plain_error("Value 'x' of type 'str' could not be converted to Integer full_key: pairs "
-                       "object_type=BenchConf") == "Value 'x' of type 'str' could not be converted to Integer (key pairs)"
+                       "object_type=BenchConf") == \
+        "Value 'x' of type 'str' could not be converted to Integer (key pairs)"
     assert plain_error("pairs must be a positive integer, got 0") == "pairs must be a positive integer, got 0"

@@ -173,7 +173,8 @@ def test_gemm_config_for_an_unconfigured_shape_or_a_refused_value_names_it(tmp_p
     assert f"{tmp_path / 'none'}: checkpoint directory does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         throughput.parse_args(["--preset", "tinyy"])
-    assert exc.value.code == 2 and "invalid choice: 'tinyy' (choose from 'ouro-1.4b', 'tiny')" in capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "invalid choice: 'tinyy' (choose from 'ouro-1.4b', 'tiny')" in capsys.readouterr().err
 
 
 def test_prefetch_next_parses_into_the_model_option_and_bad_values_are_argparse_errors(capsys):
