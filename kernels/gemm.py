@@ -377,7 +377,6 @@ def l2_prefetch_bulk(ptrs, nbytes, mask):
                               is_pure=False, pack=1)
 
 
-
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (the current one for an index-less ``cuda``), 0 for any other
     device (the grid-size checks of kernels/gemm_norm.py, kernels/mlp_block.py and decode attention's splits)."""

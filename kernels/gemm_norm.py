@@ -30,7 +30,6 @@ when the kernel before it has completed), so one pair per device serves a whole 
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
