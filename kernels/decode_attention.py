@@ -247,6 +247,7 @@ def _decode_attention_split_kernel(
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0, EARLY_KV: tl.constexpr = True,
     PREFETCH_KV: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, PREFETCH_CHUNK: tl.constexpr = 256,
+    KV_AHEAD: tl.constexpr = 1,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
@@ -416,6 +417,21 @@ def _decode_attention_split_kernel(
                             stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             m_i, l_i, acc = _online_softmax_step(q, _widen(k), _widen(v), tile, split_end,
                                                  offs_t, m_i, l_i, acc, BLOCK_N)
+    elif KV_AHEAD == 2:
+        # Two K/V tiles in flight while one is reduced (a split's chain of dependent tiles halves where the grid
+        # leaves registers for a second tile): the same tiles in the same order, so the same bits.
+        k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb, stride_kt,
+                          stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+        block = _direct_pages(bt_plane, tile_lo + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+        for tile in range(tile_lo, tile_hi):
+            k_cur = _widen(k)
+            v_cur = _widen(v)
+            k, v = k2, v2
+            k2, v2 = _load_kv(k_head, v_head, block, tile + 2, split_end, offs_t, mask_d, stride_kb,
+                              stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+            block = _direct_pages(bt_plane, tile + 3, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                 BLOCK_N)
     else:
         for tile in range(tile_lo, tile_hi):
             k_cur = _widen(k)
@@ -563,7 +579,8 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int =
 def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
                 maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
-                early_kv: bool = True, early_trigger: bool = False, prefetch_kv: int = 0) -> None:
+                early_kv: bool = True, early_trigger: bool = False, prefetch_kv: int = 0,
+                kv_ahead: int = 1) -> None:
     """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -586,6 +603,8 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
             raise ValueError(f"{name} must be an int >= 0, got {count!r}")
     if prefetch_kv > MAX_PREFETCH_KV:
         raise ValueError(f"prefetch_kv must be at most {MAX_PREFETCH_KV} tiles, got {prefetch_kv!r}")
+    if kv_ahead not in (1, 2) or isinstance(kv_ahead, bool):
+        raise ValueError(f"kv_ahead must be 1 or 2 (K/V tiles in flight), got {kv_ahead!r}")
     if prefetch_kv and not early_kv:
         raise ValueError("prefetch_kv needs early_kv (it asks L2 for tiles before the PDL wait), got early_kv=False")
 
@@ -599,7 +618,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_warps: int | None = None, num_stages: int | None = None,
                      maxnreg: int | None = None, exit_ahead: bool = True,
                      pipe_stages: int = 0, early_kv: bool = True, early_trigger: bool = False,
-                     prefetch_kv: int = 0) -> torch.Tensor:
+                     prefetch_kv: int = 0, kv_ahead: int = 1) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -635,11 +654,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         prefetch_kv: under PDL with ``early_kv``, also ask L2 for the K/V lines of up to this many tiles after a
             split's first before the wait (``prefetch.global.L2``, CUDA), so they stream in while the previous
             kernel runs (its release decides how long: qkv_rope's ``GemmConfig.early_trigger``). Changes no value.
+        kv_ahead: native layout's hand-pipelined loop only (ignored for ``alias`` and with ``pipe_stages``): K/V
+            tiles in flight while one is reduced, 1 (default) or 2 (one more tile's registers). Changes no value.
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
             layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``maxnreg``,
-            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``, ``prefetch_kv``).
+            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``, ``prefetch_kv``, ``kv_ahead``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -655,7 +676,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
               layout, tile_size)
     check_knobs(block_n=block_n, min_split_tokens=min_split_tokens, max_splits=max_splits, num_warps=num_warps,
                 num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages,
-                early_kv=early_kv, early_trigger=early_trigger, prefetch_kv=prefetch_kv)
+                early_kv=early_kv, early_trigger=early_trigger, prefetch_kv=prefetch_kv, kv_ahead=kv_ahead)
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv
@@ -700,7 +721,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl, early_trigger),
         PIPE_STAGES=pipe_stages, EARLY_KV=early_kv and (use_pdl or not q.is_cuda),
         PREFETCH_KV=prefetch, LINE_ELEMS=128 // q.element_size(),
-        PREFETCH_CHUNK=min(256, triton.next_power_of_2(max(1, prefetch) * block_n)), **cfg)
+        PREFETCH_CHUNK=min(256, triton.next_power_of_2(max(1, prefetch) * block_n)), KV_AHEAD=kv_ahead, **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,
