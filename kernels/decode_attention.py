@@ -289,10 +289,10 @@ def _decode_attention_split_kernel(
     else:
         direct_end = n_ctx
     direct_tiles = direct_end // BLOCK_N
-    # Page lookups run two tiles ahead of the reduction, so the loop over tiles [tile_lo, routed_from)
+    # Page lookups run KV_AHEAD + 1 tiles ahead of the reduction, so the loop over tiles [tile_lo, routed_from)
     # looks up direct tiles only (native code), the loop over [routed_from, tile_hi) routed ones only.
     if LAYOUT_ALIAS:
-        routed_from = tl.minimum(tl.maximum(direct_tiles - 2, tile_lo), tile_hi)
+        routed_from = tl.minimum(tl.maximum(direct_tiles - 1 - KV_AHEAD, tile_lo), tile_hi)
     else:
         routed_from = tile_hi
 
@@ -363,14 +363,30 @@ def _decode_attention_split_kernel(
     if LAYOUT_ALIAS:
         if PREFIX:
             # Direct prefix: the native loop, tile for tile.
-            for tile in range(tile_lo, routed_from):
-                k_cur = _widen(k)
-                v_cur = _widen(v)
-                k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-                block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                     BLOCK_N)
+            if KV_AHEAD == 2:
+                k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb,
+                                  stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+                block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 2, split_end, depth, direct_end,
+                                    direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N,
+                                    PAGE_SIZE, LAYOUT_ALIAS, PREFIX)
+                for tile in range(tile_lo, routed_from):
+                    k_cur = _widen(k)
+                    v_cur = _widen(v)
+                    k, v = k2, v2
+                    k2, v2 = _load_kv(k_head, v_head, block, tile + 2, split_end, offs_t, mask_d, stride_kb,
+                                      stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+                    block = _direct_pages(bt_plane, tile + 3, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+                    m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                         BLOCK_N)
+            else:
+                for tile in range(tile_lo, routed_from):
+                    k_cur = _widen(k)
+                    v_cur = _widen(v)
+                    k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                                    stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+                    block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+                    m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                         BLOCK_N)
             # The routed loop's first K/V pages, looked up afresh (an L1 hit) instead of taken from the loop
             # above: same values, but carrying them across made Triton 3.6 move the routed loop's lookups to
             # another register layout, with a shared-memory exchange and two barriers per tile. Its first
@@ -391,23 +407,57 @@ def _decode_attention_split_kernel(
         # Routed tiles: key p from plane min(d, e_p). Of the tiles looked up here only the first, tile
         # direct_tiles, can hold keys before direct_end (when that is not a multiple of BLOCK_N); with
         # EXIT_AHEAD its exit map was read above, masked, so the loop needs no such mask (MASK_ROUTED).
-        for tile in range(routed_from, tile_hi):
-            k_cur = _widen(k)
-            v_cur = _widen(v)
-            k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+        if KV_AHEAD == 2:
+            # The second tile in flight, then every lookup one tile further ahead. The tiles looked up here that
+            # can hold keys before direct_end (routed_from + 1 .. direct_tiles) are read with the exit map masked
+            # there (MASK_DIRECT = PREFIX); the loop's lookups start past them (routed_from + 4 with EXIT_AHEAD).
+            k2, v2 = _load_kv(k_head, v_head, block, routed_from + 1, split_end, offs_t, mask_d, stride_kb,
+                              stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             if EXIT_AHEAD:
-                block = _routed_pages(bt_row, exit_next, tile + 2, split_end, depth, stride_btp, stride_btj,
+                block = _routed_pages(bt_row, exit_next, routed_from + 2, split_end, depth, stride_btp, stride_btj,
                                       BLOCK_N, PAGE_SIZE)
-                exit_next = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
-                                       BLOCK_N, MASK_ROUTED)
+                exit_next = _exit_tile(exit_row, routed_from + 3, split_end, direct_end, num_planes, stride_emp,
+                                       BLOCK_N, PREFIX)
             else:
-                exit_depth = _exit_tile(exit_row, tile + 2, split_end, direct_end, num_planes, stride_emp,
-                                        BLOCK_N, MASK_ROUTED)
-                block = _routed_pages(bt_row, exit_depth, tile + 2, split_end, depth, stride_btp, stride_btj,
-                                      BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                 BLOCK_N)
+                block = _routed_pages(bt_row, _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes,
+                                                         stride_emp, BLOCK_N, PREFIX),
+                                      routed_from + 2, split_end, depth, stride_btp, stride_btj, BLOCK_N, PAGE_SIZE)
+            for tile in range(routed_from, tile_hi):
+                k_cur = _widen(k)
+                v_cur = _widen(v)
+                k, v = k2, v2
+                k2, v2 = _load_kv(k_head, v_head, block, tile + 2, split_end, offs_t, mask_d, stride_kb,
+                                  stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+                if EXIT_AHEAD:
+                    block = _routed_pages(bt_row, exit_next, tile + 3, split_end, depth, stride_btp, stride_btj,
+                                          BLOCK_N, PAGE_SIZE)
+                    exit_next = _exit_tile(exit_row, tile + 4, split_end, direct_end, num_planes, stride_emp,
+                                           BLOCK_N, MASK_ROUTED)
+                else:
+                    exit_depth = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
+                                            BLOCK_N, MASK_ROUTED)
+                    block = _routed_pages(bt_row, exit_depth, tile + 3, split_end, depth, stride_btp, stride_btj,
+                                          BLOCK_N, PAGE_SIZE)
+                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                     BLOCK_N)
+        else:
+            for tile in range(routed_from, tile_hi):
+                k_cur = _widen(k)
+                v_cur = _widen(v)
+                k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+                if EXIT_AHEAD:
+                    block = _routed_pages(bt_row, exit_next, tile + 2, split_end, depth, stride_btp, stride_btj,
+                                          BLOCK_N, PAGE_SIZE)
+                    exit_next = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
+                                           BLOCK_N, MASK_ROUTED)
+                else:
+                    exit_depth = _exit_tile(exit_row, tile + 2, split_end, direct_end, num_planes, stride_emp,
+                                            BLOCK_N, MASK_ROUTED)
+                    block = _routed_pages(bt_row, exit_depth, tile + 2, split_end, depth, stride_btp, stride_btj,
+                                          BLOCK_N, PAGE_SIZE)
+                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                     BLOCK_N)
     elif PIPE_STAGES > 0:
         # The plain loop, software-pipelined by the compiler (cp.async into PIPE_STAGES shared buffers);
         # the hand-pipelined prologue's loads above are unused here.
@@ -543,6 +593,10 @@ def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, e
 
 UNCAPPED_PROGRAMS_PER_SM = 3    # split programs of 4 warps resident per SM uncapped (alias: 151-161 regs)
 REGISTER_CAP = 128              # registers per thread under the cap: 4 programs of 4 warps per SM
+# K/V tiles in flight (``kv_ahead``) where decode_attention leaves it to the grid: this where no register cap
+# applies, 1 under the cap (two tiles need 166-176 registers uncapped, ptxas, Triton 3.6, sm_90, so 3 programs
+# of 4 warps still fit an SM; under the 128 cap they spill).
+KV_AHEAD_UNCAPPED = 1
 
 
 def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int = 0, sm_count: int = 0) -> dict:
@@ -580,7 +634,7 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
                 maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
                 early_kv: bool = True, early_trigger: bool = False, prefetch_kv: int = 0,
-                kv_ahead: int = 1) -> None:
+                kv_ahead: int | None = None) -> None:
     """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -603,8 +657,8 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
             raise ValueError(f"{name} must be an int >= 0, got {count!r}")
     if prefetch_kv > MAX_PREFETCH_KV:
         raise ValueError(f"prefetch_kv must be at most {MAX_PREFETCH_KV} tiles, got {prefetch_kv!r}")
-    if kv_ahead not in (1, 2) or isinstance(kv_ahead, bool):
-        raise ValueError(f"kv_ahead must be 1 or 2 (K/V tiles in flight), got {kv_ahead!r}")
+    if kv_ahead is not None and (kv_ahead not in (1, 2) or isinstance(kv_ahead, bool)):
+        raise ValueError(f"kv_ahead must be None, 1 or 2 (K/V tiles in flight), got {kv_ahead!r}")
     if prefetch_kv and not early_kv:
         raise ValueError("prefetch_kv needs early_kv (it asks L2 for tiles before the PDL wait), got early_kv=False")
 
@@ -618,7 +672,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_warps: int | None = None, num_stages: int | None = None,
                      maxnreg: int | None = None, exit_ahead: bool = True,
                      pipe_stages: int = 0, early_kv: bool = True, early_trigger: bool = False,
-                     prefetch_kv: int = 0, kv_ahead: int = 1) -> torch.Tensor:
+                     prefetch_kv: int = 0, kv_ahead: int | None = None) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -654,8 +708,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         prefetch_kv: under PDL with ``early_kv``, also ask L2 for the K/V lines of up to this many tiles after a
             split's first before the wait (``prefetch.global.L2``, CUDA), so they stream in while the previous
             kernel runs (its release decides how long: qkv_rope's ``GemmConfig.early_trigger``). Changes no value.
-        kv_ahead: native layout's hand-pipelined loop only (ignored for ``alias`` and with ``pipe_stages``): K/V
-            tiles in flight while one is reduced, 1 (default) or 2 (one more tile's registers). Changes no value.
+        kv_ahead: K/V tiles in flight while one is reduced in the hand-pipelined loops (every layout; ignored by
+            native with ``pipe_stages``): 1, 2 (one more tile's registers; every page and exit-map lookup one
+            tile further ahead too) or None (default): :data:`KV_AHEAD_UNCAPPED` where the launch has no
+            register cap, else 1. Changes no value, only the schedule.
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
@@ -703,6 +759,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cfg["num_stages"] = num_stages
     if maxnreg is not None:
         cfg["maxnreg"] = maxnreg or None
+
+    if kv_ahead is None:
+        kv_ahead = KV_AHEAD_UNCAPPED if cfg.get("maxnreg") is None else 1
 
     alias = layout == "alias"
     prefix = alias and bool(prefix_tiles)

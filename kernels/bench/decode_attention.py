@@ -144,6 +144,8 @@ VARIANTS = {
     "native_ahead2": ("new", "native", False, dict(kv_ahead=2)),
     "native_ahead2_cap": ("new", "native", False, dict(kv_ahead=2, maxnreg=128)),
     "native_ahead2_n16": ("new", "native", False, dict(kv_ahead=2, block_n=16)),
+    "alias_ahead2": ("new", "alias", False, dict(kv_ahead=2)),
+    "prefix_ahead2": ("new", "alias", True, dict(kv_ahead=2)),
     "native_n16": ("new", "native", False, dict(block_n=16)),
     "native_n64": ("new", "native", False, dict(block_n=64)),
     "native_latekv": ("new", "native", False, dict(early_kv=False)),

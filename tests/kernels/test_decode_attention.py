@@ -305,17 +305,20 @@ def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_two_tiles_ahead_change_no_bit(device):
-    # kv_ahead=2 keeps one more K/V tile in flight in the native loop: the same tiles reduced in the same order, so
-    # the bits of the default at every split length, tile edge and short context (tiles past the split masked).
+@pytest.mark.parametrize("kw", [dict(), dict(min_split_tokens=64), dict(block_n=16, exit_ahead=False)])
+def test_two_tiles_ahead_change_no_bit(device, kw):
+    # kv_ahead=2 keeps one more K/V tile in flight and every lookup a tile further ahead, in every layout's loops:
+    # the same tiles reduced in the same order, so the bits of the default at every split length, tile edge, short
+    # context and direct-prefix boundary (the direct loop ends a tile earlier; its lookups stay direct).
     dtype = sweep_dtype(device)
-    case = make_case(14, device, dtype, [1, 17, 32, 33, 64, 65, 97, 264], "boundary")
-    k, v = case["native"]
-    for kw in (dict(), dict(min_split_tokens=64), dict(block_n=16)):
-        want = decode_attention(case["q"], k, v, **case["meta"], layout="native", **kw)
-        got = decode_attention(case["q"], k, v, **case["meta"], layout="native", kv_ahead=2, **kw)
-        assert torch.equal(want, got), f"kv_ahead=2 with {kw}: max diff {(want - got).abs().max().item()}"
-    check_case(case, kv_ahead=2)
+    case = make_case(14, device, dtype, [1, 17, 32, 33, 64, 65, 97, 264, 200, 256], "boundary",
+                     boundaries=BOUNDARIES + LATE_BOUNDARIES)
+    want = run_variants(case, **kw)
+    got = run_variants(case, kv_ahead=2, **kw)
+    for key in VARIANTS:
+        assert torch.equal(want[key], got[key]), (
+            f"{key}, kv_ahead=2 with {kw}: max diff {(want[key].float() - got[key].float()).abs().max().item()}")
+    check_case(case, kv_ahead=2, **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
