@@ -223,6 +223,30 @@ def _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc
     return m_new, l_i, acc
 
 
+@triton.jit
+def _direct_loop(q, k, v, k2, v2, block, k_head, v_head, bt_plane, tile_lo, tile_end, split_end, offs_t, mask_d,
+                 stride_kb, stride_kt, stride_vb, stride_vt, stride_btj, m_i, l_i, acc, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, KV_AHEAD: tl.constexpr):
+    """Tiles ``tile_lo .. tile_end - 1`` read from plane ``d`` (native, and alias+prefix's direct prefix), software-
+    pipelined by hand: ``k, v`` hold tile ``tile_lo``; with ``KV_AHEAD`` 1 ``block`` holds tile ``tile_lo + 1``'s
+    pages (``k2, v2`` unused), with 2 ``k2, v2`` hold tile ``tile_lo + 1`` and ``block`` tile ``tile_lo + 2``'s
+    pages, so two tiles are in flight while one is reduced (a split's chain of dependent loads halves where the
+    grid leaves registers for the second tile). Page lookups run ``KV_AHEAD + 1`` tiles ahead and must be direct
+    up to ``tile_end + KV_AHEAD``. The same tiles in the same order either way: the same bits."""
+    for tile in range(tile_lo, tile_end):
+        k_cur = _widen(k)
+        v_cur = _widen(v)
+        if KV_AHEAD == 2:
+            k, v = k2, v2
+        k2, v2 = _load_kv(k_head, v_head, block, tile + KV_AHEAD, split_end, offs_t, mask_d, stride_kb, stride_kt,
+                          stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+        if KV_AHEAD == 1:
+            k, v = k2, v2
+        block = _direct_pages(bt_plane, tile + KV_AHEAD + 1, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc, BLOCK_N)
+    return m_i, l_i, acc
+
+
 # Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles,
 # except once where its grid crosses launch_config's register-cap threshold (a second compiled variant;
 # the engine meets it in its eager warm-up before graph capture).
@@ -363,30 +387,16 @@ def _decode_attention_split_kernel(
     if LAYOUT_ALIAS:
         if PREFIX:
             # Direct prefix: the native loop, tile for tile.
+            k2, v2 = k, v
             if KV_AHEAD == 2:
                 k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb,
                                   stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
                 block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 2, split_end, depth, direct_end,
                                     direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N,
                                     PAGE_SIZE, LAYOUT_ALIAS, PREFIX)
-                for tile in range(tile_lo, routed_from):
-                    k_cur = _widen(k)
-                    v_cur = _widen(v)
-                    k, v = k2, v2
-                    k2, v2 = _load_kv(k_head, v_head, block, tile + 2, split_end, offs_t, mask_d, stride_kb,
-                                      stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-                    block = _direct_pages(bt_plane, tile + 3, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-                    m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                         BLOCK_N)
-            else:
-                for tile in range(tile_lo, routed_from):
-                    k_cur = _widen(k)
-                    v_cur = _widen(v)
-                    k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                                    stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-                    block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-                    m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                         BLOCK_N)
+            m_i, l_i, acc = _direct_loop(q, k, v, k2, v2, block, k_head, v_head, bt_plane, tile_lo, routed_from,
+                                         split_end, offs_t, mask_d, stride_kb, stride_kt, stride_vb, stride_vt,
+                                         stride_btj, m_i, l_i, acc, BLOCK_N, PAGE_SIZE, KV_AHEAD)
             # The routed loop's first K/V pages, looked up afresh (an L1 hit) instead of taken from the loop
             # above: same values, but carrying them across made Triton 3.6 move the routed loop's lookups to
             # another register layout, with a shared-memory exchange and two barriers per tile. Its first
@@ -467,30 +477,15 @@ def _decode_attention_split_kernel(
                             stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             m_i, l_i, acc = _online_softmax_step(q, _widen(k), _widen(v), tile, split_end,
                                                  offs_t, m_i, l_i, acc, BLOCK_N)
-    elif KV_AHEAD == 2:
-        # Two K/V tiles in flight while one is reduced (a split's chain of dependent tiles halves where the grid
-        # leaves registers for a second tile): the same tiles in the same order, so the same bits.
-        k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb, stride_kt,
-                          stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-        block = _direct_pages(bt_plane, tile_lo + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-        for tile in range(tile_lo, tile_hi):
-            k_cur = _widen(k)
-            v_cur = _widen(v)
-            k, v = k2, v2
-            k2, v2 = _load_kv(k_head, v_head, block, tile + 2, split_end, offs_t, mask_d, stride_kb,
-                              stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-            block = _direct_pages(bt_plane, tile + 3, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                 BLOCK_N)
     else:
-        for tile in range(tile_lo, tile_hi):
-            k_cur = _widen(k)
-            v_cur = _widen(v)
-            k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-            block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                 BLOCK_N)
+        k2, v2 = k, v
+        if KV_AHEAD == 2:
+            k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb, stride_kt,
+                              stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+            block = _direct_pages(bt_plane, tile_lo + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _direct_loop(q, k, v, k2, v2, block, k_head, v_head, bt_plane, tile_lo, tile_hi, split_end,
+                                     offs_t, mask_d, stride_kb, stride_kt, stride_vb, stride_vt, stride_btj, m_i, l_i,
+                                     acc, BLOCK_N, PAGE_SIZE, KV_AHEAD)
 
     pdl.release(PDL)
     m = tl.max(m_i, axis=0)
