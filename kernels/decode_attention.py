@@ -223,30 +223,6 @@ def _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc
     return m_new, l_i, acc
 
 
-@triton.jit
-def _direct_loop(q, k, v, k2, v2, block, k_head, v_head, bt_plane, tile_lo, tile_end, split_end, offs_t, mask_d,
-                 stride_kb, stride_kt, stride_vb, stride_vt, stride_btj, m_i, l_i, acc, BLOCK_N: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, KV_AHEAD: tl.constexpr):
-    """Tiles ``tile_lo .. tile_end - 1`` read from plane ``d`` (native, and alias+prefix's direct prefix), software-
-    pipelined by hand: ``k, v`` hold tile ``tile_lo``; with ``KV_AHEAD`` 1 ``block`` holds tile ``tile_lo + 1``'s
-    pages (``k2, v2`` unused), with 2 ``k2, v2`` hold tile ``tile_lo + 1`` and ``block`` tile ``tile_lo + 2``'s
-    pages, so two tiles are in flight while one is reduced (a split's chain of dependent loads halves where the
-    grid leaves registers for the second tile). Page lookups run ``KV_AHEAD + 1`` tiles ahead and must be direct
-    up to ``tile_end + KV_AHEAD``. The same tiles in the same order either way: the same bits."""
-    for tile in range(tile_lo, tile_end):
-        k_cur = _widen(k)
-        v_cur = _widen(v)
-        if KV_AHEAD == 2:
-            k, v = k2, v2
-        k2, v2 = _load_kv(k_head, v_head, block, tile + KV_AHEAD, split_end, offs_t, mask_d, stride_kb, stride_kt,
-                          stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-        if KV_AHEAD == 1:
-            k, v = k2, v2
-        block = _direct_pages(bt_plane, tile + KV_AHEAD + 1, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc, BLOCK_N)
-    return m_i, l_i, acc
-
-
 # Sizes that vary with the batch are not specialised on (== 1, % 16), so a new batch shape never recompiles,
 # except once where its grid crosses launch_config's register-cap threshold (a second compiled variant;
 # the engine meets it in its eager warm-up before graph capture).
@@ -271,7 +247,6 @@ def _decode_attention_split_kernel(
     LAYOUT_ALIAS: tl.constexpr, PREFIX: tl.constexpr, MASK_ROUTED: tl.constexpr, EXIT_AHEAD: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PDL: tl.constexpr = False, PIPE_STAGES: tl.constexpr = 0, EARLY_KV: tl.constexpr = True,
     PREFETCH_KV: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, PREFETCH_CHUNK: tl.constexpr = 256,
-    KV_AHEAD: tl.constexpr = 1,
 ):
     head = tl.program_id(0)          # fastest grid axis: the query heads of one kv head run side by side
     row = tl.program_id(1)
@@ -313,10 +288,10 @@ def _decode_attention_split_kernel(
     else:
         direct_end = n_ctx
     direct_tiles = direct_end // BLOCK_N
-    # Page lookups run KV_AHEAD + 1 tiles ahead of the reduction, so the loop over tiles [tile_lo, routed_from)
+    # Page lookups run two tiles ahead of the reduction, so the loop over tiles [tile_lo, routed_from)
     # looks up direct tiles only (native code), the loop over [routed_from, tile_hi) routed ones only.
     if LAYOUT_ALIAS:
-        routed_from = tl.minimum(tl.maximum(direct_tiles - 1 - KV_AHEAD, tile_lo), tile_hi)
+        routed_from = tl.minimum(tl.maximum(direct_tiles - 2, tile_lo), tile_hi)
     else:
         routed_from = tile_hi
 
@@ -387,16 +362,14 @@ def _decode_attention_split_kernel(
     if LAYOUT_ALIAS:
         if PREFIX:
             # Direct prefix: the native loop, tile for tile.
-            k2, v2 = k, v
-            if KV_AHEAD == 2:
-                k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb,
-                                  stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-                block = _tile_pages(bt_row, bt_plane, exit_row, tile_lo + 2, split_end, depth, direct_end,
-                                    direct_tiles, num_planes, stride_btp, stride_btj, stride_emp, BLOCK_N,
-                                    PAGE_SIZE, LAYOUT_ALIAS, PREFIX)
-            m_i, l_i, acc = _direct_loop(q, k, v, k2, v2, block, k_head, v_head, bt_plane, tile_lo, routed_from,
-                                         split_end, offs_t, mask_d, stride_kb, stride_kt, stride_vb, stride_vt,
-                                         stride_btj, m_i, l_i, acc, BLOCK_N, PAGE_SIZE, KV_AHEAD)
+            for tile in range(tile_lo, routed_from):
+                k_cur = _widen(k)
+                v_cur = _widen(v)
+                k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+                block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                     BLOCK_N)
             # The routed loop's first K/V pages, looked up afresh (an L1 hit) instead of taken from the loop
             # above: same values, but carrying them across made Triton 3.6 move the routed loop's lookups to
             # another register layout, with a shared-memory exchange and two barriers per tile. Its first
@@ -417,57 +390,23 @@ def _decode_attention_split_kernel(
         # Routed tiles: key p from plane min(d, e_p). Of the tiles looked up here only the first, tile
         # direct_tiles, can hold keys before direct_end (when that is not a multiple of BLOCK_N); with
         # EXIT_AHEAD its exit map was read above, masked, so the loop needs no such mask (MASK_ROUTED).
-        if KV_AHEAD == 2:
-            # The second tile in flight, then every lookup one tile further ahead. The tiles looked up here that
-            # can hold keys before direct_end (routed_from + 1 .. direct_tiles) are read with the exit map masked
-            # there (MASK_DIRECT = PREFIX); the loop's lookups start past them (routed_from + 4 with EXIT_AHEAD).
-            k2, v2 = _load_kv(k_head, v_head, block, routed_from + 1, split_end, offs_t, mask_d, stride_kb,
-                              stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+        for tile in range(routed_from, tile_hi):
+            k_cur = _widen(k)
+            v_cur = _widen(v)
+            k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
             if EXIT_AHEAD:
-                block = _routed_pages(bt_row, exit_next, routed_from + 2, split_end, depth, stride_btp, stride_btj,
+                block = _routed_pages(bt_row, exit_next, tile + 2, split_end, depth, stride_btp, stride_btj,
                                       BLOCK_N, PAGE_SIZE)
-                exit_next = _exit_tile(exit_row, routed_from + 3, split_end, direct_end, num_planes, stride_emp,
-                                       BLOCK_N, PREFIX)
+                exit_next = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
+                                       BLOCK_N, MASK_ROUTED)
             else:
-                block = _routed_pages(bt_row, _exit_tile(exit_row, routed_from + 2, split_end, direct_end, num_planes,
-                                                         stride_emp, BLOCK_N, PREFIX),
-                                      routed_from + 2, split_end, depth, stride_btp, stride_btj, BLOCK_N, PAGE_SIZE)
-            for tile in range(routed_from, tile_hi):
-                k_cur = _widen(k)
-                v_cur = _widen(v)
-                k, v = k2, v2
-                k2, v2 = _load_kv(k_head, v_head, block, tile + 2, split_end, offs_t, mask_d, stride_kb,
-                                  stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-                if EXIT_AHEAD:
-                    block = _routed_pages(bt_row, exit_next, tile + 3, split_end, depth, stride_btp, stride_btj,
-                                          BLOCK_N, PAGE_SIZE)
-                    exit_next = _exit_tile(exit_row, tile + 4, split_end, direct_end, num_planes, stride_emp,
-                                           BLOCK_N, MASK_ROUTED)
-                else:
-                    exit_depth = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
-                                            BLOCK_N, MASK_ROUTED)
-                    block = _routed_pages(bt_row, exit_depth, tile + 3, split_end, depth, stride_btp, stride_btj,
-                                          BLOCK_N, PAGE_SIZE)
-                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                     BLOCK_N)
-        else:
-            for tile in range(routed_from, tile_hi):
-                k_cur = _widen(k)
-                v_cur = _widen(v)
-                k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
-                                stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-                if EXIT_AHEAD:
-                    block = _routed_pages(bt_row, exit_next, tile + 2, split_end, depth, stride_btp, stride_btj,
-                                          BLOCK_N, PAGE_SIZE)
-                    exit_next = _exit_tile(exit_row, tile + 3, split_end, direct_end, num_planes, stride_emp,
-                                           BLOCK_N, MASK_ROUTED)
-                else:
-                    exit_depth = _exit_tile(exit_row, tile + 2, split_end, direct_end, num_planes, stride_emp,
-                                            BLOCK_N, MASK_ROUTED)
-                    block = _routed_pages(bt_row, exit_depth, tile + 2, split_end, depth, stride_btp, stride_btj,
-                                          BLOCK_N, PAGE_SIZE)
-                m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
-                                                     BLOCK_N)
+                exit_depth = _exit_tile(exit_row, tile + 2, split_end, direct_end, num_planes, stride_emp,
+                                        BLOCK_N, MASK_ROUTED)
+                block = _routed_pages(bt_row, exit_depth, tile + 2, split_end, depth, stride_btp, stride_btj,
+                                      BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                 BLOCK_N)
     elif PIPE_STAGES > 0:
         # The plain loop, software-pipelined by the compiler (cp.async into PIPE_STAGES shared buffers);
         # the hand-pipelined prologue's loads above are unused here.
@@ -478,14 +417,14 @@ def _decode_attention_split_kernel(
             m_i, l_i, acc = _online_softmax_step(q, _widen(k), _widen(v), tile, split_end,
                                                  offs_t, m_i, l_i, acc, BLOCK_N)
     else:
-        k2, v2 = k, v
-        if KV_AHEAD == 2:
-            k2, v2 = _load_kv(k_head, v_head, block, tile_lo + 1, split_end, offs_t, mask_d, stride_kb, stride_kt,
-                              stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
-            block = _direct_pages(bt_plane, tile_lo + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
-        m_i, l_i, acc = _direct_loop(q, k, v, k2, v2, block, k_head, v_head, bt_plane, tile_lo, tile_hi, split_end,
-                                     offs_t, mask_d, stride_kb, stride_kt, stride_vb, stride_vt, stride_btj, m_i, l_i,
-                                     acc, BLOCK_N, PAGE_SIZE, KV_AHEAD)
+        for tile in range(tile_lo, tile_hi):
+            k_cur = _widen(k)
+            v_cur = _widen(v)
+            k, v = _load_kv(k_head, v_head, block, tile + 1, split_end, offs_t, mask_d, stride_kb,
+                            stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, "")
+            block = _direct_pages(bt_plane, tile + 2, split_end, stride_btj, BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _online_softmax_step(q, k_cur, v_cur, tile, split_end, offs_t, m_i, l_i, acc,
+                                                 BLOCK_N)
 
     pdl.release(PDL)
     m = tl.max(m_i, axis=0)
@@ -588,10 +527,6 @@ def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, e
 
 UNCAPPED_PROGRAMS_PER_SM = 3    # split programs of 4 warps resident per SM uncapped (alias: 151-161 regs)
 REGISTER_CAP = 128              # registers per thread under the cap: 4 programs of 4 warps per SM
-# K/V tiles in flight (``kv_ahead``) where decode_attention leaves it to the grid: this where no register cap
-# applies, 1 under the cap (two tiles need 166-176 registers uncapped, ptxas, Triton 3.6, sm_90, so 3 programs
-# of 4 warps still fit an SM; under the 128 cap they spill).
-KV_AHEAD_UNCAPPED = 1
 
 
 def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int = 0, sm_count: int = 0) -> dict:
@@ -628,8 +563,7 @@ def launch_config(head_dim: int, block_n: int = DEFAULT_BLOCK_N, programs: int =
 def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_SPLIT_TOKENS,
                 max_splits: int = MAX_SPLITS, num_warps: int | None = None, num_stages: int | None = None,
                 maxnreg: int | None = None, exit_ahead: bool = True, pipe_stages: int = 0,
-                early_kv: bool = True, early_trigger: bool = False, prefetch_kv: int = 0,
-                kv_ahead: int | None = None) -> None:
+                early_kv: bool = True, early_trigger: bool = False, prefetch_kv: int = 0) -> None:
     """ValueError naming the first of :func:`decode_attention`'s tuning knobs that is out of range."""
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -652,8 +586,6 @@ def check_knobs(*, block_n: int = DEFAULT_BLOCK_N, min_split_tokens: int = MIN_S
             raise ValueError(f"{name} must be an int >= 0, got {count!r}")
     if prefetch_kv > MAX_PREFETCH_KV:
         raise ValueError(f"prefetch_kv must be at most {MAX_PREFETCH_KV} tiles, got {prefetch_kv!r}")
-    if kv_ahead is not None and (kv_ahead not in (1, 2) or isinstance(kv_ahead, bool)):
-        raise ValueError(f"kv_ahead must be None, 1 or 2 (K/V tiles in flight), got {kv_ahead!r}")
     if prefetch_kv and not early_kv:
         raise ValueError("prefetch_kv needs early_kv (it asks L2 for tiles before the PDL wait), got early_kv=False")
 
@@ -667,7 +599,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_warps: int | None = None, num_stages: int | None = None,
                      maxnreg: int | None = None, exit_ahead: bool = True,
                      pipe_stages: int = 0, early_kv: bool = True, early_trigger: bool = False,
-                     prefetch_kv: int = 0, kv_ahead: int | None = None) -> torch.Tensor:
+                     prefetch_kv: int = 0) -> torch.Tensor:
     """Causal decode attention over a paged, depth-planed KV cache (DESIGN.md contract).
 
     Args:
@@ -703,15 +635,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         prefetch_kv: under PDL with ``early_kv``, also ask L2 for the K/V lines of up to this many tiles after a
             split's first before the wait (``prefetch.global.L2``, CUDA), so they stream in while the previous
             kernel runs (its release decides how long: qkv_rope's ``GemmConfig.early_trigger``). Changes no value.
-        kv_ahead: K/V tiles in flight while one is reduced in the hand-pipelined loops (every layout; ignored by
-            native with ``pipe_stages``): 1, 2 (one more tile's registers; every page and exit-map lookup one
-            tile further ahead too) or None (default): :data:`KV_AHEAD_UNCAPPED` where the launch has no
-            register cap, else 1. Changes no value, only the schedule.
 
     Raises:
         ValueError: a tensor's shape, dtype, device or contiguity breaks the contract above, an unknown
             layout, or a knob out of range (``block_n``, ``min_split_tokens``, ``max_splits``, ``maxnreg``,
-            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``, ``prefetch_kv``, ``kv_ahead``).
+            ``pipe_stages``, ``exit_ahead``, ``early_kv``, ``early_trigger``, ``prefetch_kv``).
 
     Returns:
         ``[N, H, D]`` in q's dtype; softmax and accumulation in float32. Head ``h`` uses kv head
@@ -727,7 +655,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
               layout, tile_size)
     check_knobs(block_n=block_n, min_split_tokens=min_split_tokens, max_splits=max_splits, num_warps=num_warps,
                 num_stages=num_stages, maxnreg=maxnreg, exit_ahead=exit_ahead, pipe_stages=pipe_stages,
-                early_kv=early_kv, early_trigger=early_trigger, prefetch_kv=prefetch_kv, kv_ahead=kv_ahead)
+                early_kv=early_kv, early_trigger=early_trigger, prefetch_kv=prefetch_kv)
     n, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
     group = h // hkv
@@ -755,9 +683,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if maxnreg is not None:
         cfg["maxnreg"] = maxnreg or None
 
-    if kv_ahead is None:
-        kv_ahead = KV_AHEAD_UNCAPPED if cfg.get("maxnreg") is None else 1
-
     alias = layout == "alias"
     prefix = alias and bool(prefix_tiles)
     use_pdl = pdl.active(q)
@@ -775,7 +700,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         EXIT_AHEAD=bool(exit_ahead), DIRECT_OUT=num_splits == 1, PDL=pdl.mode(use_pdl, early_trigger),
         PIPE_STAGES=pipe_stages, EARLY_KV=early_kv and (use_pdl or not q.is_cuda),
         PREFETCH_KV=prefetch, LINE_ELEMS=128 // q.element_size(),
-        PREFETCH_CHUNK=min(256, triton.next_power_of_2(max(1, prefetch) * block_n)), KV_AHEAD=kv_ahead, **cfg)
+        PREFETCH_CHUNK=min(256, triton.next_power_of_2(max(1, prefetch) * block_n)), **cfg)
     if num_splits > 1:
         _decode_attention_merge_kernel[(n, h)](
             part_m, part_l, part_acc, out,

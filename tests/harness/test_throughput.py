@@ -315,7 +315,7 @@ def test_attention_config_parses_through_the_kernels_own_checks(capsys):
     assert args.attention_config == {"block_n": 64, "exit_ahead": False, "maxnreg": 0}
     assert set(throughput.attention_knobs()) == {"block_n", "min_split_tokens", "max_splits", "num_warps", "num_stages",
                                                  "maxnreg", "exit_ahead", "pipe_stages", "early_kv",
-                                                 "early_trigger", "prefetch_kv", "kv_ahead"}
+                                                 "early_trigger", "prefetch_kv"}
     for argv, message in ((["block_n=48"], "block_n must be a power of two >= 16, got 48"),
                           (["blockn=64"], "'blockn=64' is not KNOB=VALUE with KNOB one of block_n"),
                           (["exit_ahead=maybe"], "exit_ahead must be true or false, got 'maybe'"),

@@ -260,7 +260,7 @@ def test_rejects_bad_arguments():
             decode_attention(case["q"], k, v, **case["meta"], maxnreg=bad)
     for knob, bad in (("num_warps", 3), ("num_stages", 0), ("exit_ahead", 1), ("early_kv", 0), ("early_trigger", 0),
                       ("block_n", 16.0), ("max_splits", 0),
-                      ("prefetch_kv", -1), ("prefetch_kv", 33), ("kv_ahead", 3), ("kv_ahead", True)):
+                      ("prefetch_kv", -1), ("prefetch_kv", 33)):
         with pytest.raises(ValueError, match=knob):
             decode_attention(case["q"], k, v, **case["meta"], **{knob: bad})
     with pytest.raises(ValueError, match="prefetch_kv needs early_kv"):
@@ -302,23 +302,6 @@ def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size,
     assert torch.equal(before, after)
     plain = decode_attention(case["q"], k, v, **meta, layout="alias", prefix_tiles=False, **kw)
     assert not torch.equal(before, plain), "the tampered exit map should change the per-key reader"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kw", [dict(), dict(min_split_tokens=64), dict(block_n=16, exit_ahead=False)])
-def test_two_tiles_ahead_change_no_bit(device, kw):
-    # kv_ahead=2 keeps one more K/V tile in flight and every lookup a tile further ahead, in every layout's loops:
-    # the same tiles reduced in the same order, so the bits of the default at every split length, tile edge, short
-    # context and direct-prefix boundary (the direct loop ends a tile earlier; its lookups stay direct).
-    dtype = sweep_dtype(device)
-    case = make_case(14, device, dtype, [1, 17, 32, 33, 64, 65, 97, 264, 200, 256], "boundary",
-                     boundaries=BOUNDARIES + LATE_BOUNDARIES)
-    want = run_variants(case, **kw)
-    got = run_variants(case, kv_ahead=2, **kw)
-    for key in VARIANTS:
-        assert torch.equal(want[key], got[key]), (
-            f"{key}, kv_ahead=2 with {kw}: max diff {(want[key].float() - got[key].float()).abs().max().item()}")
-    check_case(case, kv_ahead=2, **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -402,7 +385,7 @@ def test_register_cap_follows_the_grid_not_the_layout():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("kw", [dict(maxnreg=0), dict(maxnreg=128), dict(exit_ahead=False),
                                 dict(pipe_stages=3), dict(early_kv=False), dict(early_trigger=True),
-                                dict(prefetch_kv=4), dict(kv_ahead=2), dict(kv_ahead=2, block_n=16)])
+                                dict(prefetch_kv=4)])
 def test_schedule_knobs_change_no_bit(kw):
     # The register cap and the exit-map look-ahead change the schedule only: same bits as the defaults.
     case = make_case(12, "cuda", torch.bfloat16, [17, 64, 130, 256], "boundary", heads=16, kv_heads=16,

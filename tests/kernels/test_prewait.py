@@ -148,8 +148,7 @@ def test_attention_sees_the_kv_write_even_if_it_lands_at_the_wait(recorder, cont
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(min_split_tokens=32), dict(pipe_stages=2), dict(early_kv=False),
-                                dict(exit_ahead=False, min_split_tokens=32), dict(kv_ahead=2),
-                                dict(kv_ahead=2, min_split_tokens=32)])
+                                dict(exit_ahead=False, min_split_tokens=32)])
 def test_attention_at_odd_positions(recorder, kw):
     # Rows at and past the cache's end, at -1 and 0 and on tile edges (one position per slot, as the engine runs
     # one row per request), against the reference; the caches hold no NaN, so the reference is finite everywhere.
