@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from . import rules
 from .online.config import OnlineConf
@@ -336,6 +336,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         except (ConfigCompositionException, OverrideParseException, AssertionError, AttributeError) as exc:
             _check_preset_keys(config_name, set())
             _check_override_keys(overrides)
+            _check_list_indices(_compose, config_name, overrides)
             _check_null_nodes(_compose, config_name, overrides)
             if isinstance(exc, HydraException):
                 raise     # not a key: Hydra's message, whose cause names the bad value
@@ -464,6 +465,35 @@ def _check_bracketed_keys(overrides: list[str]) -> None:
         rules.check_key_path(dotted, None, BenchConf)
         raise ValueError(f"{line}: an override names a list item by a dot, not brackets: "
                          f"{key[:len(key) - len(path)]}{dotted}{eq}{value}")
+
+
+def _check_list_indices(compose_, config_name: str, overrides: list[str]) -> None:
+    """ValueError (``rules.list_index``) for the first override whose key indexes a list past its end
+    (``comparisons.5.candidate=alias`` where the preset has three): OmegaConf fails there with a type error about
+    an empty dict that names neither the list nor the index. Each override is looked at in the config composed
+    (``compose_``, Hydra's) of the overrides before it, so a list an earlier one sets whole counts as set."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return
+    for i, override in enumerate(parsed):
+        parts = override.key_or_group.split(".")
+        if override.is_delete() or _hydras_own(override) or not any(p.isdigit() for p in parts):
+            continue
+        try:
+            cfg = compose_(config_name=config_name, overrides=overrides[:i])
+        except (HydraException, AssertionError, AttributeError):
+            return    # an earlier override fails on its own account
+        node = cfg
+        for n, part in enumerate(parts):
+            if isinstance(node, ListConfig) and part.isdigit() and int(part) >= len(node):
+                raise rules.list_index(override.input_line, ".".join(parts[:n]), int(part), len(node))
+            node = OmegaConf.select(cfg, ".".join(parts[:n + 1]), default=None)
+            if not isinstance(node, (DictConfig, ListConfig)):
+                break
 
 
 def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:

@@ -58,6 +58,14 @@ def dotted(path: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
+def list_index(override: str, node: str, index: int, length: int) -> ValueError:
+    """The one message for ``override`` naming item ``index`` of the list ``node``, which has ``length`` items where
+    it applies: an override changes an item that is there, and a list grows only by being set whole."""
+    have = f"items 0-{length - 1}" if length > 1 else ("item 0" if length else "no items")
+    return ValueError(f"cannot apply {override}: {node} has {have}, not {index}; to add items, set it whole "
+                      f"({node}=[...])")
+
+
 def null_node(override: str, node: str, where: str, schema: Any, presets: typing.Sequence[str] = ()) -> ValueError:
     """The one message for ``override`` writing into ``node``, which is null ``where`` it applies ("in preset
     cpu-smoke"): OmegaConf fails there with an assertion that names nothing. ``schema`` is the node's type hint.

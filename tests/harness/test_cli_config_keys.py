@@ -71,6 +71,8 @@ def test_a_misspelt_override_is_one_line_with_the_closest_key(tmp_path, monkeypa
     ("online={num_requests:3}", "cannot apply online={num_requests:3}: " + ONLINE_NULL),   # whole: no better
     ("executor.gpus.0=1", "cannot apply executor.gpus.0=1: executor.gpus is null in preset cpu-smoke; set it whole "
                           "(executor.gpus=[...])"),
+    ("comparisons.7.candidate=alias", "cannot apply comparisons.7.candidate=alias: comparisons has items 0-2, not 7; "
+                                      "to add items, set it whole (comparisons=[...])"),
     ("comparisons[0].candidate=alias",
      "comparisons[0].candidate=alias: an override names a list item by a dot, not brackets: "
      "comparisons.0.candidate=alias"),

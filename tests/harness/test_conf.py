@@ -84,6 +84,29 @@ def test_an_override_into_a_null_node_is_named_with_what_to_do(preset, overrides
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["comparisons.5.candidate=alias"],
+     "cannot apply comparisons.5.candidate=alias: comparisons has items 0-2, not 5; to add items, set it whole "
+     "(comparisons=[...])"),
+    (["points.2={max_num_seqs: 4}"],
+     "cannot apply points.2={max_num_seqs: 4}: points has items 0-1, not 2; to add items, set it whole (points=[...])"),
+    (["comparisons=[{baseline: native, candidate: alias}]", "comparisons.1.candidate=alias"],   # set by an override
+     "cannot apply comparisons.1.candidate=alias: comparisons has item 0, not 1; to add items, set it whole "
+     "(comparisons=[...])"),
+])
+def test_an_override_past_a_lists_end_names_the_list_and_its_items(overrides, message):
+    # OmegaConf's own message there is "Invalid type assigned: dict is not a subclass of ComparisonConf. value: {}"
+    with pytest.raises(ValueError) as err:
+        conf.compose("cpu-smoke", overrides)
+    assert str(err.value) == message
+
+
+def test_what_the_list_index_message_advises_composes():
+    cfg = conf.compose("cpu-smoke", ["comparisons=[{baseline: native, candidate: alias}, {baseline: native, "
+                                     "candidate: alias}]", "comparisons.1.candidate=native"])
+    assert [c.candidate for c in cfg.comparisons] == ["alias", "native"]
+
+
 def test_what_the_null_node_messages_advise_composes():
     assert conf.compose("cpu-online", ["online.num_requests=3"]).online.num_requests == 3
     assert list(conf.compose("cpu-smoke", ["executor.gpus=[0,2]", "executor.gpus.0=1"]).executor.gpus) == [1, 2]
