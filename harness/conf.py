@@ -481,16 +481,17 @@ def _check_list_indices(compose_, config_name: str, overrides: list[str]) -> Non
         return
     for i, override in enumerate(parsed):
         parts = override.key_or_group.split(".")
-        if override.is_delete() or _hydras_own(override) or not any(p.isdigit() for p in parts):
+        indices = [int(p) if re.fullmatch(r"\d+(?:_\d+)*", p) else None for p in parts]    # 1_0 is 10 to Hydra
+        if override.is_delete() or _hydras_own(override) or indices == [None] * len(parts):
             continue
         try:
             cfg = compose_(config_name=config_name, overrides=overrides[:i])
         except (HydraException, AssertionError, AttributeError):
             return    # an earlier override fails on its own account
         node = cfg
-        for n, part in enumerate(parts):
-            if isinstance(node, ListConfig) and part.isdigit() and int(part) >= len(node):
-                raise rules.list_index(override.input_line, ".".join(parts[:n]), int(part), len(node))
+        for n in range(len(parts)):
+            if isinstance(node, ListConfig) and indices[n] is not None and indices[n] >= len(node):
+                raise rules.list_index(override.input_line, ".".join(parts[:n]), indices[n], len(node))
             node = OmegaConf.select(cfg, ".".join(parts[:n + 1]), default=None)
             if not isinstance(node, (DictConfig, ListConfig)):
                 break

@@ -90,6 +90,9 @@ def test_an_override_into_a_null_node_is_named_with_what_to_do(preset, overrides
      "(comparisons=[...])"),
     (["points.2={max_num_seqs: 4}"],
      "cannot apply points.2={max_num_seqs: 4}: points has items 0-1, not 2; to add items, set it whole (points=[...])"),
+    (["comparisons.1_0.candidate=alias"],                                   # Hydra reads 1_0 as 10
+     "cannot apply comparisons.1_0.candidate=alias: comparisons has items 0-2, not 10; to add items, set it whole "
+     "(comparisons=[...])"),
     (["comparisons=[{baseline: native, candidate: alias}]", "comparisons.1.candidate=alias"],   # set by an override
      "cannot apply comparisons.1.candidate=alias: comparisons has item 0, not 1; to add items, set it whole "
      "(comparisons=[...])"),
