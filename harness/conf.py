@@ -329,7 +329,10 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     _check_deletions(overrides)     # `~pairs` composes, and the config then lacks a key that every stage reads
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:
-            return _compose(config_name=config_name, overrides=overrides)
+            cfg = _compose(config_name=config_name, overrides=overrides)
+            if _sets_an_empty_dict(overrides):
+                _check_null_nodes(_compose, config_name, overrides)   # `online={}` composes, to a null section
+            return cfg
         # OmegaConf fails with an AssertionError or AttributeError, not a key error, on an override into a null
         # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`); Hydra's lexer refuses a list
         # index in brackets (`comparisons[0].candidate=alias`) without naming the key
@@ -497,11 +500,26 @@ def _check_list_indices(compose_, config_name: str, overrides: list[str]) -> Non
                 break
 
 
+def _sets_an_empty_dict(overrides: list[str]) -> bool:
+    """Whether an override sets a key to ``{}`` (an override Hydra composes even where the node is a null section)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if not any("{}" in o.replace(" ", "") for o in overrides):
+        return False
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return False
+    return any(not (o.is_delete() or o.is_sweep_override()) and o.value() == {} for o in parsed)
+
+
 def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:
     """ValueError (``rules.null_node``) for the first override that writes into a node that is null where it
     applies: a key below it (``online.num_requests=3``, ``executor.gpus.0=1``) or, for a section, the section
-    whole (``online={num_requests: 3}``). Each override is looked at in the config composed (``compose_``,
-    Hydra's) of the overrides before it, so a node that an earlier one nulls (``online=null``) counts."""
+    whole (``online={num_requests: 3}``, and ``online={}``, which composes but leaves the section null, so the run
+    would have no online track). Each override is looked at in the config composed (``compose_``, Hydra's) of the
+    overrides before it, so a node that an earlier one nulls (``online=null``) counts."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -525,8 +543,8 @@ def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:
             if OmegaConf.select(cfg, node, default=absent) is not None:
                 continue
             hint = rules.schema_at(node, BenchConf)
-            if n == len(parts) and not (value and isinstance(value, dict) and dataclasses.is_dataclass(hint)):
-                break     # a null node set whole: a list or dict takes the value (`online={}` leaves a section null)
+            if n == len(parts) and not (isinstance(value, dict) and dataclasses.is_dataclass(hint)):
+                break     # a null list or dict set whole takes the value; a null section takes none, not even {}
             setter = next((o.input_line for o in reversed(parsed[:i]) if f"{node}.".startswith(f"{o.key_or_group}.")),
                           None)
             in_preset = OmegaConf.select(compose_(config_name=config_name, overrides=[]), node, default=absent) is None

@@ -69,6 +69,7 @@ def test_a_misspelt_override_is_one_line_with_the_closest_key(tmp_path, monkeypa
     ("+online.num_requests=3", "cannot apply +online.num_requests=3: " + ONLINE_NULL),
     ("online.rates=[1.0]", "cannot apply online.rates=[1.0]: " + ONLINE_NULL),
     ("online={num_requests:3}", "cannot apply online={num_requests:3}: " + ONLINE_NULL),   # whole: no better
+    ("online={}", "cannot apply online={}: " + ONLINE_NULL),        # composes, but to no online track
     ("executor.gpus.0=1", "cannot apply executor.gpus.0=1: executor.gpus is null in preset cpu-smoke; set it whole "
                           "(executor.gpus=[...])"),
     ("comparisons.7.candidate=alias", "cannot apply comparisons.7.candidate=alias: comparisons has items 0-2, not 7; "

@@ -66,8 +66,12 @@ def test_misspelt_key_is_named_with_the_closest_key_not_hydras_append_hint(overr
      "cannot apply online.num_requests=3: online is null in preset cpu-smoke; an override cannot fill a null section, "
      "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
      "of your own in configs/"),
-    ("cpu-smoke", ["online={}", "online.num_requests=3"],      # {} merged into a null section leaves it null
-     "cannot apply online.num_requests=3: online is null in preset cpu-smoke; an override cannot fill a null section, "
+    ("cpu-smoke", ["online={}"],            # composes, to a null section: a run without the online track it asks for
+     "cannot apply online={}: online is null in preset cpu-smoke; an override cannot fill a null section, "
+     "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
+     "of your own in configs/"),
+    ("cpu-smoke", ["online={}", "online.num_requests=3"],
+     "cannot apply online={}: online is null in preset cpu-smoke; an override cannot fill a null section, "
      "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
      "of your own in configs/"),
     ("cpu-online", ["online=null", "online.num_requests=3"],   # nulled by an earlier override, not by the preset
