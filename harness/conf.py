@@ -505,7 +505,7 @@ def _sets_an_empty_dict(overrides: list[str]) -> bool:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    if not any("{}" in o.replace(" ", "") for o in overrides):
+    if not any("{}" in re.sub(r"\s", "", o) for o in overrides):      # Hydra reads tabs as blanks too
         return False
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)

@@ -70,6 +70,10 @@ def test_misspelt_key_is_named_with_the_closest_key_not_hydras_append_hint(overr
      "cannot apply online={}: online is null in preset cpu-smoke; an override cannot fill a null section, "
      "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
      "of your own in configs/"),
+    ("cpu-smoke", ["online={\t}"],
+     "cannot apply online={\t}: online is null in preset cpu-smoke; an override cannot fill a null section, "
+     "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
+     "of your own in configs/"),
     ("cpu-smoke", ["online={}", "online.num_requests=3"],
      "cannot apply online={}: online is null in preset cpu-smoke; an override cannot fill a null section, "
      "not online={...} either; use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one "
