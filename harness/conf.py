@@ -331,7 +331,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         try:
             cfg = _compose(config_name=config_name, overrides=overrides)
             if _sets_an_empty_dict(overrides):
-                _check_null_nodes(_compose, config_name, overrides)   # `online={}` composes, to a null section
+                _check_override_targets(_compose, config_name, overrides)   # `online={}` composes, to a null section
             return cfg
         # OmegaConf fails with an AssertionError or AttributeError, not a key error, on an override into a null
         # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`); Hydra's lexer refuses a list
@@ -339,8 +339,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         except (ConfigCompositionException, OverrideParseException, AssertionError, AttributeError) as exc:
             _check_preset_keys(config_name, set())
             _check_override_keys(overrides)
-            _check_list_indices(_compose, config_name, overrides)
-            _check_null_nodes(_compose, config_name, overrides)
+            _check_override_targets(_compose, config_name, overrides)
             if isinstance(exc, HydraException):
                 raise     # not a key: Hydra's message, whose cause names the bad value
             # an OmegaConf failure none of the checks above places: still one line (its cause's), no traceback
@@ -470,36 +469,6 @@ def _check_bracketed_keys(overrides: list[str]) -> None:
                          f"{key[:len(key) - len(path)]}{dotted}{eq}{value}")
 
 
-def _check_list_indices(compose_, config_name: str, overrides: list[str]) -> None:
-    """ValueError (``rules.list_index``) for the first override whose key indexes a list past its end
-    (``comparisons.5.candidate=alias`` where the preset has three): OmegaConf fails there with a type error about
-    an empty dict that names neither the list nor the index. Each override is looked at in the config composed
-    (``compose_``, Hydra's) of the overrides before it, so a list an earlier one sets whole counts as set."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return
-    for i, override in enumerate(parsed):
-        parts = override.key_or_group.split(".")
-        indices = [int(p) if re.fullmatch(r"\d+(?:_\d+)*", p) else None for p in parts]    # 1_0 is 10 to Hydra
-        if override.is_delete() or _hydras_own(override) or indices == [None] * len(parts):
-            continue
-        try:
-            cfg = compose_(config_name=config_name, overrides=overrides[:i])
-        except (HydraException, AssertionError, AttributeError):
-            return    # an earlier override fails on its own account
-        node = cfg
-        for n in range(len(parts)):
-            if isinstance(node, ListConfig) and indices[n] is not None and indices[n] >= len(node):
-                raise rules.list_index(override.input_line, ".".join(parts[:n]), indices[n], len(node))
-            node = OmegaConf.select(cfg, ".".join(parts[:n + 1]), default=None)
-            if not isinstance(node, (DictConfig, ListConfig)):
-                break
-
-
 def _sets_an_empty_dict(overrides: list[str]) -> bool:
     """Whether an override sets a key to ``{}`` (an override Hydra composes even where the node is a null section)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -514,12 +483,17 @@ def _sets_an_empty_dict(overrides: list[str]) -> bool:
     return any(not (o.is_delete() or o.is_sweep_override()) and o.value() == {} for o in parsed)
 
 
-def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:
-    """ValueError (``rules.null_node``) for the first override that writes into a node that is null where it
-    applies: a key below it (``online.num_requests=3``, ``executor.gpus.0=1``) or, for a section, the section
-    whole (``online={num_requests: 3}``, and ``online={}``, which composes but leaves the section null, so the run
-    would have no online track). Each override is looked at in the config composed (``compose_``, Hydra's) of the
-    overrides before it, so a node that an earlier one nulls (``online=null``) counts."""
+def _check_override_targets(compose_, config_name: str, overrides: list[str]) -> None:
+    """ValueError for the first override whose key does not reach a node it can write. Each override is looked at
+    in the config composed (``compose_``, Hydra's) of the overrides before it, so a list an earlier one sets whole,
+    or a node an earlier one nulls (``online=null``), counts; each such config is composed once.
+
+    - ``rules.list_index``: the key indexes a list past its end (``comparisons.5.candidate=alias`` where the
+      preset has three); OmegaConf fails there with a type error about an empty dict that names neither.
+    - ``rules.null_node``: the key writes into a node that is null there: a key below it
+      (``online.num_requests=3``, ``executor.gpus.0=1``) or, for a section, the section whole
+      (``online={num_requests: 3}``, and ``online={}``, which composes but leaves the section null, so the run
+      would have no online track)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -528,7 +502,6 @@ def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
         return
-    absent = object()
     for i, override in enumerate(parsed):
         if override.is_delete() or _hydras_own(override):
             continue
@@ -536,28 +509,52 @@ def _check_null_nodes(compose_, config_name: str, overrides: list[str]) -> None:
             cfg = compose_(config_name=config_name, overrides=overrides[:i])
         except composes:
             return    # an earlier override fails on its own account
-        value = None if override.is_sweep_override() else override.value()
-        parts = override.key_or_group.split(".")
-        for n in range(1, len(parts) + 1):
-            node = ".".join(parts[:n])
-            if OmegaConf.select(cfg, node, default=absent) is not None:
-                continue
-            hint = rules.schema_at(node, BenchConf)
-            if n == len(parts) and not (isinstance(value, dict) and dataclasses.is_dataclass(hint)):
-                break     # a null list or dict set whole takes the value; a null section takes none, not even {}
-            setter = next((o.input_line for o in reversed(parsed[:i]) if f"{node}.".startswith(f"{o.key_or_group}.")),
-                          None)
-            in_preset = OmegaConf.select(compose_(config_name=config_name, overrides=[]), node, default=absent) is None
-            where = f"in preset {config_name}" if in_preset or setter is None else f"after {setter}"
-            setters = []
-            if dataclasses.is_dataclass(hint):
-                for name in presets():
-                    try:
-                        if OmegaConf.select(compose_(config_name=name, overrides=[]), node, default=absent) is not None:
-                            setters.append(name)
-                    except composes:
-                        pass      # a preset that does not compose sets nothing
-            raise rules.null_node(override.input_line, node, where, hint, setters)
+        _check_list_index(cfg, override)
+        _check_null_node(compose_, config_name, cfg, parsed, i)
+
+
+def _check_list_index(cfg: DictConfig, override) -> None:
+    """:func:`_check_override_targets`'s list-index check of one parsed ``override`` in the config ``cfg``."""
+    parts = override.key_or_group.split(".")
+    indices = [int(p) if re.fullmatch(r"\d+(?:_\d+)*", p) else None for p in parts]    # 1_0 is 10 to Hydra
+    node = cfg
+    for n, index in enumerate(indices):
+        if isinstance(node, ListConfig) and index is not None and index >= len(node):
+            raise rules.list_index(override.input_line, ".".join(parts[:n]), index, len(node))
+        node = OmegaConf.select(cfg, ".".join(parts[:n + 1]), default=None)
+        if not isinstance(node, (DictConfig, ListConfig)):
+            return
+
+
+def _check_null_node(compose_, config_name: str, cfg: DictConfig, parsed: list, i: int) -> None:
+    """:func:`_check_override_targets`'s null-node check of override ``parsed[i]`` in the config ``cfg``."""
+    from hydra.errors import HydraException
+
+    composes = (HydraException, AssertionError, AttributeError)
+    override = parsed[i]
+    absent = object()
+    value = None if override.is_sweep_override() else override.value()
+    parts = override.key_or_group.split(".")
+    for n in range(1, len(parts) + 1):
+        node = ".".join(parts[:n])
+        if OmegaConf.select(cfg, node, default=absent) is not None:
+            continue
+        hint = rules.schema_at(node, BenchConf)
+        if n == len(parts) and not (isinstance(value, dict) and dataclasses.is_dataclass(hint)):
+            break     # a null list or dict set whole takes the value; a null section takes none, not even {}
+        setter = next((o.input_line for o in reversed(parsed[:i]) if f"{node}.".startswith(f"{o.key_or_group}.")),
+                      None)
+        in_preset = OmegaConf.select(compose_(config_name=config_name, overrides=[]), node, default=absent) is None
+        where = f"in preset {config_name}" if in_preset or setter is None else f"after {setter}"
+        setters = []
+        if dataclasses.is_dataclass(hint):
+            for name in presets():
+                try:
+                    if OmegaConf.select(compose_(config_name=name, overrides=[]), node, default=absent) is not None:
+                        setters.append(name)
+                except composes:
+                    pass      # a preset that does not compose sets nothing
+        raise rules.null_node(override.input_line, node, where, hint, setters)
 
 
 def validate(cfg: DictConfig | dict) -> BenchSpec:

@@ -125,7 +125,7 @@ def test_what_the_null_node_messages_advise_composes():
 
 
 def test_an_omegaconf_failure_no_check_places_is_still_a_value_error(monkeypatch):
-    monkeypatch.setattr(conf, "_check_null_nodes", lambda *args: None)
+    monkeypatch.setattr(conf, "_check_override_targets", lambda *args: None)
     with pytest.raises(ValueError) as err:
         conf.compose("cpu-smoke", ["pairs=3", "online.num_requests=3"])
     assert str(err.value) == "preset cpu-smoke does not compose with pairs=3 online.num_requests=3"
