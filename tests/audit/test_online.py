@@ -9,7 +9,7 @@ import pytest
 
 from loopbench.audit import contract
 from loopbench.harness import conf, controller, evidence
-from loopbench.harness.online import evidence as online_evidence
+from loopbench.harness.online import evidence as online_evidence, metrics
 
 from .tamper import REPO, edit_json, edit_report, failed, rewrite_manifest
 
@@ -72,16 +72,24 @@ def test_tampering_one_latency_in_the_table_fails_naming_it(bundle):
 
 
 def test_tampering_one_raw_timestamp_fails_naming_the_figures_it_moves(bundle):
-    edit_json(_raw(bundle, 1), lambda rec: rec["requests"][2]["token_times_s"].__setitem__(0, 0.0))
+    """The first-token time of the run's slowest request (by TTFT) moved to 0.0: its TTFT becomes the lowest, so
+    the p99 TTFT (which interpolates between the two highest of the run's TTFTs) moves whatever the measured
+    latencies. (Request 2's TTFT moved alone changed neither p50 nor p99 when it was already below the median.)"""
+    rec = json.loads(_raw(bundle, 1).read_text())
+    ttfts = [metrics.request_latencies(q)["ttft_s"] for q in rec["requests"]]
+    i = max((j for j, t in enumerate(ttfts) if t is not None), key=lambda j: ttfts[j])
+    edit_json(_raw(bundle, 1), lambda rec: rec["requests"][i]["token_times_s"].__setitem__(0, 0.0))
     rewrite_manifest(bundle)
     text = failed(bundle)
-    assert "online/requests.parquet: row cpu0 seq 1 request 2: first_token_s is" in text
-    assert "online/summary.json: runs[1].p99_ttft_s is" in text or "online/summary.json: runs[1].p50_ttft_s is" in text
+    assert f"online/requests.parquet: row cpu0 seq 1 request {rec['requests'][i]['index']}: first_token_s is" in text
+    assert "online/summary.json: runs[1].p99_ttft_s is" in text
 
 
 @pytest.mark.parametrize("leaf", ["p99_ttft_s", "p50_ttft_s", "p99_itl_s", "goodput_rps", "throughput_tokens_per_s"])
 def test_tampering_a_summary_figure_fails_naming_it(bundle, leaf):
-    edit_json(bundle / "online" / "summary.json", lambda s: s["runs"][2].__setitem__(leaf, s["runs"][2][leaf] * 1.01))
+    # a goodput of 0 (no request of the run met the SLO derived from the calibration run) scaled stays 0
+    edit_json(bundle / "online" / "summary.json",
+              lambda s: s["runs"][2].__setitem__(leaf, s["runs"][2][leaf] * 1.01 or 0.01))
     rewrite_manifest(bundle)
     assert f"online/summary.json: runs[2].{leaf} is" in failed(bundle)
 
