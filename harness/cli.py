@@ -23,7 +23,8 @@ EXIT_STATUS = """exit status:
   0  done: the run is complete and its audit passes (bench, audit); the plan is valid (plan); printed (show, compare)
   1  an audit found a discrepancy, an error, or (compare) the bundles are not comparable
   2  bad configuration or usage, named in one line before anything is measured or written
-  3  the run or bundle is incomplete (stopped, failed child, not yet published): no verdict, and nothing else wrong"""
+  3  the run or bundle is incomplete (stopped, failed child, not yet published; or its audit was interrupted): no
+     verdict, and nothing else wrong"""
 
 RUN_EPILOG = """examples:
   loopbench bench --config-name cpu-smoke pairs=6
@@ -56,6 +57,9 @@ def _run_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
                            choices=("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
                            help="Hydra's information (all, config, defaults, defaults-tree, plugins, searchpath)")
     return p
+
+
+_HYDRA_PASS_ON = ("--hydra-help", "--version")   # Hydra's flags that bench passes on undeclared
 
 
 def _hydra_flags(args) -> list[str]:
@@ -273,10 +277,14 @@ def _main(argv: list[str] | None) -> int:
     if args.command in ("bench", "plan"):   # overrides after -m land in extra: they are overrides all the same
         args.overrides += [a for a in extra if not a.startswith("-") and "=" in a]
         extra = [a for a in extra if a.startswith("-") or "=" not in a]
-    if extra and args.command != "bench":     # Hydra's own flags (--cfg job, ...) pass through bench only
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # bench declares the Hydra flags it passes on (--cfg job, ...); of the rest, only those that show Hydra's help or
+    # version and run nothing. Anything else (a misspelt --confg-name, --pairs 3 for pairs=3) is named here, before
+    # its value could be taken for a malformed override.
+    passed_on = [a for a in extra if args.command == "bench" and a in _HYDRA_PASS_ON]
+    if unknown := [a for a in extra if a not in passed_on]:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "bench":
-        return _bench(args, _hydra_flags(args) + extra)
+        return _bench(args, _hydra_flags(args) + passed_on)
     if args.command == "plan":
         return _plan(args)
     if args.command in ("audit", "finish"):
@@ -290,7 +298,11 @@ def _main(argv: list[str] | None) -> int:
             return finish_main([str(args.bundle)])
         from .controller import audit
 
-        return audit(args.bundle)
+        try:
+            return audit(args.bundle)
+        except KeyboardInterrupt:
+            print(f"\nloopbench audit: interrupted; no verdict was written for {args.bundle}", file=sys.stderr)
+            return 3
     return _show(args) if args.command == "show" else _compare(args)
 
 

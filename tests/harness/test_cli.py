@@ -80,6 +80,29 @@ def test_plan_names_a_bad_key_and_quiet_silences_progress(tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["bench", "--confg-name", "cpu-smoke"], "--confg-name"),     # once: "'cpu-smoke' is not an override"
+    (["bench", "--pairs", "3"], "--pairs"),                        # once: "'3' is not an override"
+    (["bench", "--pairs=3"], "--pairs=3"),                         # once: Hydra's usage text
+    (["bench", "-m", "--pairs=3", "pairs=1,2"], "--pairs=3"),      # once: after "sweep: 2 jobs, every ... valid"
+    (["plan", "--confg-name", "cpu-smoke"], "--confg-name"),
+    (["plan", "--hydra-help"], "--hydra-help"),                    # passed on to Hydra by bench alone
+])
+def test_an_unknown_option_is_named_before_anything_runs(tmp_path, monkeypatch, capsys, argv, named):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == f"loopbench: error: unrecognized arguments: {named}"
+    assert "sweep:" not in out + err and list(tmp_path.iterdir()) == []
+
+
+def test_bench_passes_on_hydras_version_flag(tmp_path):
+    proc = loopbench(tmp_path, "bench", "--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("Hydra "), proc.stdout + proc.stderr
+
+
 def test_multirun_checks_every_job_before_the_first_runs(tmp_path):
     proc = loopbench(tmp_path, "bench", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}",
                      "-m", "pairs=1,0")
