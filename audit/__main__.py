@@ -2,18 +2,25 @@
 
 Exit status: 0 the bundle is complete and every claim in it re-derives; 1 discrepancies (each printed,
 naming the file, arm, request and position or number that differs); 3 consistent but incomplete (a
-partial run that honestly publishes no verdict); 2 usage error.
+partial run that honestly publishes no verdict); 2 usage error; 130 interrupted (Ctrl-C), nothing written.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from loopbench.audit.auditor import EXIT_CODES, audit, write_verdict
-
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:    # the auditor's imports (pandas, scipy) inside: Ctrl-C there too is one line, not a traceback
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("audit interrupted: no verdict written", file=sys.stderr)
+        return 130   # 128 + SIGINT, as a shell reports it; not an audit status
+
+
+def _main(argv: list[str]) -> int:
+    from loopbench.audit.auditor import EXIT_CODES, audit, write_verdict
+
     if len(argv) != 1:
         print("usage: python -m loopbench.audit BUNDLE_DIR", file=sys.stderr)
         return EXIT_CODES["usage"]

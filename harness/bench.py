@@ -34,17 +34,31 @@ from .cards import CardInUse
 _EXIT_CODES: list[int] = []
 # Hydra's flags that show something and run no job (Hydra's own argument parser)
 HYDRA_SHOW_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--version", "--shell-completion", "-sc")
-_SWEEP = {"jobs": 0, "started": None}    # a multirun's size (cli.py counts it) and start, for the sweep's ETA
+# a multirun's size (cli.py counts it) and start, for the sweep's ETA; what stopped it (SIGINT or SIGTERM), if anything
+_SWEEP = {"jobs": 0, "started": None, "stopped": None}
+
+
+def _sweep_job() -> tuple[int, int] | None:
+    """(this job's number from 0, the sweep's jobs) in a multirun, else None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    total = _SWEEP["jobs"]
+    if not total or not HydraConfig.initialized() or HydraConfig.get().mode.name != "MULTIRUN":
+        return None
+    return HydraConfig.get().job.num, total
+
+
+def _stop_the_sweep(why: str) -> None:
+    """A job of a multirun was stopped (Ctrl-C, SIGTERM): the jobs after it are not run (:func:`task`)."""
+    if (job := _sweep_job()) is not None and _SWEEP["stopped"] is None:
+        _SWEEP["stopped"] = f"{why} in job {job[0] + 1}"
 
 
 def _sweep_progress() -> None:
     """In a multirun, which job starts and when the whole sweep should end (mean job time so far)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    total = _SWEEP["jobs"]
-    if not total or HydraConfig.get().mode.name != "MULTIRUN":
+    if (job := _sweep_job()) is None:
         return
-    num = HydraConfig.get().job.num
+    num, total = job
     if _SWEEP["started"] is None:
         _SWEEP["started"] = time.monotonic()
     eta = ""
@@ -58,6 +72,11 @@ def _sweep_progress() -> None:
 def task(cfg) -> int:
     from . import controller
 
+    if _SWEEP["stopped"] is not None:   # Hydra runs the sweep's jobs on; a stop meant all of them
+        num, total = _sweep_job()
+        progress.say("sweep", f"job {num + 1} of {total} not run: the sweep was stopped ({_SWEEP['stopped']})")
+        _EXIT_CODES.append(3)
+        return 3
     _sweep_progress()
     try:
         spec = conf.validate(cfg)    # a bad key or value: one clear line and exit 2, not a traceback
@@ -77,6 +96,14 @@ def task(cfg) -> int:
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
+    except controller.Interrupted as exc:   # stopped before anything was measured: one line, nothing left behind
+        print(f"\nloopbench: {exc}", file=sys.stderr)
+        _stop_the_sweep("a stop before anything was measured")
+        _EXIT_CODES.append(3)
+        return 3
+    for reason in result.summary["incomplete_reasons"]:
+        if reason["code"] == "stopped":
+            _stop_the_sweep(reason["by"])
     return show(result)
 
 
@@ -84,7 +111,14 @@ def show(result) -> int:
     """Audit the run's bundle, print its tables, status and failed children's log tails; the exit status."""
     from .controller import audit
 
-    code = audit(result.bundle)
+    try:
+        code = audit(result.bundle)
+    except KeyboardInterrupt:   # the bundle is published: only its audit is missing
+        _stop_the_sweep("Ctrl-C during the audit")
+        print(f"\nloopbench: the audit was interrupted, so {result.bundle} is published but not audited; to audit it: "
+              f"loopbench audit {result.bundle}", file=sys.stderr)
+        _EXIT_CODES.append(3)
+        return 3
     summary = result.summary
     print()
     plan_file = result.bundle / "plan.json"
@@ -147,7 +181,7 @@ def run_hydra(config_name: str, hydra_args: list[str], sweep_jobs: int = 0, swee
     import hydra
 
     _EXIT_CODES.clear()
-    _SWEEP.update(jobs=sweep_jobs, started=None, runs=sweep_runs)
+    _SWEEP.update(jobs=sweep_jobs, started=None, runs=sweep_runs, stopped=None)
     saved = sys.argv
     sys.argv = [saved[0], *hydra_args]   # @hydra.main reads the command line from sys.argv
     try:

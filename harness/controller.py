@@ -25,13 +25,19 @@ Interruption (issue 8, item 4): while children run, SIGTERM and Ctrl-C only requ
 SIGKILL after ``executor.stop_grace_s``), marks them ``interrupted`` and the controller publishes what
 was recorded. ``children.json`` is kept current as children start and end, so the bundle of a controller
 that died without publishing can be finished (:func:`resume.finish`) or resumed (:func:`resume.resume`).
+Before any child runs (gathering inputs, writing the checkpoint, calibration) nothing is measured: there
+SIGTERM and Ctrl-C end the run at once with :class:`Interrupted`, and the new bundle folder is removed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +51,28 @@ from .plan import make_plan, point_entries, restart_seqs
 from .spec import BenchSpec, ExecutorSpec
 
 REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_format.json
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C before the run measured anything (:func:`run`); the message says what was removed."""
+
+
+@contextlib.contextmanager
+def _stops_at_once():
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, while no child runs (main thread only: elsewhere Python
+    cannot install handlers, and SIGTERM keeps its handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True)
@@ -286,9 +314,12 @@ def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunRes
 
 
 def audit(bundle: Path) -> int:
-    """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code."""
+    """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code. KeyboardInterrupt
+    (Ctrl-C) stops the auditor, which then writes nothing, and propagates."""
     progress.say("audit", f"re-deriving every figure of {bundle.name} from its raw records")
-    return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None)).returncode
+    # its own session: a Ctrl-C at the terminal reaches this process alone, whose KeyboardInterrupt stops the child
+    return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None),
+                          start_new_session=True).returncode
 
 
 def open_bundle(spec: BenchSpec, code: dict) -> Path:
@@ -306,7 +337,11 @@ def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
         from .resume import resume
 
         return resume(spec)
-    got = inputs.gather(spec)
+    try:
+        with _stops_at_once():
+            got = inputs.gather(spec)
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted while gathering the run's inputs: nothing was written") from None
     with cards.claimed(got.devices):   # a card another run measures on is refused before anything is written
         return _run_new(spec, got)
 
@@ -317,8 +352,15 @@ def _run_new(spec: BenchSpec, got: Inputs) -> RunResult:
     lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
     print(f"loopbench: bundle {bundle}", flush=True)
     try:
-        prepared = prepare_model(spec, got, bundle)
-        executor = make_executor(spec, bundle, got.cache, got.devices)
+        try:
+            with _stops_at_once():
+                prepared = prepare_model(spec, got, bundle)
+                executor = make_executor(spec, bundle, got.cache, got.devices)
+        except KeyboardInterrupt:
+            # the folder holds prompts.json and environment.json at most; the cache's writes are atomic
+            shutil.rmtree(bundle, ignore_errors=True)
+            raise Interrupted(f"interrupted while preparing the model, before anything was measured: removed the "
+                              f"new bundle folder {bundle}") from None
         with StopSignals() as stop:
             points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
             plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)

@@ -280,6 +280,87 @@ def test_signals_become_a_stop_request_while_children_run():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_stop_before_any_child_removes_the_new_bundle_folder(tmp_path, monkeypatch, how):
+    """Ctrl-C (Python's KeyboardInterrupt) or SIGTERM while the model is prepared (checkpoint synthesis and
+    calibration take seconds on a fresh cache): nothing was measured, so the run ends at once, with no empty bundle
+    folder left behind, and SIGTERM's handler is given back."""
+    before = signal.getsignal(signal.SIGTERM)
+
+    def prepare_model(spec, got, bundle):
+        assert (bundle / "prompts.json").parent.is_dir()   # the folder exists when the stop comes
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(5)       # the handler raises here; reaching the end would mean the signal was lost
+        raise AssertionError(f"{how} did not stop prepare_model")
+
+    monkeypatch.setattr(controller, "prepare_model", prepare_model)
+    # SIGINT: Python's own handler raises KeyboardInterrupt, as at a terminal
+    assert how != "SIGINT" or signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    cfg = conf.compose("cpu-smoke", [f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
+    with pytest.raises(controller.Interrupted, match="before anything was measured: removed the new bundle folder "):
+        controller.run(cfg)
+    assert list((tmp_path / "r").iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("stop", ["before anything was measured", "while measuring"])
+def test_a_stopped_sweep_job_stops_the_sweep(tmp_path, monkeypatch, capsys, stop):
+    """Ctrl-C in job 1 of a three-job multirun: Hydra would run jobs 2 and 3; they are named as not run, exit 3."""
+    from loopbench.harness import bench
+
+    ran = []
+
+    def run(spec):
+        ran.append(spec.pairs)
+        if stop == "before anything was measured":
+            raise controller.Interrupted("interrupted while preparing the model, before anything was measured")
+        return controller.RunResult(tmp_path / "bundle", {"incomplete_reasons": [{"code": "stopped", "by": "SIGINT"}]})
+
+    monkeypatch.setattr(controller, "run", run)
+    monkeypatch.setattr(bench, "show", lambda result: 3)
+    monkeypatch.delenv("LOOPBENCH_QUIET", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "-m", "pairs=1,2,3", f"results_dir={tmp_path / 'r'}",
+                     f"hydra.sweep.dir={tmp_path / 'h'}"]) == 3
+    assert ran == [1]
+    why = "a stop before anything was measured" if stop == "before anything was measured" else "SIGINT"
+    err = capsys.readouterr().err
+    for job in (2, 3):
+        assert f"loopbench: sweep: job {job} of 3 not run: the sweep was stopped ({why} in job 1)" in err, err
+
+
+def test_an_interrupted_audit_leaves_the_bundle_published_and_says_how_to_audit_it(stopped, monkeypatch, capsys):
+    from loopbench.harness import bench
+
+    def audit_interrupted(bundle):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(controller, "audit", audit_interrupted)
+    bundle = stopped["bundle"]
+    summary = json.loads((bundle / "summary.json").read_text())
+    assert bench.show(controller.RunResult(bundle, summary)) == 3
+    assert capsys.readouterr().err.strip() == (f"loopbench: the audit was interrupted, so {bundle} is published but "
+                                               f"not audited; to audit it: loopbench audit {bundle}")
+    assert cli.main(["audit", str(bundle)]) == 3
+    assert capsys.readouterr().err.strip() == f"loopbench audit: interrupted; no verdict was written for {bundle}"
+
+
+def test_the_auditor_interrupted_writes_nothing_and_exits_130(stopped, tmp_path, monkeypatch, capsys):
+    from loopbench.audit import __main__ as audit_main, auditor
+
+    copy = tmp_path / stopped["bundle"].name
+    shutil.copytree(stopped["bundle"], copy)
+    (copy / "audit.json").unlink(missing_ok=True)
+
+    def interrupted(bundle):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(auditor, "audit", interrupted)
+    assert audit_main.main([str(copy)]) == 130
+    assert capsys.readouterr().err == "audit interrupted: no verdict written\n"
+    assert not (copy / "audit.json").exists()
+
+
 @pytest.fixture
 def plan(dirs, capsys, monkeypatch, tmp_path):
     """``loopbench plan`` of a resume of a bundle, in-process: (exit status, stdout, stderr)."""
