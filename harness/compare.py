@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from .fileio import canonical_json, sha256_bytes
+from .fileio import canonical_json, sha256_bytes, try_lock
 
 # plan.json fields that decide what a run measured; any difference makes two bundles not comparable
 SAME_FIELDS = ("config.model", "checkpoint.sha256", "config.workload", "prompts.sha256", "config.exit",
@@ -91,11 +92,16 @@ def is_published(path: Path) -> bool:
 
 
 def unpublished_hint(path: Path) -> str:
-    """For a folder with a plan but not published: how to publish it (a run still going publishes itself)."""
-    if (Path(path) / "plan.json").is_file() and not is_published(path):
-        return (f"; if its run is over (its controller died), `loopbench finish {path}` publishes it as incomplete, "
-                "and `resume=` measures the rest")
-    return ""
+    """For a folder with a plan but not published: how to publish it, or that its run still goes on (a controller
+    holds the folder's lock, ``fileio.try_lock``; that run publishes it when it ends)."""
+    if not (Path(path) / "plan.json").is_file() or is_published(path):
+        return ""
+    lock = try_lock(Path(path))
+    if lock is None:
+        return "; a controller is measuring it now (a run or a resume), and publishes it when it ends"
+    os.close(lock)
+    return (f"; if its run is over (its controller died), `loopbench finish {path}` publishes it as incomplete, "
+            "and `resume=` measures the rest")
 
 
 @functools.lru_cache(maxsize=1)

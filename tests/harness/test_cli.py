@@ -282,6 +282,26 @@ def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+def test_an_unpublished_bundle_a_controller_holds_is_named_as_being_measured_not_as_finishable(tmp_path, capsys):
+    """While a run or a resume measures a bundle (its controller holds the folder's lock), show and audit say so
+    instead of advising `finish`, which would refuse it."""
+    from loopbench.harness.fileio import try_lock
+
+    shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "plan.json")
+    lock = try_lock(tmp_path)
+    try:
+        for command in ("show", "audit"):
+            assert cli.main([command, str(tmp_path)]) == 3
+            err = capsys.readouterr().err
+            assert err.strip() == (f"loopbench {command}: {tmp_path} is not published (no manifest.json): nothing to "
+                                   f"{command} yet; a controller is measuring it now (a run or a resume), and "
+                                   "publishes it when it ends"), err
+    finally:
+        os.close(lock)
+    assert cli.main(["show", str(tmp_path)]) == 3
+    assert f"loopbench finish {tmp_path}" in capsys.readouterr().err
+
+
 def test_show_renders_every_committed_bundle_whatever_its_format(capsys):
     bundles = sorted(p for p in (REPO / "results").iterdir() if (p / "summary.json").is_file())
     assert len(bundles) >= 14
