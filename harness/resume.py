@@ -57,6 +57,12 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# plan.json's fields that a changed config changes in turn (the sha256 of the config, the seeded order, the
+# synthetic checkpoint's seed and hash, the points' entries, the detectable effect's n): a refusal names the config
+# key, not these; code identity, devices and the rest are named whenever they differ
+FOLLOWS_FROM_CONFIG = ("config_sha256", "order", "checkpoint", "points", "detectable_effect")
+
+
 def _words(diffs: list[tuple[str, object, object]]) -> str:
     listed = [f"{p} (bundle {_short(a)}, this run {_short(b)})" for p, a, b in diffs[:MAX_LISTED]]
     more = f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
@@ -223,14 +229,19 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
     old, new = _comparable_plan(plan), _comparable_plan(_as_json(fresh))
     if not compared:   # a resume compares it once synthesized (seeded, but calibrated on this host's device)
         del old["checkpoint"], new["checkpoint"]
-    diffs = _differences(old, new)
+    diffs, follow = _differences(old, new), 0
+    if any(d[0].startswith("config.") for d in diffs):
+        # the changed config keys are named; the plan fields that follow from the config are counted, not listed
+        named = [d for d in diffs if d[0].split(".")[0].split("[")[0] not in FOLLOWS_FROM_CONFIG]
+        diffs, follow = named, len(diffs) - len(named)
     if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
         diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
     env = json.loads((bundle / "environment.json").read_text())
     diffs += [(f"environment.{p}", a, b) for p, a, b in
               _differences(_environment_identity(env), _environment_identity(_as_json(machine.environment(got.devices))))]
     if diffs:
-        raise ResumeRefused(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}")
+        following = f" (and in {follow} field(s) of the plan that follow from the config)" if follow else ""
+        raise ResumeRefused(f"cannot resume {bundle}: this run differs from its plan in {_words(diffs)}{following}")
     for pt in plan["points"]:
         ref = pt.get("reference")
         if not ref:

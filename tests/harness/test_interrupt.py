@@ -373,23 +373,30 @@ def plan(dirs, capsys, monkeypatch, tmp_path):
     return run
 
 
+FOLLOWING = "(and in 4 field(s) of the plan that follow from the config)"   # order, config_sha256, detectable effect
+
+
 @pytest.mark.parametrize("override, named", [
-    ("pairs=7", "config.pairs (bundle 6, this run 7)"),
-    ("workload.prompt_seed=1", "config.workload.prompt_seed"),
-    ("model.seed=1", "checkpoint.sha256"),
-    ("reuse_references=false", "config.reuse_references (bundle true, this run false)"),
-    (None, "code.code_sha256"),
+    # a config key is named alone, with a count of the plan's fields that follow from it
+    ("pairs=7", ["differs from its plan in config.pairs (bundle 6, this run 7) " + FOLLOWING]),
+    ("workload.prompt_seed=1", ["config.workload.prompt_seed"]),
+    ("model.seed=1", ["config.model.seed (bundle 0, this run 1) (and in "]),
+    ("reuse_references=false", ["config.reuse_references (bundle true, this run false)"]),
+    (None, ["code.code_sha256"]),
+    # a changed config key does not hide a difference that does not follow from it
+    ("pairs=7 code", ["in code.code_sha256 (bundle ", "); config.pairs (bundle 6, this run 7) " + FOLLOWING]),
 ])
 def test_resume_refuses_a_different_plan_naming_what_differs(stopped, dirs, tmp_path, monkeypatch, plan, override,
                                                              named):
     bundle = _copy(stopped["bundle"], tmp_path / "b")
     before = _tree(bundle)
-    if override is None:   # the runtime sources changed since the bundle was planned
+    if override is None or override.endswith(" code"):   # the runtime sources changed since the bundle was planned
         ident = identity.code_identity()
         monkeypatch.setattr(inputs, "code_identity", lambda: {**ident, "code_sha256": "0" * 64})
+        override = override and override.removesuffix(" code")
     with pytest.raises(ValueError, match="this run differs from its plan in") as err:
         _resume(dirs, bundle, *([override] if override else []))
-    assert named in str(err.value)
+    assert all(part in str(err.value) for part in named), str(err.value)
     assert _tree(bundle) == before    # refused before anything was changed or measured
     # `loopbench plan` refuses it as bench does (exit 2, bench's line), and changes nothing either
     rc, out, err_text = plan(bundle, *([override] if override else []))
