@@ -118,8 +118,11 @@ def _no_bundle(command: str, path: Path) -> int | None:
     if not path.is_dir():
         why = f"no bundle folder at {path}"
     elif not (path / "plan.json").is_file():
-        why = (f"{path} is not a bundle (no plan.json); a folder that a run made and left without one holds "
-               "nothing measured")
+        why = f"{path} is not a bundle (no plan.json); "
+        if any((sub / "plan.json").is_file() for sub in path.iterdir() if sub.is_dir()):   # a folder of bundles
+            why += f"it holds bundles: `loopbench show --all --results {path}` lists them"
+        else:
+            why += "a folder that a run made and left without one holds nothing measured"
     else:
         return None
     print(f"loopbench {command}: {why}", file=sys.stderr)

@@ -187,8 +187,9 @@ def withheld(bundle: Bundle) -> list[tuple[str, str]]:
     n_pairs = [r["stats"]["n_pairs"] for r in s.get("results", []) if "n_pairs" in r.get("stats", {})]
     if min_pairs is not None and n_pairs and min(n_pairs) < min_pairs:
         fewest = min(n_pairs)
-        out.append((f"{fewest} pairs < min {min_pairs}",
-                    f"has {fewest} {'pair' if fewest == 1 else 'pairs'} in its smallest comparison, fewer than its "
+        noun = "pair" if fewest == 1 else "pairs"
+        out.append((f"{fewest} {noun} < min {min_pairs}",
+                    f"has {fewest} {noun} in its smallest comparison, fewer than its "
                     f"verdict rule's minimum of {min_pairs} (verdict.min_pairs)"))
     return out
 

@@ -302,6 +302,15 @@ def test_an_unpublished_bundle_a_controller_holds_is_named_as_being_measured_not
     assert f"loopbench finish {tmp_path}" in capsys.readouterr().err
 
 
+def test_show_of_a_folder_of_bundles_points_to_show_all(tmp_path, capsys):
+    """`loopbench show results` (the results folder, not a bundle in it): usage, naming `show --all`."""
+    (tmp_path / "b").mkdir()
+    shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "b" / "plan.json")
+    assert cli.main(["show", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"loopbench show: {tmp_path} is not a bundle (no plan.json); it holds "
+                                               f"bundles: `loopbench show --all --results {tmp_path}` lists them")
+
+
 def test_show_renders_every_committed_bundle_whatever_its_format(capsys):
     bundles = sorted(p for p in (REPO / "results").iterdir() if (p / "summary.json").is_file())
     assert len(bundles) >= 14

@@ -119,6 +119,7 @@ def test_a_bundle_with_fewer_pairs_than_its_minimum_is_named_and_its_rows_are_wi
     assert all(r.endswith("| withheld: A 2 pairs < min 6 |") for r in _table_rows(text)), text
     both = compare.compare_rows(_bundle("a", 100.0, 3, status="incomplete", incomplete_reasons=[]), a, 0.95)
     assert {r["words"] for r in both} == {"withheld: A incomplete; A 3 pairs < min 6; B 2 pairs < min 6"}
+    assert compare.withheld(_bundle("c", 100.0, 1))[0][0] == "1 pair < min 6"    # once "1 pairs"
 
 
 def test_the_line_after_the_table_counts_the_intervals_and_says_they_are_uncorrected():
