@@ -105,10 +105,15 @@ def _progress(bundle: Path, total: int):
         from tqdm import tqdm
     except ImportError:  # tqdm is a dependency, but a bar is never worth failing a run for
         return lambda: None, lambda: None, progress.say
-    bar = tqdm(total=total, desc="arms", unit="arm", dynamic_ncols=True, file=sys.stderr, disable=progress.quiet())
+    def recorded() -> int:
+        return len(list((bundle / "raw").glob("*/*.json")))
+
+    # a resume starts from the arms kept: the bar's rate and ETA count only the arms this run measures
+    bar = tqdm(total=total, initial=recorded(), desc="arms", unit="arm", dynamic_ncols=True, file=sys.stderr,
+               disable=progress.quiet())
 
     def update() -> None:
-        done = len(list((bundle / "raw").glob("*/*.json")))
+        done = recorded()
         if done > bar.n:
             bar.update(done - bar.n)
 

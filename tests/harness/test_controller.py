@@ -300,3 +300,17 @@ def test_session_logs_echo_one_progress_line_per_online_run(tmp_path):
     echo()
     assert said == [("online", "  0 calibration native rate closed: 16 done"),
                     ("online", "  1 arm native rate 14.973/s: 16 done")]
+
+
+def test_the_arms_bar_starts_at_the_arms_already_recorded(tmp_path, monkeypatch, capsys):
+    """A resume (or a later restart) starts its bar at the records kept, so its rate counts only the arms it measures
+    (the bar once went 0/36 -> 33/36 on its first poll and read 3.78 arm/s)."""
+    monkeypatch.delenv("LOOPBENCH_QUIET", raising=False)
+    (tmp_path / "raw" / "cpu0").mkdir(parents=True)
+    for seq in range(3):
+        (tmp_path / "raw" / "cpu0" / f"{seq:05d}-a.json").write_text("{}")
+    update, close, _ = controller._progress(tmp_path, 10)
+    update()
+    close()
+    err = capsys.readouterr().err
+    assert "3/10 [00:00<?, ?arm/s]" in err and "0/10" not in err, err
