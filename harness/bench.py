@@ -33,7 +33,7 @@ from .cards import CardInUse
 
 _EXIT_CODES: list[int] = []
 # Hydra's flags that show something and run no job (Hydra's own argument parser)
-HYDRA_SHOW_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--version", "--shell-completion", "-sc")
+HYDRA_SHOW_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--version")
 # a multirun's size (cli.py counts it) and start, for the sweep's ETA; what stopped it (SIGINT or SIGTERM), if anything
 _SWEEP = {"jobs": 0, "started": None, "stopped": None}
 
@@ -111,10 +111,13 @@ def show(result) -> int:
     """Audit the run's bundle, print its tables, status and failed children's log tails; the exit status."""
     from .controller import audit
 
+    from .executors import stops_at_once
+
     try:
-        code = audit(result.bundle)
+        with stops_at_once():   # SIGTERM too: the auditor runs in its own session, so it is stopped from here
+            code = audit(result.bundle)
     except KeyboardInterrupt:   # the bundle is published: only its audit is missing
-        _stop_the_sweep("Ctrl-C during the audit")
+        _stop_the_sweep("a stop during the audit")
         print(f"\nloopbench: the audit was interrupted, so {result.bundle} is published but not audited; to audit it: "
               f"loopbench audit {result.bundle}", file=sys.stderr)
         _EXIT_CODES.append(3)

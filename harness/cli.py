@@ -158,23 +158,26 @@ def _bad(exc: Exception, where: str = "") -> int:
 def _bench(args, extra: list[str]) -> int:
     from . import bench, conf, planning
 
+    from .executors import stops_at_once
+
     name = _preset(args.config_name)
     jobs, runs = 0, None
-    if args.multirun:   # every job's config is checked before the first one runs
-        try:
-            runs = planning.sweep_arm_runs(name, args.overrides)
-        except planning.SweepError as exc:
-            return _bad(exc.cause, f" in sweep job {exc.job}")
-        jobs = len(runs)
-        progress.say("sweep", f"{jobs} jobs, every configuration valid")
-    else:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
-        try:
-            if extra:   # Hydra's flags (--cfg job...): composition only, so a config that breaks a rule can be shown
-                conf.compose(name, args.overrides)
-            else:
-                planning.check(name, args.overrides)
-        except planning.CONFIG_ERRORS as exc:
-            return _bad(exc)
+    with stops_at_once():   # nothing is written while the configuration is checked: SIGTERM too ends it (main)
+        if args.multirun:   # every job's config is checked before the first one runs
+            try:
+                runs = planning.sweep_arm_runs(name, args.overrides)
+            except planning.SweepError as exc:
+                return _bad(exc.cause, f" in sweep job {exc.job}")
+            jobs = len(runs)
+            progress.say("sweep", f"{jobs} jobs, every configuration valid")
+        else:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
+            try:
+                if extra:   # Hydra's flags (--cfg job...): composition only, so a config breaking a rule can be shown
+                    conf.compose(name, args.overrides)
+                else:
+                    planning.check(name, args.overrides)
+            except planning.CONFIG_ERRORS as exc:
+                return _bad(exc)
     return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs, runs)
 
 
@@ -262,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         status = _main(argv)
         sys.stdout.flush()      # a pipe's buffer is written here, inside the try, not at the interpreter's exit
         return status
+    except KeyboardInterrupt:
+        # Ctrl-C where no stage handled it (checking the configuration before Hydra runs, plan, show, compare): one
+        # line; 3, a stopped command (a run's own stops are handled where they land: controller, bench.show)
+        print("\nloopbench: interrupted", file=sys.stderr)
+        return 3
     except BrokenPipeError:
         # The reader of stdout went away (`loopbench show --all | head -1`): stop without a traceback. stdout now
         # points at /dev/null so that the interpreter's own flush at exit cannot fail again (Python's docs, "Note
@@ -278,8 +286,8 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("bench", "plan"):   # overrides after -m land in extra: they are overrides all the same
-        args.overrides += [a for a in extra if not a.startswith("-") and "=" in a]
-        extra = [a for a in extra if a.startswith("-") or "=" not in a]
+        args.overrides += [a for a in extra if not a.startswith("-")]   # (~key deletions too; flags' values are
+        extra = [a for a in extra if a.startswith("-")]                 # taken by the flags bench declares)
     # bench declares the Hydra flags it passes on (--cfg job, ...); of the rest, only those that show Hydra's help or
     # version and run nothing. Anything else (a misspelt --confg-name, --pairs 3 for pairs=3) is named here, before
     # its value could be taken for a malformed override.

@@ -30,21 +30,19 @@ SIGTERM and Ctrl-C end the run at once with :class:`Interrupted`, and the new bu
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from . import cards, checker, conf, evidence, inputs, machine, natural, progress
-from .executors import ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result
+from .executors import (ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result,
+                        stops_at_once)
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
 from .plan import make_plan, point_entries, restart_seqs
@@ -55,24 +53,6 @@ REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_form
 
 class Interrupted(Exception):
     """SIGTERM or Ctrl-C before the run measured anything (:func:`run`); the message says what was removed."""
-
-
-@contextlib.contextmanager
-def _stops_at_once():
-    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, while no child runs (main thread only: elsewhere Python
-    cannot install handlers, and SIGTERM keeps its handler)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _raise(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True)
@@ -342,36 +322,42 @@ def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
         from .resume import resume
 
         return resume(spec)
-    try:
-        with _stops_at_once():
-            got = inputs.gather(spec)
-    except KeyboardInterrupt:
-        raise Interrupted("interrupted while gathering the run's inputs: nothing was written") from None
-    with cards.claimed(got.devices):   # a card another run measures on is refused before anything is written
-        return _run_new(spec, got)
+    with StopSignals() as stop:   # from here on no stop is lost: raised before the first child, recorded after
+        try:
+            with stops_at_once():
+                got = inputs.gather(spec)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted while gathering the run's inputs: nothing was written") from None
+        with cards.claimed(got.devices):   # a card another run measures on is refused before anything is written
+            return _run_new(spec, got, stop)
 
 
-def _run_new(spec: BenchSpec, got: Inputs) -> RunResult:
+def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
     """A new run's stages, from its bundle to the published summary (:func:`run`)."""
-    bundle = open_bundle(spec, got.code)
-    lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
-    print(f"loopbench: bundle {bundle}", flush=True)
+    bundle = lock = None
     try:
         try:
-            with _stops_at_once():
+            with stops_at_once():
+                bundle = open_bundle(spec, got.code)
+                lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
+                print(f"loopbench: bundle {bundle}", flush=True)
                 prepared = prepare_model(spec, got, bundle)
                 executor = make_executor(spec, bundle, got.cache, got.devices)
+            if stop() is not None:   # recorded between the two handlers (cards.claimed): nothing measured yet
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
+            if bundle is None:
+                raise Interrupted("interrupted before anything was measured: nothing was written") from None
             # the folder holds prompts.json and environment.json at most; the cache's writes are atomic
             shutil.rmtree(bundle, ignore_errors=True)
             raise Interrupted(f"interrupted while preparing the model, before anything was measured: removed the "
                               f"new bundle folder {bundle}") from None
-        with StopSignals() as stop:
-            points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
-            plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
-            # no sessions after a failed or stopped reference capture
-            if children[0]["state"] == "completed" and all("reference" in pt for pt in points):
-                children += run_restarts(spec.executor, executor, bundle, plan, got.devices, children, stop)
-            return publish(bundle, plan, children, prepared.environment)
+        points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
+        plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
+        # no sessions after a failed or stopped reference capture
+        if children[0]["state"] == "completed" and all("reference" in pt for pt in points):
+            children += run_restarts(spec.executor, executor, bundle, plan, got.devices, children, stop)
+        return publish(bundle, plan, children, prepared.environment)
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)

@@ -26,6 +26,7 @@ those children, and any not started yet, are results of state ``interrupted`` wi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -396,3 +397,20 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+@contextlib.contextmanager
+def stops_at_once():
+    """While no child runs (inputs, checkpoint synthesis, calibration, the final audit), SIGTERM and SIGINT (Ctrl-C)
+    raise KeyboardInterrupt at once: there is nothing to stop and, before the plan, nothing measured to publish. The
+    handlers before it (Python's own, or :class:`StopSignals`' when nested in it) come back on exit. Outside the
+    main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

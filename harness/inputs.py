@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,10 +128,14 @@ def _synthetic_checkpoint(spec: BenchSpec, cache: Path) -> Path:
         import torch
 
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/fixtures.py)
-        write_calibrated_checkpoint(tmp, m.preset, seed=m.seed, dtype=TORCH_DTYPES[m.dtype],
-                                    device="cuda" if torch.cuda.is_available() else "cpu")
-        tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+        try:
+            # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/fixtures.py)
+            write_calibrated_checkpoint(tmp, m.preset, seed=m.seed, dtype=TORCH_DTYPES[m.dtype],
+                                        device="cuda" if torch.cuda.is_available() else "cpu")
+            tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+        except BaseException:   # also a stop (KeyboardInterrupt): no half-written copy left in the cache
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if torch.cuda.is_available():  # give the calibration's memory back before any session starts
             torch.cuda.empty_cache()
     return path

@@ -29,8 +29,9 @@ import os
 from pathlib import Path
 
 from . import cards, evidence, inputs, machine
-from .controller import RunResult, make_executor, prepare_checkpoint, publish, run_restarts, write_children
-from .executors import StopSignals
+from .controller import (Interrupted, RunResult, make_executor, prepare_checkpoint, publish, run_restarts,
+                         write_children)
+from .executors import StopSignals, stops_at_once
 from .fileio import sha256_file, try_lock
 from .plan import make_plan, point_entries
 from .spec import BenchSpec
@@ -57,10 +58,15 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# plan.json's fields that a changed config changes in turn (the sha256 of the config, the seeded order, the
-# synthetic checkpoint's seed and hash, the points' entries, the detectable effect's n): a refusal names the config
-# key, not these; code identity, devices and the rest are named whenever they differ
-FOLLOWS_FROM_CONFIG = ("config_sha256", "order", "checkpoint", "points", "detectable_effect")
+# plan.json's fields computed from the config alone (its sha256, its name, the seeded order, the detectable effect's
+# n, alpha and power): where a config key differs, a refusal names the key and counts these. Every other field (code
+# identity, checkpoint hash, devices, points, the noise source's hash...) has inputs of its own and is always named.
+FOLLOWS_FROM_CONFIG = ("config_sha256", "name", "order", "detectable_effect")
+NOT_FROM_CONFIG_ALONE = ("detectable_effect.noise",)
+
+
+def _follows_from_config(path: str) -> bool:
+    return path.split(".")[0].split("[")[0] in FOLLOWS_FROM_CONFIG and not path.startswith(NOT_FROM_CONFIG_ALONE)
 
 
 def _words(diffs: list[tuple[str, object, object]]) -> str:
@@ -102,7 +108,7 @@ class ResumeRefused(ValueError):
 
 def _claim(bundle: Path) -> int:
     """The bundle's exclusive lock, once no controller and no child of it runs; ValueError otherwise."""
-    lock = try_lock(bundle)
+    lock = try_lock(bundle, wait_s=0.5)   # a show or audit takes the lock for an instant (compare.unpublished_hint)
     if lock is None:
         raise ResumeRefused(f"{bundle} is held by a running controller; stop it (SIGTERM publishes the bundle) "
                          "or wait for it")
@@ -232,7 +238,7 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
     diffs, follow = _differences(old, new), 0
     if any(d[0].startswith("config.") for d in diffs):
         # the changed config keys are named; the plan fields that follow from the config are counted, not listed
-        named = [d for d in diffs if d[0].split(".")[0].split("[")[0] not in FOLLOWS_FROM_CONFIG]
+        named = [d for d in diffs if not _follows_from_config(d[0])]
         diffs, follow = named, len(diffs) - len(named)
     if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
         diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
@@ -317,7 +323,12 @@ def resume(spec: BenchSpec) -> RunResult:
     lock, held = _claim(_bundle_of(spec)), []
     try:
         # under the lock: no controller adds records while the kept ones are counted
-        check, ours, got, env, plan = _check(spec, None, synthesize=True)
+        try:
+            with stops_at_once():
+                check, ours, got, env, plan = _check(spec, None, synthesize=True)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted while checking {spec.resume} for the resume: the bundle is unchanged"
+                              ) from None
         bundle, todo = check.bundle, check.todo
         held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
 

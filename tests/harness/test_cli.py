@@ -98,6 +98,14 @@ def test_an_unknown_option_is_named_before_anything_runs(tmp_path, monkeypatch, 
     assert "sweep:" not in out + err and list(tmp_path.iterdir()) == []
 
 
+def test_a_deletion_after_multirun_is_an_override_too(tmp_path, monkeypatch, capsys):
+    """`~key` in the positionals after -m was left to the unknown-option check ("unrecognized arguments: ~arms.alias")
+    by a filter that took only KEY=VALUE there; before -m it was always an override."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "pairs=1", "-m", "~arms.alias", "comparisons=[{baseline:native,candidate:alias_prefix}]"]) == 0
+    assert "native_vs_alias_prefix [native -> alias_prefix]" in capsys.readouterr().out
+
+
 def test_bench_passes_on_hydras_version_flag(tmp_path):
     proc = loopbench(tmp_path, "bench", "--version")
     assert proc.returncode == 0 and proc.stdout.startswith("Hydra "), proc.stdout + proc.stderr

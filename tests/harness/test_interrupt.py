@@ -329,20 +329,77 @@ def test_a_stopped_sweep_job_stops_the_sweep(tmp_path, monkeypatch, capsys, stop
         assert f"loopbench: sweep: job {job} of 3 not run: the sweep was stopped ({why} in job 1)" in err, err
 
 
-def test_an_interrupted_audit_leaves_the_bundle_published_and_says_how_to_audit_it(stopped, monkeypatch, capsys):
+def _signalled(how: str):
+    """A stand-in for a stage that a stop reaches: Ctrl-C as Python raises it, or SIGTERM sent to this process."""
+    def stage(*args, **kwargs):
+        if how == "SIGINT":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)   # the handler raises here; reaching the end would mean the signal was lost
+        raise AssertionError("SIGTERM did not stop the stage")
+    return stage
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_audit_leaves_the_bundle_published_and_says_how_to_audit_it(stopped, monkeypatch, capsys, how):
     from loopbench.harness import bench
 
-    def audit_interrupted(bundle):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(controller, "audit", audit_interrupted)
+    monkeypatch.setattr(controller, "audit", _signalled(how))
     bundle = stopped["bundle"]
     summary = json.loads((bundle / "summary.json").read_text())
+    before = signal.getsignal(signal.SIGTERM)
     assert bench.show(controller.RunResult(bundle, summary)) == 3
+    assert signal.getsignal(signal.SIGTERM) is before
     assert capsys.readouterr().err.strip() == (f"loopbench: the audit was interrupted, so {bundle} is published but "
                                                f"not audited; to audit it: loopbench audit {bundle}")
-    assert cli.main(["audit", str(bundle)]) == 3
-    assert capsys.readouterr().err.strip() == f"loopbench audit: interrupted; no verdict was written for {bundle}"
+    if how == "SIGINT":
+        assert cli.main(["audit", str(bundle)]) == 3
+        assert capsys.readouterr().err.strip() == f"loopbench audit: interrupted; no verdict was written for {bundle}"
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_configuration_is_checked_is_one_line(tmp_path, monkeypatch, capsys, how):
+    """Before Hydra runs, bench composes and checks the configuration (seconds: torch and scipy import there)."""
+    from loopbench.harness import planning
+
+    monkeypatch.setattr(planning, "check", _signalled(how))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", f"results_dir={tmp_path / 'r'}"]) == 3
+    assert capsys.readouterr().err.splitlines()[-2:] == ["", "loopbench: interrupted"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_recorded_between_the_handlers_still_ends_the_run_before_anything_is_measured(tmp_path, monkeypatch):
+    """SIGTERM while the card claim runs (the stop handlers record it, they do not raise): the run ends after the
+    preparation, the bundle folder removed, instead of starting children only to stop them."""
+    from loopbench.harness import cards
+
+    claimed = cards.claimed
+
+    def claim_then_signal(devices):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return claimed(devices)
+
+    monkeypatch.setattr(cards, "claimed", claim_then_signal)
+    cfg = conf.compose("cpu-smoke", [f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
+    with pytest.raises(controller.Interrupted, match="before anything was measured: removed the new bundle folder "):
+        controller.run(cfg)
+    assert list((tmp_path / "r").iterdir()) == []
+
+
+def test_an_interrupted_checkpoint_synthesis_leaves_no_copy_in_the_cache(tmp_path, monkeypatch):
+    from loopbench.harness import fixtures
+
+    def half_written(path, *args, **kwargs):
+        (Path(path) / "model.safetensors").parent.mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fixtures, "write_calibrated_checkpoint", half_written)
+    spec = conf.validate(conf.compose("cpu-smoke", [f"cache_dir={tmp_path / 'c'}"]))
+    with pytest.raises(KeyboardInterrupt):
+        inputs.prepare_checkpoint(spec, tmp_path / "c")
+    assert [p for p in (tmp_path / "c").rglob("*") if p.is_file()] == []
 
 
 def test_the_auditor_interrupted_writes_nothing_and_exits_130(stopped, tmp_path, monkeypatch, capsys):
@@ -380,7 +437,7 @@ FOLLOWING = "(and in 4 field(s) of the plan that follow from the config)"   # or
     # a config key is named alone, with a count of the plan's fields that follow from it
     ("pairs=7", ["differs from its plan in config.pairs (bundle 6, this run 7) " + FOLLOWING]),
     ("workload.prompt_seed=1", ["config.workload.prompt_seed"]),
-    ("model.seed=1", ["config.model.seed (bundle 0, this run 1) (and in "]),
+    ("model.seed=1", ["config.model.seed (bundle 0, this run 1)", "checkpoint.sha256"]),   # a hash is always named
     ("reuse_references=false", ["config.reuse_references (bundle true, this run false)"]),
     (None, ["code.code_sha256"]),
     # a changed config key does not hide a difference that does not follow from it
@@ -469,3 +526,17 @@ def test_resume_refuses_a_published_bundle_whose_files_changed(stopped, dirs, tm
     rec.unlink()
     with pytest.raises(ValueError, match=f"raw/cpu0/{rec.name} is missing"):
         _resume(dirs, bundle)
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_stop_while_a_resume_checks_its_bundle_changes_nothing(stopped, dirs, tmp_path, monkeypatch, how):
+    """The resume's checks (inputs, checkpoint synthesis, hashes) come before it changes the bundle: a stop there
+    ends it at once, the bundle as it was."""
+    from loopbench.harness import resume
+
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    before = _tree(bundle)
+    monkeypatch.setattr(resume, "_check", _signalled(how))
+    with pytest.raises(controller.Interrupted, match="for the resume: the bundle is unchanged"):
+        _resume(dirs, bundle)
+    assert _tree(bundle) == before
