@@ -52,7 +52,8 @@ REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_form
 
 
 class Interrupted(Exception):
-    """SIGTERM or Ctrl-C before the run measured anything (:func:`run`); the message says what was removed."""
+    """SIGTERM or Ctrl-C before a run measured anything (:func:`run`), or before a resume changed its bundle
+    (``resume.resume``); the message says what was removed, or that nothing changed."""
 
 
 @dataclass(frozen=True)
@@ -299,8 +300,9 @@ def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunRes
 
 
 def audit(bundle: Path) -> int:
-    """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code. KeyboardInterrupt
-    (Ctrl-C) stops the auditor, which then writes nothing, and propagates."""
+    """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code. A KeyboardInterrupt
+    here (Ctrl-C, or SIGTERM under ``executors.stops_at_once``) stops the auditor, which then writes nothing, and
+    propagates."""
     progress.say("audit", f"re-deriving every figure of {bundle.name} from its raw records")
     # its own session: a Ctrl-C at the terminal reaches this process alone, whose KeyboardInterrupt stops the child
     return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None),
@@ -315,14 +317,15 @@ def open_bundle(spec: BenchSpec, code: dict) -> Path:
 
 def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
     """Run one benchmark end to end, or resume one (``resume``); returns the bundle and its summary (never a
-    verdict for a partial run). SIGTERM or Ctrl-C stops the children and publishes an incomplete bundle.
+    verdict for a partial run). SIGTERM or Ctrl-C while children run stops them and publishes an incomplete bundle;
+    before the first child it raises :class:`Interrupted` at once, the new bundle folder removed.
     ``cfg`` is a composed config (validated here) or the ``BenchSpec`` a caller already validated."""
     spec = cfg if isinstance(cfg, BenchSpec) else conf.validate(cfg)
     if spec.resume is not None:
         from .resume import resume
 
         return resume(spec)
-    with StopSignals() as stop:   # from here on no stop is lost: raised before the first child, recorded after
+    with StopSignals(before_children=True) as stop:   # no stop is lost: raised before the first child, recorded after
         try:
             with stops_at_once():
                 got = inputs.gather(spec)
@@ -338,20 +341,23 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
     try:
         try:
             with stops_at_once():
+                if stop() is not None:   # recorded while the card was claimed, before this handler
+                    raise KeyboardInterrupt
                 bundle = open_bundle(spec, got.code)
                 lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
                 print(f"loopbench: bundle {bundle}", flush=True)
                 prepared = prepare_model(spec, got, bundle)
                 executor = make_executor(spec, bundle, got.cache, got.devices)
-            if stop() is not None:   # recorded between the two handlers (cards.claimed): nothing measured yet
+            if stop() is not None:   # recorded as this handler gave way to StopSignals': nothing measured yet
                 raise KeyboardInterrupt
         except KeyboardInterrupt:
             if bundle is None:
                 raise Interrupted("interrupted before anything was measured: nothing was written") from None
             # the folder holds prompts.json and environment.json at most; the cache's writes are atomic
             shutil.rmtree(bundle, ignore_errors=True)
-            raise Interrupted(f"interrupted while preparing the model, before anything was measured: removed the "
-                              f"new bundle folder {bundle}") from None
+            raise Interrupted(f"interrupted before anything was measured: removed the new bundle folder {bundle}"
+                              ) from None
+        stop.before_children = False
         points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
         plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
         # no sessions after a failed or stopped reference capture

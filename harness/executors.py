@@ -367,16 +367,20 @@ def _exit_code(job, default: int) -> int:
 
 
 class StopSignals:
-    """While the controller has children, SIGTERM and SIGINT (Ctrl-C) become a stop request (issue 8, item 4).
+    """While the controller runs (or may run) children, SIGTERM and SIGINT (Ctrl-C) become a stop request (issue 8,
+    item 4).
 
     The handler only records the first signal's name; the executors poll it (``stop()``), stop their
     children, and the controller then publishes an incomplete bundle. Later signals are ignored: the stop
     is bounded by ``executor.stop_grace_s`` and publishing takes seconds. Outside the main thread (where
     Python cannot install handlers) it never fires. The previous handlers come back on exit.
+    ``before_children``: no child has started yet (the controller enters it before gathering its inputs, under
+    :func:`stops_at_once` for the long stages), so a recorded stop ends the run before any child.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, before_children: bool = False) -> None:
         self.signal: str | None = None
+        self.before_children = before_children
         self._previous: dict = {}
 
     def __call__(self) -> str | None:
@@ -385,8 +389,9 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
-            print(f"\nloopbench: {self.signal} received: stopping the children, then publishing an incomplete "
-                  "bundle", file=sys.stderr, flush=True)
+            what = ("the run ends before its first child" if self.before_children else
+                    "stopping the children, then publishing an incomplete bundle")
+            print(f"\nloopbench: {self.signal} received: {what}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -408,8 +413,10 @@ def stops_at_once():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    previous = {}
+    try:   # filled one signal at a time inside the try: a signal between the two still finds the first restored
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, signal.default_int_handler)
         yield
     finally:
         for sig, handler in previous.items():

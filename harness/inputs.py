@@ -132,7 +132,12 @@ def _synthetic_checkpoint(spec: BenchSpec, cache: Path) -> Path:
             # the exit-gate bias is calibrated on the model's own loop-1/2 states (harness/fixtures.py)
             write_calibrated_checkpoint(tmp, m.preset, seed=m.seed, dtype=TORCH_DTYPES[m.dtype],
                                         device="cuda" if torch.cuda.is_available() else "cpu")
-            tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+            try:
+                tmp.rename(path)  # atomic: a half-written checkpoint is never found under the final name
+            except OSError:       # another run wrote it first (the same seeded preset): use theirs
+                if not (path / CONFIG_NAME).is_file():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:   # also a stop (KeyboardInterrupt): no half-written copy left in the cache
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -58,10 +58,11 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# plan.json's fields computed from the config alone (its sha256, its name, the seeded order, the detectable effect's
-# n, alpha and power): where a config key differs, a refusal names the key and counts these. Every other field (code
-# identity, checkpoint hash, devices, points, the noise source's hash...) has inputs of its own and is always named.
-FOLLOWS_FROM_CONFIG = ("config_sha256", "name", "order", "detectable_effect")
+# plan.json's fields computed from the config alone (its sha256, its name, the seeded order, the points' entries
+# (plan.point_entries; their frozen references are not compared), the detectable effect's n, alpha and power): where
+# a config key differs, a refusal names the key and counts these. Every other field (code identity, checkpoint hash,
+# devices, the noise source's hash...) has inputs of its own and is always named.
+FOLLOWS_FROM_CONFIG = ("config_sha256", "name", "order", "points", "detectable_effect")
 NOT_FROM_CONFIG_ALONE = ("detectable_effect.noise",)
 
 
@@ -322,30 +323,34 @@ def resume(spec: BenchSpec) -> RunResult:
     """Measure the rest of the incomplete bundle ``spec.resume`` (see the module docstring)."""
     lock, held = _claim(_bundle_of(spec)), []
     try:
-        # under the lock: no controller adds records while the kept ones are counted
-        try:
-            with stops_at_once():
-                check, ours, got, env, plan = _check(spec, None, synthesize=True)
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted while checking {spec.resume} for the resume: the bundle is unchanged"
-                              ) from None
-        bundle, todo = check.bundle, check.todo
-        held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
+        with StopSignals(before_children=True) as stop:   # no stop is lost: raised in the checks, recorded after
+            # under the lock: no controller adds records while the kept ones are counted
+            try:
+                with stops_at_once():
+                    check, ours, got, env, plan = _check(spec, None, synthesize=True)
+                if stop() is not None:
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise Interrupted(f"interrupted while checking {spec.resume} for the resume: the bundle is unchanged"
+                                  ) from None
+            bundle, todo = check.bundle, check.todo
+            held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
 
-        # --- from here on the bundle changes: unpublished, lone arms discarded, new sessions
-        children = _mark_lost(bundle, _read_children(bundle))
-        current = {c["name"]: c for c in children}
-        devices = [d for d in plan["devices"] if todo[d["name"]] or current.get(d["name"], {}).get("state") != "completed"]
-        evidence.unpublish(bundle)
-        for path in check.discard:
-            print(f"loopbench: discarding {path.relative_to(bundle)} (its pair's other arm was not recorded; the "
-                  "resume measures the pair again)", flush=True)
-            path.unlink()
-        attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
-        print(f"loopbench: resuming {bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, {check.left} "
-              "to measure", flush=True)
-        write_children(bundle, children)
-        with StopSignals() as stop:
+            # --- from here on the bundle changes (unpublished, lone arms discarded, new sessions); a stop is recorded
+            # and the executor, polling it before any child starts, ends in an incomplete bundle published again
+            stop.before_children = False
+            children = _mark_lost(bundle, _read_children(bundle))
+            current = {c["name"]: c for c in children}
+            devices = [d for d in plan["devices"] if todo[d["name"]] or current.get(d["name"], {}).get("state") != "completed"]
+            evidence.unpublish(bundle)
+            for path in check.discard:
+                print(f"loopbench: discarding {path.relative_to(bundle)} (its pair's other arm was not recorded; the "
+                      "resume measures the pair again)", flush=True)
+                path.unlink()
+            attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
+            print(f"loopbench: resuming {bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, "
+                  f"{check.left} to measure", flush=True)
+            write_children(bundle, children)
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)
                 children += run_restarts(ours.executor, executor, bundle, plan, devices, children, stop, attempt,

@@ -369,9 +369,10 @@ def test_a_stop_while_the_configuration_is_checked_is_one_line(tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_stop_recorded_between_the_handlers_still_ends_the_run_before_anything_is_measured(tmp_path, monkeypatch):
-    """SIGTERM while the card claim runs (the stop handlers record it, they do not raise): the run ends after the
-    preparation, the bundle folder removed, instead of starting children only to stop them."""
+def test_a_stop_recorded_between_the_handlers_still_ends_the_run_before_anything_is_measured(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """SIGTERM while the card claim runs (the stop handlers record it there, they do not raise): the run ends before
+    it opens a bundle, instead of preparing the model only to start children and stop them."""
     from loopbench.harness import cards
 
     claimed = cards.claimed
@@ -382,9 +383,33 @@ def test_a_stop_recorded_between_the_handlers_still_ends_the_run_before_anything
 
     monkeypatch.setattr(cards, "claimed", claim_then_signal)
     cfg = conf.compose("cpu-smoke", [f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
-    with pytest.raises(controller.Interrupted, match="before anything was measured: removed the new bundle folder "):
+    with pytest.raises(controller.Interrupted, match="^interrupted before anything was measured: nothing was written$"):
         controller.run(cfg)
-    assert list((tmp_path / "r").iterdir()) == []
+    assert "loopbench: SIGTERM received: the run ends before its first child" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() or list((tmp_path / "r").iterdir()) == []
+    assert not (tmp_path / "c").exists()      # nor was the checkpoint synthesized
+
+
+def test_a_stop_while_a_resume_changes_its_bundle_publishes_it_again_as_stopped(stopped, dirs, tmp_path,
+                                                                                monkeypatch):
+    """SIGTERM after the resume's checks, as it unpublishes the bundle: recorded, no session starts, and the bundle
+    is published again, incomplete and stopped, with every record it had."""
+    from loopbench.harness import evidence as evidence_mod
+
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    records = sorted(p.name for p in (bundle / "raw" / "cpu0").glob("*.json"))
+    unpublish = evidence_mod.unpublish
+
+    def unpublish_then_signal(path):
+        unpublish(path)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(evidence_mod, "unpublish", unpublish_then_signal)
+    summary = _resume(dirs, bundle).summary
+    assert summary["status"] == "incomplete" and {"code": "stopped", "by": "SIGTERM"} in summary["incomplete_reasons"]
+    assert (bundle / "manifest.json").is_file() and audit(bundle)["status"] == "incomplete"
+    kept = sorted(p.name for p in (bundle / "raw" / "cpu0").glob("*.json"))
+    assert set(kept) <= set(records) and len(kept) >= len(records) - 1   # at most a lone arm discarded
 
 
 def test_an_interrupted_checkpoint_synthesis_leaves_no_copy_in_the_cache(tmp_path, monkeypatch):
@@ -400,6 +425,23 @@ def test_an_interrupted_checkpoint_synthesis_leaves_no_copy_in_the_cache(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         inputs.prepare_checkpoint(spec, tmp_path / "c")
     assert [p for p in (tmp_path / "c").rglob("*") if p.is_file()] == []
+
+
+def test_a_checkpoint_another_run_wrote_first_is_used(tmp_path, monkeypatch):
+    """Two runs synthesizing the same preset at once: the second one's rename finds the folder taken; it uses it."""
+    from loopbench.harness import fixtures
+
+    spec = conf.validate(conf.compose("cpu-smoke", [f"cache_dir={tmp_path / 'c'}"]))
+    write = fixtures.write_calibrated_checkpoint
+
+    def written_twice(path, *args, **kwargs):
+        write(inputs.synthetic_checkpoint_path(spec, tmp_path / "c"), *args, **kwargs)   # the other run
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(fixtures, "write_calibrated_checkpoint", written_twice)
+    entry = inputs.prepare_checkpoint(spec, tmp_path / "c")
+    assert Path(entry["path"]) == inputs.synthetic_checkpoint_path(spec, tmp_path / "c")
+    assert [p.name for p in Path(entry["path"]).parent.iterdir()] == [Path(entry["path"]).name]   # no temp copy
 
 
 def test_the_auditor_interrupted_writes_nothing_and_exits_130(stopped, tmp_path, monkeypatch, capsys):
