@@ -111,11 +111,8 @@ def show(result) -> int:
     """Audit the run's bundle, print its tables, status and failed children's log tails; the exit status."""
     from .controller import audit
 
-    from .executors import stops_at_once
-
     try:
-        with stops_at_once():   # SIGTERM too: the auditor runs in its own session, so it is stopped from here
-            code = audit(result.bundle)
+        code = audit(result.bundle)
     except KeyboardInterrupt:   # the bundle is published: only its audit is missing
         _stop_the_sweep("a stop during the audit")
         print(f"\nloopbench: the audit was interrupted, so {result.bundle} is published but not audited; to audit it: "

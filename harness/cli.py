@@ -309,11 +309,8 @@ def _main(argv: list[str] | None) -> int:
             return finish_main([str(args.bundle)])
         from .controller import audit
 
-        from .executors import stops_at_once
-
         try:
-            with stops_at_once():   # SIGTERM too: the auditor runs in its own session, so it is stopped from here
-                return audit(args.bundle)
+            return audit(args.bundle)
         except KeyboardInterrupt:
             print(f"\nloopbench audit: interrupted; no verdict was written for {args.bundle}", file=sys.stderr)
             return 3

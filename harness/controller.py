@@ -300,13 +300,13 @@ def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunRes
 
 
 def audit(bundle: Path) -> int:
-    """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code. A KeyboardInterrupt
-    here (Ctrl-C, or SIGTERM under ``executors.stops_at_once``) stops the auditor, which then writes nothing, and
-    propagates."""
+    """Run the independent auditor on ``bundle`` in its own interpreter; returns its exit code. Ctrl-C or SIGTERM
+    stops the auditor, which then writes nothing, and raises KeyboardInterrupt here."""
     progress.say("audit", f"re-deriving every figure of {bundle.name} from its raw records")
     # its own session: a Ctrl-C at the terminal reaches this process alone, whose KeyboardInterrupt stops the child
-    return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None),
-                          start_new_session=True).returncode
+    with stops_at_once():
+        return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None),
+                              start_new_session=True).returncode
 
 
 def open_bundle(spec: BenchSpec, code: dict) -> Path:
