@@ -345,6 +345,7 @@ def test_an_interrupted_audit_leaves_the_bundle_published_and_says_how_to_audit_
     from loopbench.harness import bench
 
     monkeypatch.setattr(controller.subprocess, "run", _signalled(how))   # the auditor child, as a stop reaches it
+    monkeypatch.delenv("LOOPBENCH_QUIET", raising=False)   # its progress line is part of the stderr checked
     bundle = stopped["bundle"]
     summary = json.loads((bundle / "summary.json").read_text())
     before = signal.getsignal(signal.SIGTERM)
