@@ -206,6 +206,7 @@ class Variant:
     norm_in_gemm: bool | None = None
     wgmma: tuple[tuple[str, tuple[tuple[str, int | bool], ...]], ...] = ()
     no_wgmma: bool | None = None
+    prefill_stream: str | None = None
 
 
 class _VariantParser(argparse.ArgumentParser):
@@ -225,7 +226,7 @@ def _variant(text: str) -> Variant:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan,
                    ns.attention_config, ns.greedy_from_logits, ns.norm_in_gemm, tuple(ns.wgmma),
-                   ns.no_wgmma)
+                   ns.no_wgmma, ns.prefill_stream)
 
 
 def attention_knobs() -> dict[str, type]:
@@ -305,6 +306,9 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
                     help="o_proj and down run the norm step after them in their own launch (OuroModel.norm_in_gemm, "
                          "kernels/gemm_norm.py; off by default): one kernel fewer after each, where they run on our "
                          "split-K GEMM")
+    ap.add_argument("--prefill-stream", default=None, choices=["on", "off"],
+                    help="EngineConfig.prefill_stream: a step's prefill loop on a second CUDA stream, concurrent with "
+                         "its decode loop (default: EngineConfig's)")
     ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
                     help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
                          "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
@@ -621,18 +625,23 @@ def gpu_index() -> int | None:
 
 
 def engine_config(arm: ArmSpec, args: argparse.Namespace, max_len: int, policy: str,
-                  schedule: Schedule | None = None) -> EngineConfig:
-    """The arm's EngineConfig at the probe's B, with ``--batch-invariant`` and ``--prefill-gemm-rows`` applied."""
+                  schedule: Schedule | None = None, prefill_stream: str | None = None) -> EngineConfig:
+    """The arm's EngineConfig at the probe's B, with ``--batch-invariant``, ``--prefill-gemm-rows`` and
+    ``--prefill-stream`` (``prefill_stream``, a variant's, over the probe's) applied."""
     cfg = arm.engine_config(args.max_num_seqs, max_len, policy, schedule)
+    stream = prefill_stream or getattr(args, "prefill_stream", None)
     return dataclasses.replace(cfg, batch_invariant=args.batch_invariant == "on",
-                               prefill_gemm_rows=getattr(args, "prefill_gemm_rows", None) or cfg.prefill_gemm_rows)
+                               prefill_gemm_rows=getattr(args, "prefill_gemm_rows", None) or cfg.prefill_gemm_rows,
+                               prefill_stream=cfg.prefill_stream if stream is None else stream == "on")
 
 
 def capture(model: OuroModel, arm: ArmSpec, args: argparse.Namespace, max_len: int, reqs: list[Request],
-            attention_config: dict | None = None) -> Schedule:
+            attention_config: dict | None = None, prefill_stream: str | None = None) -> Schedule:
     """One natural ouro_delayed run of the requests, frozen as the schedule every timed run must reproduce;
-    ``attention_config``: the decode attention's knobs (default ``--attention-config``)."""
-    natural = with_attention_config(LoopEngine(model, engine_config(arm, args, max_len, "ouro_delayed")),
+    ``attention_config``: the decode attention's knobs (default ``--attention-config``); ``prefill_stream``: a
+    variant's ``--prefill-stream`` (default the probe's)."""
+    natural = with_attention_config(LoopEngine(model, engine_config(arm, args, max_len, "ouro_delayed",
+                                                                    prefill_stream=prefill_stream)),
                                     attention_config or getattr(args, "attention_config", None))
     for r in reqs:
         natural.add_request(r)
@@ -701,6 +710,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
             "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant,
             "prefill_gemm_rows": getattr(args, "prefill_gemm_rows", None) or "auto",
+            "prefill_stream": getattr(args, "prefill_stream", None) or "as configured",
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,
@@ -884,9 +894,9 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
             model.greedy_tiles = own_greedy if v.greedy_from_logits is None else not v.greedy_from_logits
             model.norm_in_gemm = own_norm if v.norm_in_gemm is None else v.norm_in_gemm
             knobs = {**(args.attention_config or {}), **(v.attention_config or {})}
-            schedule = capture(model, arm, args, max_len, reqs, knobs)
+            schedule = capture(model, arm, args, max_len, reqs, knobs, v.prefill_stream)
             pe = PolicyEngine(f"replay [{v.label}]", with_attention_config(LoopEngine(model, engine_config(
-                arm, args, max_len, "replay", schedule)), knobs), schedule)
+                arm, args, max_len, "replay", schedule, v.prefill_stream)), knobs), schedule)
             print(pe.run(reqs, "warmup").line(), flush=True)
             states.append((v, snapshot_tables(), (model.prefetch_next, model.greedy_tiles, model.norm_in_gemm), pe, []))
         for i in range(1, args.repeats + 1):
@@ -903,10 +913,12 @@ def _sweep(args: argparse.Namespace, device: str, max_len: int) -> int:
         load_tables(base)
         model.prefetch_next, model.greedy_tiles, model.norm_in_gemm = own_plan, own_greedy, own_norm
     first = statistics.median(r.tokens_per_s for r in states[0][4])
-    print(f"| variant | median tok/s | vs {states[0][0].label!r} | runs |\n|---|---|---|---|")
-    for v, _, _, _, runs in states:
+    print(f"| variant | median tok/s | vs {states[0][0].label!r} | runs | schedule (tokens, exits) |\n"
+          "|---|---|---|---|---|")
+    for v, _, _, pe, runs in states:
         med = statistics.median(r.tokens_per_s for r in runs)
-        print(f"| {v.label} | {med:.1f} | {med / first:.4f} | {len(runs)} |")
+        same = "the first's" if pe.schedule == states[0][3].schedule else "differs from the first's"
+        print(f"| {v.label} | {med:.1f} | {med / first:.4f} | {len(runs)} | {same} |")
     return 0
 
 

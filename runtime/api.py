@@ -75,6 +75,11 @@ class EngineConfig:
     # tests) needs far fewer.
     prefill_gemm_rows: int | None = None
     descriptor_mode: str = "h2d"       # a DescriptorMode value: h2d | mapped
+    # CUDA only (no effect elsewhere): a step's packed prefill loop runs on a second stream, concurrently with
+    # the same step's decode loop, which never reads what it writes (other slots, other KV blocks); the
+    # streams join at the end of the step. Prefill's compute-bound matmuls then fill the memory-bound decode
+    # loop's gaps. The same kernels on the same inputs: tokens and exits do not change.
+    prefill_stream: bool = False
     eos_token_id: int | None = None
     keep_logits: bool = False          # tests: keep every sampled row's logits (costs memory)
     poison_kv: bool = False            # tests/debugging: KV cells without a live value hold NaN
@@ -90,7 +95,8 @@ class EngineConfig:
             _check_int("EngineConfig.prefill_gemm_rows", self.prefill_gemm_rows, 1)
         if self.num_blocks is not None:
             _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
-        for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "keep_logits", "poison_kv", "trace_loops"):
+        for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "prefill_stream", "keep_logits", "poison_kv",
+                     "trace_loops"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.eos_token_id is not None:

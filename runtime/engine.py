@@ -133,6 +133,7 @@ class LoopEngine:
             if timer is not None:
                 timer.stop()
             self._apply_decode(plan, out)
+        self.runner.join_prefill()          # EngineConfig.prefill_stream: the next step sees this step's prefill
         self.stats.steps += 1
         self.stats.peak_kv_blocks = self.kv.allocator.peak_used
 
@@ -150,11 +151,13 @@ class LoopEngine:
         if not finals:
             return
         done = [runs[i] for i in finals]
+        host = any(self.policy.needs_host_tokens(r.req) for r in done)
+        if self.config.keep_logits or self.config.trace_loops or host:
+            self.runner.join_prefill()      # these read the logits or tokens on this stream (or the host) now
         self._keep_logits(done, logits)
         if self.config.trace_loops:
             for run, top in zip(done, _top2(logits)):
                 self.loop_trace[run.req.request_id] = {"survival": [[]], "top2": [top]}
-        host = any(self.policy.needs_host_tokens(r.req) for r in done)
         for j, run in enumerate(done):
             T = len(run.req.prompt_token_ids)
             run.exit_depths.append(loops[finals[j]].depth)

@@ -103,6 +103,9 @@ class Runner:
         self.threshold = torch.ones(S + 1, dtype=acc, device=dev)
         self.banks = DescriptorBanks(S, dev, config.descriptor_mode)
         self._prefill_x: dict[int, torch.Tensor] = {}     # slot -> prompt activations [T, hidden] between loops
+        # EngineConfig.prefill_stream: the stream prefill loops run on, and whether one has run since the last join.
+        self._prefill_stream = torch.cuda.Stream(dev) if config.prefill_stream and dev.type == "cuda" else None
+        self._prefill_pending = False
         self.graphs: CudaGraphs | None = None
         if config.cuda_graphs:
             if dev.type != "cuda":
@@ -145,7 +148,28 @@ class Runner:
         back to back, each causal within itself (no attention across requests), K/V into each request's
         plane of ``loop.depth``. Requests on their final loop sample their first output token into their
         slots; returns (indices of those loops in ``loops``, logits [F, vocab], tokens [F] int64) on the
-        device, or None when no loop was final."""
+        device, or None when no loop was final.
+
+        With ``EngineConfig.prefill_stream`` the work is queued on the prefill stream after everything queued
+        so far on the current one; the current stream reads its results only after :meth:`join_prefill`."""
+        side = self._prefill_stream
+        if side is None:
+            return self._prefill(loops)
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        for loop in loops:      # the caching allocator must not hand a prompt's memory to the current stream
+            self._prefill_x[loop.slot].record_stream(side)      # while the prefill stream still reads it
+        self._prefill_pending = True
+        with torch.cuda.stream(side):
+            return self._prefill(loops)
+
+    def join_prefill(self) -> None:
+        """Make the current stream wait for the prefill loops queued on the prefill stream (no host sync); a
+        no-op without ``EngineConfig.prefill_stream`` or when none is pending."""
+        if self._prefill_pending:
+            torch.cuda.current_stream(self._prefill_stream.device).wait_stream(self._prefill_stream)
+            self._prefill_pending = False
+
+    def _prefill(self, loops: Sequence[PrefillLoop]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
         xs = [self._prefill_x[loop.slot] for loop in loops]
         lens = [x.shape[0] for x in xs]
         total = sum(lens)
@@ -284,6 +308,7 @@ class Runner:
     def host_tokens(self, slot: int, n: int) -> torch.Tensor:
         """The slot's first n output tokens [n] int64 on the host; on CUDA an async copy into pinned memory
         (read it only after a device synchronisation)."""
+        self.join_prefill()         # the slot's first token may come from a prefill loop still on its stream
         tokens = self.out_tokens[slot, :n]
         if tokens.is_cuda:
             host = torch.empty(n, dtype=torch.long, pin_memory=True)

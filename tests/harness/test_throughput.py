@@ -199,8 +199,10 @@ def test_variant_sweep_times_each_variant_in_one_process_and_puts_everything_bac
     out, err = capsys.readouterr()
     assert rc == 0
     assert out.count("replay [as configured] run ") == 2 and out.count("replay [--prefetch-next") == 3   # + warmup
-    assert "| variant | median tok/s | vs 'as configured' | runs |" in out
-    assert "| as configured | " in out and " | 1.0000 | 2 |" in out
+    assert "| variant | median tok/s | vs 'as configured' | runs | schedule (tokens, exits) |" in out
+    assert "| as configured | " in out and " | 1.0000 | 2 | the first's |" in out
+    # the prefetch changes no bit, so the second variant's natural run froze the same schedule
+    assert out.count(" | the first's |") == 2
     assert gemm.CONFIGS == before
     assert "note: --prefetch-next changes nothing in this run (it needs our small-M GEMM with PDL on an sm_90 GPU)" in \
         err or torch.cuda.is_available()

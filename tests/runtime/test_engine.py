@@ -364,7 +364,8 @@ def test_request_fields_are_type_checked(field, value, error):
 
 @pytest.mark.parametrize("field,value", [("num_blocks", 0), ("num_blocks", 2.5), ("prefix_tiles", "yes"),
                                          ("eos_token_id", -1), ("max_num_seqs", True),
-                                         ("prefill_gemm_rows", 0), ("prefill_gemm_rows", 2.5)])
+                                         ("prefill_gemm_rows", 0), ("prefill_gemm_rows", 2.5),
+                                         ("prefill_stream", "on")])
 def test_engine_config_fields_are_type_checked(field, value):
     with pytest.raises((TypeError, ValueError), match=f"EngineConfig.{field}"):
         EngineConfig(**{field: value})

@@ -187,9 +187,35 @@ def test_failed_capture_raises_clearly_and_leaves_the_process_usable(tmp_path):
     assert report["after"] == [3.0] * 16 and report["matmul"] == 512.0, f"the process is not usable: {report}"
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("policy", ["ouro_delayed", "ouro"])
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 16])
+def test_prefill_on_its_own_stream_changes_no_bit(ckpt, graphs, policy, max_num_seqs):
+    """EngineConfig.prefill_stream runs a step's prefill loop beside its decode loop: the same tokens, exits and
+    logits as one stream, natural policies included (ouro reads the step just launched; an EOS token makes the
+    host read tokens, also a prefill's first one; a one-token request finishes at its prefill), with and
+    without keep_logits (which joins the streams before the decode loop: without it they overlap)."""
+    cfg, tensors = ckpt
+    model = OuroModel.from_tensors(cfg, tensors, device="cuda", dtype=torch.bfloat16)
+    reqs = requests(2 * max_num_seqs + 3, 10, [33, 1, 64, 17, 34])
+    reqs[1] = dataclasses.replace(reqs[1], max_tokens=1)
+    kw = dict(max_num_seqs=max_num_seqs, exit_policy=policy, attention_backend="triton", cuda_graphs=graphs,
+              eos_token_id=7 if policy == "ouro" else None)
+    base, base_outs = run(model, reqs, keep_logits=True, **kw)
+    for keep in (True, False):
+        eng, outs = run(model, reqs, keep_logits=keep, prefill_stream=True, **kw)
+        assert outs == base_outs, f"keep_logits={keep}: tokens, exits or finish reasons differ"
+        if keep:
+            for rid, rows in base.logits_log.items():
+                assert len(rows) == len(eng.logits_log[rid])
+                assert all(torch.equal(a, b) for a, b in zip(rows, eng.logits_log[rid])), rid
+    assert any(o.finish_reason == "length" for o in base_outs.values())
+
+
+@pytest.mark.parametrize("prefill_stream", [False, True])
 @pytest.mark.parametrize("policy", ["replay", "ouro_delayed", "fixed"])
 @pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
-def test_measured_steps_never_synchronise(ckpt, policy, layout):
+def test_measured_steps_never_synchronise(ckpt, policy, layout, prefill_stream):
     """After the warmup, every step of a run (admissions, block growth, packed prefill, decode, exits,
     finishes) runs under torch's sync debug mode "error": any synchronising call raises. ouro_delayed
     waits only on the previous step's event (DescriptorBanks and the gate read-back use events, which
@@ -197,7 +223,8 @@ def test_measured_steps_never_synchronise(ckpt, policy, layout):
     cfg, tensors = ckpt
     model = OuroModel.from_tensors(cfg, tensors, device="cuda", dtype=torch.bfloat16)
     reqs = requests(12, 10, [5, 17, 33, 64, 20])
-    kw = dict(max_num_seqs=4, max_model_len=128, attention_backend="triton", cuda_graphs=True, **layout)
+    kw = dict(max_num_seqs=4, max_model_len=128, attention_backend="triton", cuda_graphs=True,
+              prefill_stream=prefill_stream, **layout)
     natural = LoopEngine(model, EngineConfig(exit_policy="ouro_delayed" if policy == "replay" else policy, **kw))
     for r in reqs:
         natural.add_request(r)
