@@ -308,7 +308,7 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
                          "split-K GEMM")
     ap.add_argument("--prefill-stream", default=None, choices=["on", "off"],
                     help="EngineConfig.prefill_stream: a step's prefill loop on a second CUDA stream, concurrent with "
-                         "its decode loop (default: EngineConfig's)")
+                         "its decode loop (on, EngineConfig's default), or on the decode loop's stream (off)")
     ap.add_argument("--attention-config", type=_attention_config, default=None, metavar="KNOB=VALUE,...",
                     help="the Triton decode attention's tuning knobs for this probe (kernels/decode_attention.py "
                          "decode_attention's keyword-only parameters), e.g. block_n=64,min_split_tokens=128")
