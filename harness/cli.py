@@ -295,6 +295,15 @@ def _main(argv: list[str] | None) -> int:
     if unknown := [a for a in extra if a not in passed_on]:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "bench":
+        # Hydra runs one mode a call and raises a ValueError for two; --hydra-help would apply the overrides to
+        # Hydra's help config (a traceback for any key of ours): both named here in one line instead
+        modes = [flag for flag, given in (("-m", args.multirun), ("--cfg", args.cfg), ("--info", args.info)) if given]
+        if len(modes) > 1:
+            parser.error(f"{' and '.join(modes)} cannot be combined: -m runs the jobs, --cfg and --info only show "
+                         "the composed config (one of them a call)")
+        if "--hydra-help" in passed_on and args.overrides:
+            parser.error(f"--hydra-help shows Hydra's help and takes no overrides (got {' '.join(args.overrides)}); "
+                         "`loopbench bench --cfg job KEY=VALUE ...` shows the config they compose")
         return _bench(args, _hydra_flags(args) + passed_on)
     if args.command == "plan":
         return _plan(args)

@@ -98,6 +98,22 @@ def test_an_unknown_option_is_named_before_anything_runs(tmp_path, monkeypatch, 
     assert "sweep:" not in out + err and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--cfg", "job", "-m", "pairs=2,3"], "-m and --cfg cannot be combined"),     # once: Hydra's ValueError traceback
+    (["--info", "config", "-m", "pairs=2,3"], "-m and --info cannot be combined"),
+    (["--cfg", "job", "--info"], "--cfg and --info cannot be combined"),
+    (["--hydra-help", "pairs=3"], "--hydra-help shows Hydra's help and takes no overrides (got pairs=3)"),  # once: a
+])                                                                  # traceback, the override applied to Hydra's help
+def test_hydra_modes_that_do_not_go_together_are_named_in_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1].startswith(f"loopbench: error: {message}"), err
+    assert "Traceback" not in out + err and list(tmp_path.iterdir()) == []
+
+
 def test_a_deletion_after_multirun_is_an_override_too(tmp_path, monkeypatch, capsys):
     """`~key` in the positionals after -m was left to the unknown-option check ("unrecognized arguments: ~arms.alias")
     by a filter that took only KEY=VALUE there; before -m it was always an override."""
