@@ -1,8 +1,9 @@
 """Kernel microbenchmarks (CUDA only), each writing a markdown table as it goes."""
 from __future__ import annotations
 
+import csv
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 
 def markdown_writer(path: Path) -> Callable[[str], None]:
@@ -17,3 +18,18 @@ def markdown_writer(path: Path) -> Callable[[str], None]:
         md.flush()
 
     return emit
+
+
+def table_lines(columns: Sequence[str], rows: Sequence[dict]) -> list[str]:
+    """A markdown table of ``rows`` (dicts keyed by ``columns``; floats with two decimals)."""
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows])
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict]) -> None:
+    """``rows`` as a csv at ``path`` (floats rounded to 4 decimals)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns))
+        w.writeheader()
+        w.writerows({c: (round(r[c], 4) if isinstance(r[c], float) else r[c]) for c in columns} for r in rows)

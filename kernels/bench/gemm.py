@@ -22,13 +22,13 @@ Usage: ``PYTHONPATH=<repo> python3 kernels/bench/gemm.py --out $OUT/gemm_h200.md
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import torch
 
 from loopbench.kernels import gemm as gm
+from loopbench.kernels.bench import table_lines, write_csv
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 
 SHAPES = {"qkv": (6144, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
@@ -139,10 +139,6 @@ def _config_label(c: gm.GemmConfig) -> str:
             f"{'-tma' if c.tma else ''}{'-pdl' if c.pdl else ''}")
 
 
-def _fmt(v) -> str:
-    return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="markdown table path (a .csv is written beside it)")
@@ -163,8 +159,7 @@ def main(argv=None) -> int:
     lines = [f"# Small-M GEMM vs cuBLAS on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
              f"triton {__import__('triton').__version__})", "",
              f"Copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s. Times: CUDA-graph chains, us per call.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+             *table_lines(COLUMNS, rows)]
     if args.swiglu:
         lines += ["", "gate_up with SwiGLU (us per call; `bitwise_two_launch`: gemm_swiglu == gemm then silu_mul "
                   "at that configuration)", "", "| variant | m | us | bitwise_two_launch |", "|---|---|---|---|"]
@@ -181,10 +176,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.write_text(text)
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows({c: (round(r[c], 4) if isinstance(r[c], float) else r[c]) for c in COLUMNS} for r in rows)
+    write_csv(args.out.with_suffix(".csv"), COLUMNS, rows)
     return 0
 
 

@@ -19,7 +19,6 @@ Usage: ``PYTHONPATH=<repo> python3 kernels/bench/read_floor.py --out $OUT/read_f
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopbench.kernels.bench import table_lines, write_csv
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 from loopbench.kernels.bench.gemm import SHAPES
 
@@ -94,19 +94,14 @@ def main(argv=None) -> int:
         return 2
     ceiling = copy_ceiling_bytes_per_s()
     rows = [measure(s, ceiling) for s in args.shapes]
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)
     lines = [f"# One isolated read of each projection's weight on {torch.cuda.get_device_name()} (torch "
              f"{torch.__version__}, triton {triton.__version__})", "",
              f"Copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s. Times: CUDA-graph chains over copies from HBM, "
-             "us per call.", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+             "us per call.", "", *table_lines(COLUMNS, rows)]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.write_text(text)
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows({c: (round(r[c], 4) if isinstance(r[c], float) else r[c]) for c in COLUMNS} for r in rows)
+    write_csv(args.out.with_suffix(".csv"), COLUMNS, rows)
     return 0
 
 
