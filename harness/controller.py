@@ -35,8 +35,10 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 from omegaconf import DictConfig
 
@@ -54,6 +56,23 @@ REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_form
 class Interrupted(Exception):
     """SIGTERM or Ctrl-C before a run measured anything (:func:`run`), or before a resume changed its bundle
     (``resume.resume``); the message says what was removed, or that nothing changed."""
+
+
+@contextmanager
+def unless_stopped(stop: StopSignals, on_stop: Callable[[], str]) -> Iterator[None]:
+    """A stage that starts no child, run inside ``stop``'s :class:`StopSignals`: SIGINT and SIGTERM raise in it at
+    once (:func:`stops_at_once`), and a stop ``stop`` recorded before it, or as its handler gave way to ``stop``'s
+    after it, ends it too. Either way :class:`Interrupted` is raised with the message ``on_stop()`` returns (after
+    whatever cleanup it does); other exceptions pass through."""
+    try:
+        with stops_at_once():
+            if stop() is not None:
+                raise KeyboardInterrupt
+            yield
+        if stop() is not None:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise Interrupted(on_stop()) from None
 
 
 @dataclass(frozen=True)
@@ -326,11 +345,8 @@ def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
 
         return resume(spec)
     with StopSignals(before_children=True) as stop:   # no stop is lost: raised before the first child, recorded after
-        try:
-            with stops_at_once():
-                got = inputs.gather(spec)
-        except KeyboardInterrupt:
-            raise Interrupted("interrupted while gathering the run's inputs: nothing was written") from None
+        with unless_stopped(stop, lambda: "interrupted while gathering the run's inputs: nothing was written"):
+            got = inputs.gather(spec)
         with cards.claimed(got.devices):   # a card another run measures on is refused before anything is written
             return _run_new(spec, got, stop)
 
@@ -338,25 +354,20 @@ def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
 def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
     """A new run's stages, from its bundle to the published summary (:func:`run`)."""
     bundle = lock = None
+
+    def removed() -> str:   # the folder holds prompts.json and environment.json at most; the cache's writes are atomic
+        if bundle is None:
+            return "interrupted before anything was measured: nothing was written"
+        shutil.rmtree(bundle, ignore_errors=True)
+        return f"interrupted before anything was measured: removed the new bundle folder {bundle}"
+
     try:
-        try:
-            with stops_at_once():
-                if stop() is not None:   # recorded while the card was claimed, before this handler
-                    raise KeyboardInterrupt
-                bundle = open_bundle(spec, got.code)
-                lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
-                print(f"loopbench: bundle {bundle}", flush=True)
-                prepared = prepare_model(spec, got, bundle)
-                executor = make_executor(spec, bundle, got.cache, got.devices)
-            if stop() is not None:   # recorded as this handler gave way to StopSignals': nothing measured yet
-                raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            if bundle is None:
-                raise Interrupted("interrupted before anything was measured: nothing was written") from None
-            # the folder holds prompts.json and environment.json at most; the cache's writes are atomic
-            shutil.rmtree(bundle, ignore_errors=True)
-            raise Interrupted(f"interrupted before anything was measured: removed the new bundle folder {bundle}"
-                              ) from None
+        with unless_stopped(stop, removed):   # a stop recorded while the card was claimed ends it before the folder
+            bundle = open_bundle(spec, got.code)
+            lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
+            print(f"loopbench: bundle {bundle}", flush=True)
+            prepared = prepare_model(spec, got, bundle)
+            executor = make_executor(spec, bundle, got.cache, got.devices)
         stop.before_children = False
         points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
         plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)

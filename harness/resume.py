@@ -29,9 +29,9 @@ import os
 from pathlib import Path
 
 from . import cards, evidence, inputs, machine
-from .controller import (Interrupted, RunResult, make_executor, prepare_checkpoint, publish, run_restarts,
+from .controller import (RunResult, make_executor, prepare_checkpoint, publish, run_restarts, unless_stopped,
                          write_children)
-from .executors import StopSignals, stops_at_once
+from .executors import StopSignals
 from .fileio import sha256_file, try_lock
 from .plan import make_plan, point_entries
 from .spec import BenchSpec
@@ -325,14 +325,9 @@ def resume(spec: BenchSpec) -> RunResult:
     try:
         with StopSignals(before_children=True) as stop:   # no stop is lost: raised in the checks, recorded after
             # under the lock: no controller adds records while the kept ones are counted
-            try:
-                with stops_at_once():
-                    check, ours, got, env, plan = _check(spec, None, synthesize=True)
-                if stop() is not None:
-                    raise KeyboardInterrupt
-            except KeyboardInterrupt:
-                raise Interrupted(f"interrupted while checking {spec.resume} for the resume: the bundle is unchanged"
-                                  ) from None
+            with unless_stopped(stop, lambda: f"interrupted while checking {spec.resume} for the resume: the bundle "
+                                              "is unchanged"):
+                check, ours, got, env, plan = _check(spec, None, synthesize=True)
             bundle, todo = check.bundle, check.todo
             held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
 
