@@ -5,7 +5,8 @@ the session's copy ceiling.
   brackets each decode loop's device work (``Runner.decode``: one recurrent-core loop, exit rule, lm_head
   and sampling over the step's rows). On CUDA a pair of timing events per loop is recorded on the current
   stream and read once after the run, so nothing inside a measured step waits for the device (the GPU's
-  time from the loop's first launch to its last kernel's end, idle gaps between its launches included);
+  time from the loop's first launch to its last kernel's end, idle gaps between its launches included, and with
+  ``EngineConfig.prefill_stream`` what it loses to a prefill loop running beside it on its own stream);
   on the CPU, where every op runs before it returns, ``time.perf_counter`` around the call.
 - :func:`copy_ceiling`: a device-to-device copy of a buffer much larger than the last-level cache, best
   of several timed copies, counting the bytes read and written; run once per session before its arms,

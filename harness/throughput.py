@@ -710,7 +710,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
             "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant,
             "prefill_gemm_rows": getattr(args, "prefill_gemm_rows", None) or "auto",
-            "prefill_stream": getattr(args, "prefill_stream", None) or "as configured",
+            "prefill_stream": engine_config(arm, args, 1, "fixed").prefill_stream,
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,
             "prefetch_tiles": "as configured" if getattr(args, "prefetch_tiles", None) is None else args.prefetch_tiles,

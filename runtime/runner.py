@@ -78,6 +78,13 @@ class PagedRopeWrite:
                                  next_weight=next_weight)
 
 
+def prefill_beside_decode(config: EngineConfig, device: torch.device) -> bool:
+    """Whether an engine's prefill loops run on a stream of their own (``EngineConfig.prefill_stream``): on CUDA
+    with the Triton backend only. The torch backend's native fill rewrites one KV cell of slot 0 where no row
+    exits (a no-op in stream order, a lost write beside a prefill of slot 0), and it synchronises every layer."""
+    return config.prefill_stream and device.type == "cuda" and config.attention_backend == "triton"
+
+
 class Runner:
     """Device state and device work of a :class:`~.engine.LoopEngine` (one instance per engine)."""
 
@@ -104,7 +111,7 @@ class Runner:
         self.banks = DescriptorBanks(S, dev, config.descriptor_mode)
         self._prefill_x: dict[int, torch.Tensor] = {}     # slot -> prompt activations [T, hidden] between loops
         # EngineConfig.prefill_stream: the stream prefill loops run on, and whether one has run since the last join.
-        self._prefill_stream = torch.cuda.Stream(dev) if config.prefill_stream and dev.type == "cuda" else None
+        self._prefill_stream = torch.cuda.Stream(dev) if prefill_beside_decode(config, dev) else None
         self._prefill_pending = False
         self.graphs: CudaGraphs | None = None
         if config.cuda_graphs:
@@ -153,7 +160,9 @@ class Runner:
         With ``EngineConfig.prefill_stream`` the work is queued on the prefill stream after everything queued
         so far on the current one; the current stream reads its results only after :meth:`join_prefill`."""
         side = self._prefill_stream
-        if side is None:
+        # The norm step inside o_proj / down (model.norm_in_gemm, kernels/gemm_norm.py) counts arrivals in one
+        # buffer per model and needs every program resident: two such GEMMs at once would corrupt and deadlock.
+        if side is None or self.model.norm_in_gemm:
             return self._prefill(loops)
         side.wait_stream(torch.cuda.current_stream(side.device))
         for loop in loops:      # the caching allocator must not hand a prompt's memory to the current stream

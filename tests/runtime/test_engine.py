@@ -371,6 +371,17 @@ def test_engine_config_fields_are_type_checked(field, value):
         EngineConfig(**{field: value})
 
 
+@pytest.mark.parametrize("on, device, backend, beside", [
+    (True, "cuda", "triton", True), (False, "cuda", "triton", False), (True, "cpu", "triton", False),
+    (True, "cpu", "torch", False),
+    (True, "cuda", "torch", False),     # its native fill rewrites a slot-0 cell: a lost write beside a prefill
+])
+def test_prefill_runs_beside_decode_only_on_cuda_with_triton(on, device, backend, beside):
+    from loopbench.runtime.runner import prefill_beside_decode
+    cfg = EngineConfig(prefill_stream=on, attention_backend=backend)
+    assert prefill_beside_decode(cfg, torch.device(device)) is beside
+
+
 def test_prefill_gemm_rows_follow_max_model_len_unless_given():
     assert EngineConfig(max_model_len=1024).prefill_call_rows == 256
     assert EngineConfig(max_model_len=1025).prefill_call_rows == 1024, "long prompts get larger prefill calls"

@@ -212,6 +212,28 @@ def test_prefill_on_its_own_stream_changes_no_bit(ckpt, graphs, policy, max_num_
     assert any(o.finish_reason == "length" for o in base_outs.values())
 
 
+def test_the_norm_step_in_gemm_keeps_prefill_on_the_decode_stream(ckpt, monkeypatch):
+    """model.norm_in_gemm counts arrivals in one buffer per model and needs every program resident, so two of its
+    GEMMs must never run at once: with it, prefill loops stay on the current stream (a non-batch-invariant engine's
+    prefill packs take that path too). No launch of a norm-in-GEMM kernel happens here: the stream is checked."""
+    from loopbench.runtime import runner as runner_mod
+    cfg, tensors = ckpt
+    model = OuroModel.from_tensors(cfg, tensors, device="cuda", dtype=torch.bfloat16)
+    eng = LoopEngine(model, EngineConfig(max_model_len=128, max_num_seqs=2, attention_backend="triton"))
+    streams = []
+    monkeypatch.setattr(runner_mod.Runner, "_prefill",
+                        lambda self, loops: streams.append(torch.cuda.current_stream()) or None)
+    plan_loops = [object()]
+    for norm_in_gemm in (False, True):
+        model.norm_in_gemm = norm_in_gemm
+        eng.runner._prefill_x[0] = torch.zeros(1, device="cuda")
+        plan_loops[0] = type("Loop", (), {"slot": 0})()
+        eng.runner.prefill(plan_loops)
+        eng.runner.join_prefill()
+    model.norm_in_gemm = False
+    assert streams[0] == eng.runner._prefill_stream and streams[1] == torch.cuda.current_stream()
+
+
 @pytest.mark.parametrize("prefill_stream", [False, True])
 @pytest.mark.parametrize("policy", ["replay", "ouro_delayed", "fixed"])
 @pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
