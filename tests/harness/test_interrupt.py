@@ -294,11 +294,15 @@ def test_a_stop_before_any_child_removes_the_new_bundle_folder(tmp_path, monkeyp
         raise AssertionError(f"{how} did not stop prepare_model")
 
     monkeypatch.setattr(controller, "prepare_model", prepare_model)
-    # SIGINT: Python's own handler raises KeyboardInterrupt, as at a terminal
-    assert how != "SIGINT" or signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    cfg = conf.compose("cpu-smoke", [f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
-    with pytest.raises(controller.Interrupted, match="before anything was measured: removed the new bundle folder "):
-        controller.run(cfg)
+    # SIGINT: Python's own handler raises KeyboardInterrupt, as at a terminal. Set here, since a test run started
+    # in the background of a shell without job control (nohup ... &) inherits SIGINT ignored, and Python keeps that.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cfg = conf.compose("cpu-smoke", [f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
+        with pytest.raises(controller.Interrupted, match="before anything was measured: removed the new bundle folder "):
+            controller.run(cfg)
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
     assert list((tmp_path / "r").iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is before
 
