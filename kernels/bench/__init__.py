@@ -33,3 +33,12 @@ def write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         w.writerows({c: (round(r[c], 4) if isinstance(r[c], float) else r[c]) for c in columns} for r in rows)
+
+
+def write_report(out: Path, lines: Sequence[str], columns: Sequence[str], rows: Sequence[dict]) -> None:
+    """Print a report's markdown ``lines``, write them to ``out``, and ``rows`` as a csv beside it
+    (:func:`write_csv`)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out.write_text(text)
+    write_csv(out.with_suffix(".csv"), columns, rows)

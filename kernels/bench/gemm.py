@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from loopbench.kernels import gemm as gm
-from loopbench.kernels.bench import table_lines, write_csv
+from loopbench.kernels.bench import table_lines, write_report
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 
 SHAPES = {"qkv": (6144, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
@@ -173,10 +173,7 @@ def main(argv=None) -> int:
         for m in args.ms:
             lines += [f"| {r['variant']} | {r['m']} | {r['us']:.2f} | {r['bitwise_two_launch']} |"
                       for r in measure_qkv_rope(m)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.write_text(text)
-    write_csv(args.out.with_suffix(".csv"), COLUMNS, rows)
+    write_report(args.out, lines, COLUMNS, rows)
     return 0
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loopbench.kernels.bench import table_lines, write_csv
+from loopbench.kernels.bench import table_lines, write_report
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 from loopbench.kernels.bench.gemm import SHAPES
 
@@ -98,10 +98,7 @@ def main(argv=None) -> int:
              f"{torch.__version__}, triton {triton.__version__})", "",
              f"Copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s. Times: CUDA-graph chains over copies from HBM, "
              "us per call.", "", *table_lines(COLUMNS, rows)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.write_text(text)
-    write_csv(args.out.with_suffix(".csv"), COLUMNS, rows)
+    write_report(args.out, lines, COLUMNS, rows)
     return 0
 
 
