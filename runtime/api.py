@@ -1,13 +1,15 @@
 """The runtime's public surface: what a caller hands an engine and what it gets back.
 
 ``EngineConfig`` (one arm's runtime settings, plain values), ``Request`` (token ids and loop bounds),
-``RequestOutput`` (tokens and the exit depth of each), ``EngineStats`` (work counters) and the
+``RequestOutput`` (tokens and the exit depth of each), ``EngineStats`` (work counters), the
 ``Engine`` protocol every engine implementation satisfies (``LoopEngine`` here; the harness may load
-another by import path), and the choice enums of the config's string fields. Nothing here knows about
-tokenizers, Hydra, timing or files.
+another by import path), the choice enums of the config's string fields, and :func:`setting_value`, the
+one form of a value of an engine's or model's ``settings()``. Nothing here knows about tokenizers, Hydra,
+timing or files.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import astuple, dataclass, field, replace
 from enum import StrEnum
@@ -44,6 +46,27 @@ class DescriptorMode(StrEnum):
 def choice_values(enum: type[StrEnum]) -> tuple[str, ...]:
     """The accepted strings of a choice enum, in declaration order (as error messages list them)."""
     return tuple(m.value for m in enum)
+
+
+# A value of a ``settings()`` dict (``LoopEngine.settings``, ``OuroModel.settings``): a JSON scalar.
+Setting = str | int | float | bool | None
+
+
+def setting_value(name: str, value) -> Setting:
+    """``value`` as a plain JSON scalar of a ``settings()`` dict: a str (a choice enum as its value), a bool,
+    an int (any integral number but a bool), a finite float, or None. TypeError / ValueError naming the
+    setting ``name`` for anything else (a list, a dict, a tensor, NaN)."""
+    if value is None or type(value) in (str, bool, int):
+        return value
+    if isinstance(value, str):
+        return str(value)                  # a StrEnum's str() is its value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise ValueError(f"setting {name!r} must be finite, got {value!r}")
+        return float(value)
+    raise TypeError(f"setting {name!r} must be a str, int, float, bool or None, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -237,6 +260,11 @@ class Engine(Protocol):
     ``stats`` counts the work done so far, cumulatively (the checker requires equal work across arms);
     ``capture_schedule`` freezes the exits of the natural run just drained (engines that cannot
     replay a schedule raise ``NotImplementedError``).
+
+    Optional, and so not a member of this protocol (an engine without it satisfies it; callers read it with
+    ``getattr``): ``settings() -> dict[str, Setting]``, what the engine resolved and runs with, as a flat
+    dict of JSON scalars (:func:`setting_value`) keyed in snake_case (``LoopEngine.settings``). The harness
+    records it beside each measured run (a raw record's ``engine_settings``; None for an engine without it).
     """
 
     stats: EngineStats

@@ -20,10 +20,12 @@ reads the step just launched.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import torch
 
-from .api import EngineConfig, EngineStats, Request, RequestOutput
+from .api import EngineConfig, EngineStats, Request, RequestOutput, Setting, setting_value
 from .descriptors import to_device_async
 from .exit_policy import make_policy
 from .kv_cache import DepthKVCache
@@ -241,6 +243,31 @@ class LoopEngine:
             toks = tuple(host.tolist()) if host is not None else ()
             out[rid] = RequestOutput(rid, toks, tuple(exits), reason)
         return out
+
+    def settings(self) -> dict[str, Setting]:
+        """What this engine resolved and runs with, as a flat dict of JSON scalars (runtime/api.py
+        ``setting_value``; the harness records it beside each measured run, a raw record's ``engine_settings``):
+
+        - every :class:`EngineConfig` field by its name but ``schedule`` (the value given or its default, as the
+          field's comment says: ``num_blocks`` None, ``prefill_gemm_rows`` None where nothing was given);
+        - ``schedule_sha256``: ``Schedule.sha256`` of the replayed schedule (sha256 of its ``to_json()``, the
+          bytes of a bundle's frozen reference), None without one;
+        - ``prefill_call_rows``: rows of each batch-invariant prefill projection call
+          (``EngineConfig.prefill_call_rows``); ``kv_num_blocks``: KV blocks in the pool, block 0 reserved
+          (``num_blocks``, or as resolved from ``max_num_seqs``, the planes and ``max_model_len``);
+        - ``prefill_on_own_stream``: a step's prefill loop runs on its own CUDA stream beside the decode loop
+          (``Runner.prefill_on_own_stream``: ``prefill_stream``, CUDA, the Triton backend, and the model's
+          ``norm_in_gemm`` off), as resolved now;
+        - ``fused_kv_write``: RoPE and the KV write run in one launch per layer (a fused model, the Triton backend);
+        - ``model_<key>`` for each key of the model's :meth:`OuroModel.settings` (its device, dtype and switches).
+        """
+        cfg = self.config
+        out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "schedule"}
+        out.update(schedule_sha256=None if cfg.schedule is None else cfg.schedule.sha256,
+                   prefill_call_rows=cfg.prefill_call_rows, kv_num_blocks=self.kv.allocator.num_blocks,
+                   prefill_on_own_stream=self.runner.prefill_on_own_stream, fused_kv_write=self.runner.fused_kv_write)
+        out.update({f"model_{k}": v for k, v in self.model.settings().items()})
+        return {k: setting_value(k, v) for k, v in out.items()}
 
     @property
     def trace_sha256(self) -> str:

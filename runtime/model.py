@@ -22,6 +22,8 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from .api import Setting, setting_value
+
 
 @dataclass(frozen=True)
 class OuroConfig:
@@ -337,6 +339,55 @@ class OuroModel:
             for t in vars(w).values():
                 seen[id(t)] = t
         return sum(t.numel() for t in seen.values())
+
+    # the projections :meth:`settings` names in ``wgmma_projections``, in loop order (gemm_roles' keys but
+    # qkv_rope, which runs on kernels/qkv_rope.py only)
+    WGMMA_ROLES = ("qkv", "o_proj", "gate_up", "swiglu", "down", "lm_head")
+
+    def settings(self) -> dict[str, Setting]:
+        """The switches this model's loops run with, as resolved now on its device: a flat dict of JSON
+        scalars (runtime/api.py ``setting_value``; ``LoopEngine.settings`` reports them under ``model_``).
+
+        - ``device_type``: the weights' device type (``"cuda"``, ``"cpu"``); ``dtype``: their dtype's torch name
+          (``"bfloat16"``);
+        - ``fused``: the fused Triton loop (kernels/fused_ops.py, :meth:`_run_loop_fused`), else plain torch;
+        - ``small_m_gemm``: our small-M GEMM (kernels/gemm.py) runs a projection where ``gemm.FASTER_UP_TO`` says it
+          is faster at the rows, cuBLAS the rest; as resolved (fused, CUDA, sm_90), so False means cuBLAS only;
+        - ``wgmma_projections``: the projections (:data:`WGMMA_ROLES`, comma-separated in loop order; ``""`` none)
+          that run on the Gluon wgmma kernel (kernels/wgmma_gemm.py ``CONFIGS``, ``SWIGLU_CONFIGS`` for gate_up +
+          SwiGLU) wherever our small-M GEMM runs them at most ``wgmma_gemm.MAX_M`` rows with no L2 prefetch asked
+          for (:meth:`wgmma_config`): those with a configuration for this model's weight shape in both tables;
+        - ``greedy_tiles``: decode samples from lm_head's per-tile maxima where lm_head runs on our GEMM
+          (:meth:`greedy_tiles_config`), else from written logits (the same tokens);
+        - ``norm_in_gemm``: o_proj and down run their norm step in their own launch where they can
+          (:meth:`norm_gemm_config`);
+        - ``prefetch_next_<target>`` for each of :data:`PREFETCH_TARGETS`: the fraction (0, 1] of that weight's K
+          columns the projection before it brings into L2, None where not asked for;
+        - ``pdl``: this device's Triton kernels launch with programmatic dependent launch (kernels/pdl.py
+          ``active``: its ``ENABLED`` switch, a CUDA GPU of sm_90 or newer); ``pdl_trigger``: where they release
+          the next kernel (``pdl.TRIGGER``, ``"late"`` or ``"early"``; a GEMM configuration's ``early_trigger``
+          overrides it for its own launches), None without PDL.
+
+        The tables and the PDL switch are process-wide and read at launch, so this is their state now."""
+        from loopbench.kernels import pdl
+        on = pdl.active(self.embed)
+        out = {"device_type": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
+               "fused": self.fused, "small_m_gemm": self.small_m_gemm, "wgmma_projections": self._wgmma_projections(),
+               "greedy_tiles": self.greedy_tiles, "norm_in_gemm": self.norm_in_gemm,
+               **{f"prefetch_next_{t}": self.prefetch_next.get(t) for t in PREFETCH_TARGETS},
+               "pdl": on, "pdl_trigger": pdl.TRIGGER if on else None}
+        return {k: setting_value(k, v) for k, v in out.items()}
+
+    def _wgmma_projections(self) -> str:
+        """``settings()["wgmma_projections"]``: the roles whose weight shape has a configuration in both our small-M
+        GEMM's table and the wgmma kernel's (``""`` without ``small_m_gemm``, which runs neither)."""
+        if not self.small_m_gemm:
+            return ""
+        from loopbench.kernels import wgmma_gemm
+        roles = gemm_roles(self.cfg)
+        on = [role for role in self.WGMMA_ROLES if roles[role].shape in roles[role].configs
+              and roles[role].shape in (wgmma_gemm.SWIGLU_CONFIGS if role == "swiglu" else wgmma_gemm.CONFIGS)]
+        return ",".join(on)
 
     def run_loop(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn, *,
                  gemm_rows: int | None = None, rope_write: RopeWriteFn | None = None

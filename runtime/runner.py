@@ -160,9 +160,7 @@ class Runner:
         With ``EngineConfig.prefill_stream`` the work is queued on the prefill stream after everything queued
         so far on the current one; the current stream reads its results only after :meth:`join_prefill`."""
         side = self._prefill_stream
-        # The norm step inside o_proj / down (model.norm_in_gemm, kernels/gemm_norm.py) counts arrivals in one
-        # buffer per model and needs every program resident: two such GEMMs at once would corrupt and deadlock.
-        if side is None or self.model.norm_in_gemm:
+        if not self.prefill_on_own_stream:
             return self._prefill(loops)
         side.wait_stream(torch.cuda.current_stream(side.device))
         for loop in loops:      # the caching allocator must not hand a prompt's memory to the current stream
@@ -170,6 +168,14 @@ class Runner:
         self._prefill_pending = True
         with torch.cuda.stream(side):
             return self._prefill(loops)
+
+    @property
+    def prefill_on_own_stream(self) -> bool:
+        """Whether :meth:`prefill` queues its loop on the prefill stream now: :func:`prefill_beside_decode` gave
+        this runner one, and the model's ``norm_in_gemm`` is off. The norm step inside o_proj / down
+        (kernels/gemm_norm.py) counts arrivals in one buffer per model and needs every program resident: two
+        such GEMMs at once would corrupt and deadlock. Read at every prefill (the switch may change)."""
+        return self._prefill_stream is not None and not self.model.norm_in_gemm
 
     def join_prefill(self) -> None:
         """Make the current stream wait for the prefill loops queued on the prefill stream (no host sync); a
