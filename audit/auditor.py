@@ -35,7 +35,9 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    Wilcoxon p, verdict and its reason); complete or incomplete follows from children.json's structured
    fields (the latest entry per child: its state, exit code and ``interrupted_by``) and the records,
    never from words; a status code the contract does not define is a discrepancy;
-10. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
+10. engine settings (:mod:`.check_settings`, format 9): each record's ``engine_settings`` is an object of JSON
+   scalars or null, and the runs of one arm at one point and track in one session hold equal ones;
+11. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
    re-derived figures (no extra, hidden or edited line; no raw HTML).
 
 The verdict goes to ``audit.json`` in the bundle (outside the manifest by design) and the exit status:
@@ -51,11 +53,12 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import (check_files, check_natural, check_online, check_plan, check_roofline, check_telemetry, check_runs,
-               check_sessions, check_summary, check_tables, contract, evidence, load)
+from . import (check_files, check_natural, check_online, check_plan, check_roofline, check_runs, check_sessions,
+               check_settings, check_summary, check_tables, check_telemetry, contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 7   # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline
+AUDITOR_VERSION = 8   # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+                      # 8: format 9, engine settings
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -89,6 +92,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
+    ctx.section("engine_settings", check_settings.check, plan, records)   # format 9: what each run ran with
     return checks_ok, ctx.section("natural", check_natural.check, plan, records)
 
 

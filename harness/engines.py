@@ -4,12 +4,14 @@ The session drives every engine only through the ``Engine`` protocol (runtime/ap
 ``engine`` key names the factory that builds one, ``factory(model, config: EngineConfig) -> Engine``.
 Ours is the default (``loopbench.runtime.engine:LoopEngine``); the naive reference generator behind the
 same protocol is ``loopbench.runtime.reference:make_engine``. :func:`check_engine` runs at config time,
-so a bad path fails naming the arm and the value before anything is written or measured.
+so a bad path fails naming the arm and the value before anything is written or measured;
+:func:`engine_settings` reads what an engine says it ran with.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from typing import Callable
 
 
@@ -52,3 +54,24 @@ def build_engine(path: str, model, config):
         raise TypeError(f"engine factory {path!r} returned {type(engine).__name__}, which does not satisfy the "
                         "Engine protocol (runtime/api.py)")
     return engine
+
+
+def engine_settings(engine) -> dict | None:
+    """What ``engine`` says it resolved and ran with (its optional ``settings()``, runtime/api.py ``Engine``),
+    checked to be a flat dict of JSON scalars (str, int, float, bool or None) keyed by strings; None for an
+    engine without ``settings``. A raw record's ``engine_settings`` (bundle format 9). TypeError naming the
+    engine's class and the offending key for anything else, before the record is written."""
+    settings = getattr(engine, "settings", None)
+    if not callable(settings):
+        return None
+    got = settings()
+    where = f"{type(engine).__name__}.settings()"
+    if not isinstance(got, dict):
+        raise TypeError(f"{where} returned {type(got).__name__}, not a dict of JSON scalars")
+    for key, value in got.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where} has the key {key!r}, not a string")
+        if not (value is None or type(value) in (str, int, bool)
+                or (type(value) is float and math.isfinite(value))):
+            raise TypeError(f"{where}[{key!r}] is {value!r}, not a JSON scalar (str, int, finite float, bool or None)")
+    return dict(got)

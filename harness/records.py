@@ -155,6 +155,9 @@ class ArmRecord:
     telemetry_samples: list[dict] | None = None   # harness/sampler.py during the measured run; None without NVML
     sampler: dict | None = None                   # Sampler.record(): its rate, sample count and CPU seconds
     decode_timing: dict | None = None             # loop_timing.DecodeLoopTimer.record() of the measured run
+    # engines.engine_settings of the measured run's engine (format 9): a flat dict of JSON scalars, what it
+    # resolved and ran with (LoopEngine.settings); None for an engine without settings()
+    engine_settings: dict | None = None
 
     def to_dict(self) -> dict:
         it = self.item
@@ -168,4 +171,4 @@ class ArmRecord:
                               "samples": self.telemetry_samples, "sampler": self.sampler},
                 "wall_clock": {"measured_start_unix_s": self.measured_start_unix_s,
                                "measured_end_unix_s": self.measured_end_unix_s},
-                "decode_timing": self.decode_timing}
+                "decode_timing": self.decode_timing, "engine_settings": self.engine_settings}

@@ -14,7 +14,9 @@ that the controller wrote into the bundle:
   arm behind. A job may name the ``seqs`` of the plan's order it measures (a resumed run's session
   measures the rest) and its ``session`` id, which every record it writes carries. A record also
   carries the arm's ``coverage``: how often each path where the layouts differ ran, derived from the
-  frozen schedule on the host after the measured run (harness/coverage.py), never counted while timed.
+  frozen schedule on the host after the measured run (harness/coverage.py), never counted while timed,
+  and the measured run's ``engine_settings``: what its engine says it resolved and ran with (the optional
+  ``settings()`` of the Engine protocol, read after the run; None for an engine without it).
 
 Every engine is built by its arm's factory (harness/engines.py) and driven only through the ``Engine``
 protocol (runtime/api.py). This process never loads the bundle writer (pandas, pyarrow): it writes
@@ -258,6 +260,7 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
     end_unix_s = time.time()
     samples = sampler.stop()
     tele_end = telemetry.sample(s.device["gpu_index"])
+    settings = engines.engine_settings(eng)   # what the measured run ran with (format 9), read after it
     # a natural arm's coverage is of its own schedule (captured after the timer), not the frozen one
     covered_here = coverage.derive(json.loads(eng.capture_schedule().to_json()), s.config["arms"][item.arm],
                                    s.model.cfg.total_ut_steps) if own else covered(item.point, item.arm)
@@ -273,7 +276,7 @@ def measure_arm(s: SessionInputs, item: OrderItem, covered) -> ArmRecord:
         coverage=covered_here, telemetry_start=tele_start, telemetry_end=tele_end,
         telemetry_samples=samples if sampler.active else None, sampler=sampler.record(),
         measured_start_unix_s=start_unix_s, measured_end_unix_s=end_unix_s,
-        decode_timing=None if timer is None else timer.record())
+        decode_timing=None if timer is None else timer.record(), engine_settings=settings)
 
 
 def measure(job: dict) -> None:

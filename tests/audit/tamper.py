@@ -27,6 +27,14 @@ def rewrite_manifest(bundle: Path) -> None:
     evidence.atomic_write_json(bundle / "manifest.json", {"schema_version": 1, **version, "files": files})
 
 
+def passes_as_version(bundle: Path, version: int) -> None:
+    """Claim format ``version`` in the manifest (rewritten to match the files) and require the audit to pass."""
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=version))
+    rewrite_manifest(bundle)
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+
+
 def edit_table(bundle: Path, name: str, fn) -> None:
     df = pd.read_parquet(bundle / "tables" / f"{name}.parquet")
     evidence.write_table(bundle / "tables" / f"{name}.parquet", fn(df))
@@ -178,12 +186,21 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
     (bundle / "report.md").write_text("\n".join(out))
 
 
+def strip_version_9(bundle: Path) -> None:
+    """What format 9 added taken out: the raw records' ``engine_settings``; the manifest's ``format_version`` is
+    the caller's to set."""
+    for path in sorted((bundle / "raw").glob("*/*.json")):
+        edit_json(path, lambda r: r.pop("engine_settings", None))
+
+
 def strip_version_8(bundle: Path) -> None:
     """report.md with a child's exit status as formats up to 7 worded it: the children table's column
     ``exit code`` holding children.json's ``exit_code`` as Python prints it (``0``, ``-15``, ``None``), and a
-    ``child_failed`` reason "... with exit code {exit_code}"; the manifest's ``format_version`` is the
-    caller's to set."""
+    ``child_failed`` reason "... with exit code {exit_code}" (and format 9's additions out, ``strip_version_9``);
+    the manifest's ``format_version`` is the caller's to set."""
     from loopbench.audit import render
+
+    strip_version_9(bundle)
 
     children = json.loads((bundle / "children.json").read_text())
     summary = json.loads((bundle / "summary.json").read_text())

@@ -1,11 +1,12 @@
 """Sessions against the runtime: a captured reference replays exactly, twice on one engine."""
 import json
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 
-from loopbench.harness import machine, session
+from loopbench.harness import engines, machine, session
 from loopbench.harness.fixtures import write_synthetic_checkpoint
 from loopbench.harness.records import ArmSpec
 
@@ -39,11 +40,36 @@ def test_reference_replays_exactly_in_warmup_and_measured_runs(model):
         warm = session.run_phase(eng, reqs, CPU).to_dict()
         eng.reset_run()
         meas = session.run_phase(eng, reqs, CPU).to_dict()
+        settings = engines.engine_settings(eng)      # what a record's engine_settings holds (format 9)
+        assert settings["exit_policy"] == "replay" and settings["schedule_sha256"] == schedule.sha256
+        assert (settings["kv_layout"], settings["prefix_tiles"]) == (arm.kv_layout, arm.prefix_tiles)
         for run in (warm, meas):
             assert run["outputs"] == ref["outputs"]
             assert run["work"] == ref["work"]           # per-run counters, not the engine's running totals
             assert run["trace_sha256"] == schedule.trace_sha256
             assert run["graphs"]["captures"] == run["graphs"]["replays"] == run["graphs"]["fallbacks"] == 0
+
+
+class _Reports:
+    """An object with a ``settings()`` returning ``value`` (enough for engines.engine_settings)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def settings(self):
+        return self.value
+
+
+@pytest.mark.parametrize("value, named", [
+    ([("a", 1)], "_Reports.settings() returned list, not a dict of JSON scalars"),
+    ({"a": [1]}, "_Reports.settings()['a'] is [1], not a JSON scalar"),
+    ({"a": float("inf")}, "_Reports.settings()['a'] is inf, not a JSON scalar"),
+    ({1: True}, "_Reports.settings() has the key 1, not a string")])
+def test_settings_that_are_no_flat_dict_of_json_scalars_are_refused_before_a_record(value, named):
+    with pytest.raises(TypeError, match=re.escape(named)):
+        engines.engine_settings(_Reports(value))
+    assert engines.engine_settings(_Reports({"a": None, "b": 0.5})) == {"a": None, "b": 0.5}
+    assert engines.engine_settings(object()) is None     # an engine without settings()
 
 
 def test_cpu_device_and_thread_setting():
@@ -200,6 +226,7 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
             assert rec[phase]["elapsed_s"] == steps_s
         span = rec["wall_clock"]["measured_end_unix_s"] - rec["wall_clock"]["measured_start_unix_s"]
         assert span >= rec["measured"]["elapsed_s"]
+        assert rec["engine_settings"] is None          # an Engine without the optional settings()
     walls = [i for i, name in enumerate(names) if name == "wall"]
     assert walls[0] < clocks[2] < clocks[3] < walls[1]   # the first arm's measured run inside its span
 
