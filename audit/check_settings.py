@@ -6,7 +6,8 @@ A record of a format-9 bundle holds ``engine_settings``: an object whose every v
 The runs of one arm at one point and track (replay, or its own exits: a natural comparison) in one session
 ran the same code on the same model, so they hold equal settings: a run that differs is named with the key,
 against that group's first run (by job and seq). Values compare as JSON (``true`` is not ``1``). Records of
-earlier formats have no ``engine_settings``; one that has it is named.
+earlier formats have no ``engine_settings``; one that has it is named. The report's Runtime settings section is
+rendered here from the records (:func:`report_lines`).
 """
 from __future__ import annotations
 
@@ -76,3 +77,60 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
             for key, got, want in _differences(rec["engine_settings"], first["engine_settings"]):
                 ctx.fail("engine_settings", f"{_at(rec)}: {key} is {got}, where seq {first['seq']}, a run of the same "
                                             f"arm at the same point and track in the same session, holds {want}")
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def _shown(value) -> str:
+    """A setting as the report shows it (``report.runtime_settings.about``): a non-empty string itself, else its
+    JSON (``""``, ``true``, ``null``, ``16``)."""
+    return json.dumps(value) if value == "" or not isinstance(value, str) else value
+
+
+def section(w: dict, plan: dict, records: list[dict]) -> list[str]:
+    """The Runtime settings section of ``records`` in the wording ``w`` (render.wording of the bundle's format),
+    by ``report.runtime_settings.about``: an arm's value of a setting is its runs' values, each once, in run
+    order (plan point, job, seq; n/a where a run lacks it); the settings whose value differs between arms as
+    rows, one column per arm, then the line of those every arm shares; the "none" line when no run's engine
+    reported any; no section without runs."""
+    from .render import _table
+
+    spec, na = w["runtime_settings"], w["words"]["na"]
+    points = [p["key"] for p in plan["points"]]
+    runs = sorted(records, key=lambda r: (points.index(r["point"]) if r["point"] in points else len(points),
+                                          r["job"], r["seq"]))
+    if not runs:
+        return []
+    values = [{k: _shown(v) for k, v in (r.get("engine_settings") or {}).items()} for r in runs]
+    lines = ["", w["headings"]["runtime_settings"], ""]
+    names = sorted(set().union(*values))
+    if not names:
+        return lines + [spec["none"]]
+    arms = sorted({r["arm"] for r in runs})
+    shared, rows = [], []
+    for name in names:
+        cells = []
+        for arm in arms:
+            seen: list[str] = []
+            for rec, held in zip(runs, values):
+                text = held.get(name, na)
+                if rec["arm"] == arm and text not in seen:
+                    seen.append(text)
+            cells.append(spec["value_separator"].join(seen))
+        if all(cell == cells[0] for cell in cells):
+            shared.append(spec["setting"].format(key=name, value=cells[0]))
+        else:
+            rows.append(spec["row"].format(setting=name, cells=spec["cell_separator"].join(cells)))
+    lines += [spec["text"], ""]
+    if rows:
+        lines += _table(w, [spec["column"], *arms], rows) + [""]
+    return lines + [spec["shared"].format(settings=spec["setting_separator"].join(shared) or spec["shared_none"])]
+
+
+def report_lines(ctx: Audit, plan: dict, records: list[dict]) -> list[str]:
+    """The Runtime settings section of a format-9 bundle (none before format 9)."""
+    if ctx.version < SINCE:
+        return []
+    from .render import wording
+
+    return section(wording(contract.FORMAT["report"], ctx.version), plan, records)

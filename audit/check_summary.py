@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from . import check_online, check_roofline, contract, derive, render
+from . import check_online, check_roofline, check_settings, contract, derive, render
 from .context import Audit
 from .values import field_diffs, line_diffs, plain, sha256_file
 
@@ -72,7 +72,8 @@ def expected_report(ctx: Audit, plan: dict, summary: dict, records: list[dict], 
     prompts_sha = sha256_file(ctx.bundle / plan["prompts"]["file"])
     return render.report(plan, summary["plan_sha256"], prompts_sha, summary,
                          [derive.arm_row(r) for r in records], environment, ctx.version,
-                         check_online.report_lines(ctx, plan), check_roofline.report_lines(ctx, plan))
+                         check_online.report_lines(ctx, plan), check_roofline.report_lines(ctx, plan),
+                         check_settings.report_lines(ctx, plan, records))
 
 
 def check_report(ctx: Audit, want: str) -> None:

@@ -278,10 +278,11 @@ def _as_shown(summary: dict, arms: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
 
 
 def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict, online: list[str] = (),
-                  roof: tuple[list[dict], dict] | None = None) -> str:
+                  roof: tuple[list[dict], dict] | None = None, settings: list[str] = ()) -> str:
     """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms);
     ``online``: the Online section's lines (harness/online/report.py), none without an online track;
-    ``roof``: the roofline rows and the ceilings by session (evidence.write_roofline), none: no section."""
+    ``roof``: the roofline rows and the ceilings by session (evidence.write_roofline), none: no section;
+    ``settings``: the Runtime settings section's lines (report_sections.runtime_settings of the raw records)."""
     summary, arms = _as_shown(summary, arms)
     sections = {
         "header": lambda: _header(plan, summary, environment),
@@ -300,6 +301,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "online": lambda: list(online),
         "roofline": lambda: [] if roof is None else roofline.report_lines(
             plan, *roof, R, table_lines, report_sections.workload_label),
+        "runtime_settings": lambda: list(settings),
         "plot": lambda: ["", R["plot"], ""],
     }
     return "\n".join(line for name in R["sections"] for line in sections[name]())

@@ -1,10 +1,14 @@
-"""The report sections of bundle format 5: each point's workload (P / D), graph coverage, telemetry and energy.
+"""The report sections of bundle format 5: each point's workload (P / D), graph coverage, telemetry and energy;
+and format 9's runtime settings.
 
-Rendered from the plan, the summary and the arms table by the contract's ``report`` templates
-(``loopbench/bundle_format.json``), like the rest of ``report.md`` (harness/report.py); the auditor renders
-the same sections from the raw records with its own code (audit/render_sections.py).
+Rendered from the plan, the summary and the arms table (the runtime settings: from the raw records) by the
+contract's ``report`` templates (``loopbench/bundle_format.json``), like the rest of ``report.md``
+(harness/report.py); the auditor renders the same sections from the raw records with its own code
+(audit/render_sections.py, audit/check_settings.py).
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pandas as pd
@@ -101,3 +105,42 @@ def telemetry(plan: dict, arms: pd.DataFrame) -> list[str]:
     rows = [_telemetry_row(key, g) for key, g in arms.groupby(["device", "point", "arm"], sort=True)]
     return head + [spec["text"].format(sample_hz=plan["config"]["telemetry"]["sample_hz"]), ""] + \
         table_lines(spec["columns"], rows)
+
+
+def setting_text(value) -> str:
+    """One engine setting as report.md shows it: a non-empty string as it is, any other JSON scalar as JSON
+    writes it (``""``, ``true``, ``false``, ``null``, ``16``, ``0.5``)."""
+    return value if isinstance(value, str) and value else json.dumps(value)
+
+
+def runtime_settings(plan: dict, records: list[dict]) -> list[str]:
+    """Format 9's Runtime settings section from the raw records' ``engine_settings`` (``report.runtime_settings``).
+    Each arm's value of a setting is its runs' values, each once, in run order (runs by plan point, then job and
+    seq; a run without the setting holds n/a), joined by " / " (an arm run at two points: "16 / 32"). A table of
+    the settings whose value differs between arms, one column per arm (in name order), then the line of those
+    every arm shares; the contract's "none" line when no run's engine reported any; nothing without runs."""
+    from .report import table_lines
+
+    spec = R["runtime_settings"]
+    order = {p["key"]: i for i, p in enumerate(plan["points"])}
+    runs = sorted(records, key=lambda r: (order.get(r["point"], len(order)), r["job"], r["seq"]))
+    if not runs:
+        return []
+    reported = [r.get("engine_settings") or {} for r in runs]
+    keys = sorted({key for settings in reported for key in settings})
+    head = ["", R["headings"]["runtime_settings"], ""]
+    if not keys:
+        return head + [spec["none"]]
+    arms = sorted({r["arm"] for r in runs})
+    rows, shared = [], []
+    for key in keys:
+        texts = [setting_text(settings[key]) if key in settings else WORDS["na"] for settings in reported]
+        cells = [spec["value_separator"].join(dict.fromkeys(t for r, t in zip(runs, texts) if r["arm"] == arm))
+                 for arm in arms]
+        if len(set(cells)) == 1:
+            shared.append(spec["setting"].format(key=key, value=cells[0]))
+        else:
+            rows.append(spec["row"].format(setting=key, cells=spec["cell_separator"].join(cells)))
+    table = table_lines([spec["column"], *arms], rows) + [""] if rows else []
+    return head + [spec["text"], ""] + table + [
+        spec["shared"].format(settings=spec["setting_separator"].join(shared) or spec["shared_none"])]

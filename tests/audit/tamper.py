@@ -187,10 +187,11 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
 
 
 def strip_version_9(bundle: Path) -> None:
-    """What format 9 added taken out: the raw records' ``engine_settings``; the manifest's ``format_version`` is
-    the caller's to set."""
+    """What format 9 added taken out: the raw records' ``engine_settings`` and report.md's Runtime settings
+    section; the manifest's ``format_version`` is the caller's to set."""
     for path in sorted((bundle / "raw").glob("*/*.json")):
         edit_json(path, lambda r: r.pop("engine_settings", None))
+    drop_report_sections(bundle, {evidence.FORMAT["report"]["headings"]["runtime_settings"]})
 
 
 def strip_version_8(bundle: Path) -> None:

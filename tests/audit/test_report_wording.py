@@ -12,9 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from loopbench.audit import contract, derive, render
+from loopbench.audit import check_settings, contract, derive, render
 from loopbench.audit.auditor import audit
-from loopbench.harness import report, stats
+from loopbench.harness import report, report_sections, stats
 from loopbench.harness.exit_status import exit_status_text
 from tests.audit.tamper import (REPO, _reword_as_version_6, edit_json, failed, passes_as_version, rewrite_manifest,
                                 strip_version_7, strip_version_8)
@@ -33,13 +33,16 @@ def _load(bundle: Path):
 def _theirs(docs, records, version=contract.VERSION) -> str:
     """The auditor's re-rendering of the documents as a bundle of format ``version``."""
     plan, summary, env = docs["plan"], docs["summary"], docs["environment"]
+    settings = check_settings.section(render.wording(contract.FORMAT["report"], version), plan, records) \
+        if version >= check_settings.SINCE else ()
     return render.report(plan, summary["plan_sha256"], plan["prompts"]["sha256"], summary,
-                         [derive.arm_row(r) for r in records], env, version)
+                         [derive.arm_row(r) for r in records], env, version, settings=settings)
 
 
 def _both(docs, records, arms) -> tuple[str, str]:
     """(harness's report.md, the auditor's re-rendering) of the same documents of the current format."""
-    return report.render_report(docs["plan"], docs["summary"], arms, docs["environment"]), _theirs(docs, records)
+    return (report.render_report(docs["plan"], docs["summary"], arms, docs["environment"],
+                                 settings=report_sections.runtime_settings(docs["plan"], records)), _theirs(docs, records))
 
 
 @pytest.mark.parametrize("bundle, version, line", [

@@ -1,11 +1,17 @@
 """Format 9: each raw record holds what its engine resolved and ran with (``engine_settings``); the auditor
 requires an object of JSON scalars (or null) in every record and equal settings within an arm's runs at one
-point and track in one session, and still audits a format-8 bundle, which has none, as before."""
+point and track in one session, and still audits a format-8 bundle, which has none, as before. report.md's
+Runtime settings section is rendered alike by both renderers (harness/report_sections.py,
+audit/check_settings.py)."""
+import copy
 import json
 
-from loopbench.audit import contract
-from loopbench.harness import evidence
-from tests.audit.tamper import edit_json, failed, passes_as_version, raw, rewrite_manifest, strip_version_9
+from loopbench.audit import check_settings, contract, render
+from loopbench.harness import evidence, report_sections
+from tests.audit.tamper import (edit_json, edit_report, failed, passes_as_version, raw, rewrite_manifest,
+                                strip_version_9)
+
+SPEC = contract.FORMAT["report"]["runtime_settings"]
 
 
 def _records(bundle):
@@ -85,3 +91,75 @@ def test_a_format_8_bundle_has_no_settings_and_audits_as_before(bundle):
     edit_json(raw(bundle, 0), lambda r: r.update(engine_settings={"kv_layout": "native"}))   # format 9 content
     rewrite_manifest(bundle)
     assert "holds engine_settings, format 9 content in a format 8 bundle" in failed(bundle)
+
+
+# ------------------------------------------------------------------------------------- the report
+
+def _section(records, plan=None) -> list[str]:
+    """The Runtime settings section of ``records`` (of the mini bundle's one point, or ``plan``'s), required equal
+    from both renderers."""
+    plan = plan or {"points": [{"key": "B2C3"}]}
+    mine = report_sections.runtime_settings(plan, records)
+    theirs = check_settings.section(render.wording(contract.FORMAT["report"], contract.VERSION), plan, records)
+    assert mine == theirs
+    return mine
+
+
+def test_both_renderers_show_the_runtime_settings_as_published(honest_bundle):
+    assert json.loads((honest_bundle / "plan.json").read_text())["points"][0]["key"] == "B2C3"
+    lines = _section(_records(honest_bundle))
+    assert "\n".join(lines) + "\n\n## Children" in (honest_bundle / "report.md").read_text()
+    assert lines[:3] == ["", "## Runtime settings", ""] and lines[3] == SPEC["text"]
+    assert lines[5:10] == ["| setting | alias_prefix | native |", "|---|---|---|", "| kv_layout | alias | native |",
+                           "| prefix_tiles | true | false |", ""]
+    shared = lines[-1]
+    assert shared.startswith("Shared by every arm: attention_backend=torch, batch_invariant=true, ") and \
+        shared.endswith(".")
+    for item in ("exit_policy=replay", "max_num_seqs=2", "model_device_type=cpu", 'model_wgmma_projections=""',
+                 "model_pdl=false", "model_pdl_trigger=null", "num_blocks=null", "prefill_on_own_stream=false"):
+        assert item in shared.split(": ", 1)[1].rstrip(".").split(", "), item
+
+
+def test_an_arms_values_at_two_points_in_point_order_and_a_setting_it_lacks_as_na(honest_bundle):
+    """Half of each arm's runs moved to a second point, listed first in the plan, where they ran at B4 (as the
+    plan's points would have it): every arm holds "4 / 2", a setting they share; only native then runs one of
+    its second-point runs with tile_size 64, and alias_prefix reports no trace_loops."""
+    records = copy.deepcopy(_records(honest_bundle))
+    for arm in ("native", "alias_prefix"):
+        for rec in [r for r in records if r["arm"] == arm][1::2]:
+            rec["point"], rec["engine_settings"]["max_num_seqs"] = "B4C3", 4
+    plan = {"points": [{"key": "B4C3"}, {"key": "B2C3"}]}
+    lines = _section(records, plan)
+    assert "max_num_seqs=4 / 2" in lines[-1].split(": ", 1)[1].rstrip(".").split(", ")
+    next(r for r in records if r["arm"] == "native" and r["point"] == "B4C3")["engine_settings"]["tile_size"] = 64
+    for rec in records:
+        if rec["arm"] == "alias_prefix":
+            del rec["engine_settings"]["trace_loops"]
+    lines = _section(records, plan)
+    assert "| tile_size | 32 | 64 / 32 |" in lines and "| trace_loops | n/a | false |" in lines
+    assert "tile_size=" not in lines[-1] and "trace_loops=" not in lines[-1] and "max_num_seqs=4 / 2" in lines[-1]
+
+
+def test_one_arm_alone_has_no_table_and_no_settings_say_so(honest_bundle):
+    native = [r for r in _records(honest_bundle) if r["arm"] == "native"]
+    lines = _section(native)
+    assert lines[3:5] == [SPEC["text"], ""] and lines[-1].startswith("Shared by every arm: ") and len(lines) == 6
+    none = [{**r, "engine_settings": None} for r in native]
+    assert _section(none) == ["", "## Runtime settings", "", SPEC["none"]]
+    assert _section([]) == []          # no run at all (a run stopped before its first arm): no section
+
+
+def test_a_forged_runtime_settings_line_is_named(bundle):
+    edit_report(bundle, lambda lines: [line.replace("| prefix_tiles | true | false |", "| prefix_tiles | false | false |")
+                                       for line in lines])
+    rewrite_manifest(bundle)
+    assert "(## Runtime settings) reads '| prefix_tiles | false | false |'" in failed(bundle)
+
+
+def test_a_format_8_report_holds_no_runtime_settings_section(bundle):
+    """Records stripped of format 9's field, the published section kept: not a format-8 report."""
+    for path in sorted((bundle / "raw").glob("*/*.json")):
+        edit_json(path, lambda r: r.pop("engine_settings"))
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=8))
+    rewrite_manifest(bundle)
+    assert "(## Runtime settings) is not in the re-derived report: '## Runtime settings'" in failed(bundle)
