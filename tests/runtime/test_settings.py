@@ -100,3 +100,24 @@ def test_a_setting_is_a_plain_json_scalar(value, plain):
 def test_a_setting_that_is_no_json_scalar_is_refused_by_name(value, error):
     with pytest.raises(error, match="setting 'bad'"):
         setting_value("bad", value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stream", [True, False])
+def test_settings_on_a_gpu_name_what_ran_there(tiny_ckpt, stream):
+    """On CUDA with the Triton backend: the fused loop, the fused KV write, PDL as the device allows, and the
+    prefill stream exactly as asked; a run changes none of it."""
+    model = OuroModel.from_tensors(*tiny_ckpt, device="cuda", dtype=torch.bfloat16)
+    eng = LoopEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64, attention_backend="triton",
+                                         cuda_graphs=True, prefill_stream=stream))
+    before = eng.settings()
+    eng.add_request(Request("r0", [1, 2, 3], 3, min_loops=2, max_loops=4, exit_threshold=0.5))
+    eng.run()
+    got = eng.settings()
+    _scalars(got)
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    assert got == before
+    assert (got["model_device_type"], got["model_dtype"], got["model_fused"], got["fused_kv_write"]) == (
+        "cuda", "bfloat16", True, True)
+    assert got["prefill_on_own_stream"] is stream and got["model_pdl"] is sm90
