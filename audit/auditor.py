@@ -36,7 +36,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    fields (the latest entry per child: its state, exit code and ``interrupted_by``) and the records,
    never from words; a status code the contract does not define is a discrepancy;
 10. engine settings (:mod:`.check_settings`, format 9): each record's ``engine_settings`` is an object of JSON
-   scalars or null, and the runs of one arm at one point and track in one session hold equal ones;
+   scalars or null, the runs of one arm at one point and track in one session hold equal ones, and a replayed
+   run that names its ``schedule_sha256`` names its point's frozen reference;
 11. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
    re-derived figures (no extra, hidden or edited line; no raw HTML).
 

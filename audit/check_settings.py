@@ -5,7 +5,8 @@ A record of a format-9 bundle holds ``engine_settings``: an object whose every v
 (``documents.record.engine_settings_values``; a number finite), or null for an engine without ``settings()``.
 The runs of one arm at one point and track (replay, or its own exits: a natural comparison) in one session
 ran the same code on the same model, so they hold equal settings: a run that differs is named with the key,
-against that group's first run (by job and seq). Values compare as JSON (``true`` is not ``1``). Records of
+against that group's first run (by job and seq). Values compare as JSON (``true`` is not ``1``). A replayed run
+whose settings name a ``schedule_sha256`` must name its point's frozen reference (the plan's ``reference.sha256``). Records of
 earlier formats have no ``engine_settings``; one that has it is named. The report's Runtime settings section is
 rendered here from the records (:func:`report_lines`).
 """
@@ -53,6 +54,17 @@ def _differences(got: dict | None, want: dict | None) -> list[tuple[str, str, st
             for k in sorted(set(got) | set(want)) if _text(got.get(k, ABSENT)) != _text(want.get(k, ABSENT))]
 
 
+def _check_schedule(ctx: Audit, rec: dict, reference_sha256: str | None) -> None:
+    """A replayed run that names its schedule (``engine_settings.schedule_sha256``, the sha256 of the schedule's
+    JSON, which is the bytes of ``references/<point>.schedule.json``) replayed its point's frozen reference: the
+    plan's ``reference.sha256``. An engine that names none (no key, or null) is not held to it here; the
+    reference check holds its tokens and exits to the reference either way."""
+    got = (rec["engine_settings"] or {}).get("schedule_sha256")
+    if got is not None and got != reference_sha256:
+        ctx.fail("engine_settings", f"{_at(rec)}: engine_settings.schedule_sha256 is {got}, not the sha256 of its "
+                                    f"point's frozen reference ({reference_sha256})")
+
+
 def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
     """Format 9: each record's ``engine_settings``, and equal settings within an arm's runs at one point and
     track in one session; before format 9: none."""
@@ -62,6 +74,7 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
                 ctx.fail("engine_settings", f"{_at(rec)} holds engine_settings, format {SINCE} content in a format "
                                             f"{ctx.version} bundle")
         return
+    references = {pt["key"]: pt["reference"]["sha256"] for pt in plan["points"] if pt.get("reference")}
     groups: dict[tuple, list[dict]] = {}
     for rec in sorted(records, key=lambda r: (r["job"], r["seq"])):
         problem = _problem(rec)
@@ -70,6 +83,8 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
             continue
         ctx.count("engine_settings")
         track = "natural" if check_natural.is_natural(plan, rec) else "replay"
+        if track == "replay":
+            _check_schedule(ctx, rec, references.get(rec["point"]))
         groups.setdefault((rec.get("session", rec["job"]), rec["point"], track, rec["arm"]), []).append(rec)
     for runs in groups.values():
         first = runs[0]

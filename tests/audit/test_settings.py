@@ -8,7 +8,7 @@ import json
 
 from loopbench.audit import check_settings, contract, render
 from loopbench.harness import evidence, report_sections
-from tests.audit.tamper import (edit_json, edit_report, failed, passes_as_version, raw, rewrite_manifest,
+from tests.audit.tamper import (audit, edit_json, edit_report, failed, passes_as_version, raw, rewrite_manifest,
                                 strip_version_9)
 
 SPEC = contract.FORMAT["report"]["runtime_settings"]
@@ -47,6 +47,29 @@ def test_a_run_whose_settings_differ_from_its_arms_other_runs_is_named(bundle):
     assert (f"engine_settings: record cpu0 seq {second['seq']} ({second['arm']}, {second['point']}, session cpu0): "
             f"engine_settings.batch_invariant is false, where seq {first['seq']}, a run of the same arm at the same "
             f"point and track in the same session, holds true") in failed(bundle)
+
+
+def test_a_replayed_run_names_its_points_frozen_reference(honest_bundle):
+    plan = json.loads((honest_bundle / "plan.json").read_text())
+    want = {pt["key"]: pt["reference"]["sha256"] for pt in plan["points"]}
+    for rec in _records(honest_bundle):
+        assert rec["engine_settings"]["schedule_sha256"] == want[rec["point"]]
+
+
+def test_every_run_that_replayed_another_schedule_is_named_and_one_that_names_none_is_not(bundle):
+    recs = _records(bundle)
+    same = [r for r in recs if (r["arm"], r["point"]) == (recs[0]["arm"], recs[0]["point"])]
+    for rec in same:       # every run of the arm alike, so only the reference check can name them
+        edit_json(raw(bundle, rec["seq"]), lambda r: r["engine_settings"].update(schedule_sha256="0" * 64))
+    rewrite_manifest(bundle)
+    lines = failed(bundle).splitlines()
+    named = [f for f in lines if "schedule_sha256 is " + "0" * 64 + ", not the sha256 of its point's frozen "
+             "reference" in f]
+    assert len(named) == len(same) == len([f for f in lines if f.startswith("engine_settings:")])
+    for rec in recs:   # an engine that does not say which schedule it replayed is not held to one here
+        edit_json(raw(bundle, rec["seq"]), lambda r: r["engine_settings"].pop("schedule_sha256"))
+    rewrite_manifest(bundle)     # (the report's Runtime settings lines then differ, which the report check names)
+    assert not [f for f in audit(bundle)["discrepancies"] if f.startswith("engine_settings:")]
 
 
 def test_a_setting_only_one_run_has_or_a_null_beside_an_object_is_named(bundle):
