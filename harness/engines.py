@@ -60,7 +60,8 @@ def engine_settings(engine) -> dict | None:
     """What ``engine`` says it resolved and ran with (its optional ``settings()``, runtime/api.py ``Engine``),
     checked to be a flat dict of JSON scalars (str, int, float, bool or None) keyed by strings; None for an
     engine without ``settings``. A raw record's ``engine_settings`` (bundle format 9). TypeError naming the
-    engine's class and the offending key for anything else, before the record is written."""
+    engine's class and the offending key for anything else, ValueError for a key or string value that would break
+    report.md (a line break or a '|'), before the record is written."""
     settings = getattr(engine, "settings", None)
     if not callable(settings):
         return None
@@ -74,4 +75,13 @@ def engine_settings(engine) -> dict | None:
         if not (value is None or type(value) in (str, int, bool)
                 or (type(value) is float and math.isfinite(value))):
             raise TypeError(f"{where}[{key!r}] is {value!r}, not a JSON scalar (str, int, finite float, bool or None)")
+        for text in (key, value) if isinstance(value, str) else (key,):
+            if not _report_cell(text):
+                raise ValueError(f"{where}[{key!r}]: {text!r} holds a line break or a '|', which report.md's "
+                                 "Runtime settings table cannot show (bundle_format.json report.free_text)")
     return dict(got)
+
+
+def _report_cell(text: str) -> bool:
+    """Whether ``text`` fits one cell of a report.md table: one line (no line boundary of any kind) and no '|'."""
+    return "|" not in text and text.splitlines() in ([text], [])

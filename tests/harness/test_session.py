@@ -60,6 +60,12 @@ class _Reports:
         return self.value
 
 
+@pytest.mark.parametrize("value", [{"a": "x|y"}, {"a|b": 1}, {"a": "two\nlines"}, {"a\u2028b": None}])
+def test_settings_that_would_break_the_reports_table_are_refused_before_a_record(value):
+    with pytest.raises(ValueError, match=re.escape("which report.md's Runtime settings table cannot show")):
+        engines.engine_settings(_Reports(value))
+
+
 @pytest.mark.parametrize("value, named", [
     ([("a", 1)], "_Reports.settings() returned list, not a dict of JSON scalars"),
     ({"a": [1]}, "_Reports.settings()['a'] is [1], not a JSON scalar"),
