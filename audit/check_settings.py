@@ -6,7 +6,8 @@ A record of a format-9 bundle holds ``engine_settings``: an object whose every v
 The runs of one arm at one point and track (replay, or its own exits: a natural comparison) in one session
 ran the same code on the same model, so they hold equal settings: a run that differs is named with the key,
 against that group's first run (by job and seq). Values compare as JSON (``true`` is not ``1``). A replayed run
-whose settings name a ``schedule_sha256`` must name its point's frozen reference (the plan's ``reference.sha256``). Records of
+whose settings name a ``schedule_sha256`` must name its point's frozen reference (the plan's ``reference.sha256``),
+and a setting named like an ``arm_config`` key (but ``engine``) or ``max_num_seqs`` must equal the record's. Records of
 earlier formats have no ``engine_settings``; one that has it is named. The report's Runtime settings section is
 rendered here from the records (:func:`report_lines`).
 """
@@ -54,6 +55,18 @@ def _differences(got: dict | None, want: dict | None) -> list[tuple[str, str, st
             for k in sorted(set(got) | set(want)) if _text(got.get(k, ABSENT)) != _text(want.get(k, ABSENT))]
 
 
+def _check_against_record(ctx: Audit, rec: dict) -> None:
+    """Settings that name what the record itself says (an ``arm_config`` key but ``engine``, ``max_num_seqs``)
+    must say the same, compared as JSON: a run whose engine ran another arm or batch than its record claims is
+    named. Keys an engine does not report are not held to anything."""
+    settings = rec["engine_settings"] or {}
+    claimed = {**{k: v for k, v in rec["arm_config"].items() if k != "engine"}, "max_num_seqs": rec["max_num_seqs"]}
+    for key, want in sorted(claimed.items()):
+        if key in settings and _text(settings[key]) != _text(want):
+            ctx.fail("engine_settings", f"{_at(rec)}: engine_settings.{key} is {_text(settings[key])}, where the "
+                                        f"record says {_text(want)}")
+
+
 def _check_schedule(ctx: Audit, rec: dict, reference_sha256: str | None) -> None:
     """A replayed run that names its schedule (``engine_settings.schedule_sha256``, the sha256 of the schedule's
     JSON, which is the bytes of ``references/<point>.schedule.json``) replayed its point's frozen reference: the
@@ -83,6 +96,7 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
             continue
         ctx.count("engine_settings")
         track = "natural" if check_natural.is_natural(plan, rec) else "replay"
+        _check_against_record(ctx, rec)
         if track == "replay":
             _check_schedule(ctx, rec, references.get(rec["point"]))
         groups.setdefault((rec.get("session", rec["job"]), rec["point"], track, rec["arm"]), []).append(rec)

@@ -72,6 +72,20 @@ def test_every_run_that_replayed_another_schedule_is_named_and_one_that_names_no
     assert not [f for f in audit(bundle)["discrepancies"] if f.startswith("engine_settings:")]
 
 
+def test_a_setting_that_contradicts_its_record_is_named(bundle):
+    recs = _records(bundle)
+    same = [r for r in recs if (r["arm"], r["point"]) == (recs[0]["arm"], recs[0]["point"])]
+    for rec in same:       # every run of the arm alike, so only the record check can name them
+        edit_json(raw(bundle, rec["seq"]), lambda r: r["engine_settings"].update(
+            max_num_seqs=999, kv_layout="other"))
+    rewrite_manifest(bundle)
+    lines = [f for f in failed(bundle).splitlines() if f.startswith("engine_settings:")]
+    assert len(lines) == 2 * len(same)
+    assert f"engine_settings.max_num_seqs is 999, where the record says {same[0]['max_num_seqs']}" in lines[1]
+    assert f'engine_settings.kv_layout is "other", where the record says "{same[0]["arm_config"]["kv_layout"]}"' \
+        in lines[0]
+
+
 def test_a_setting_only_one_run_has_or_a_null_beside_an_object_is_named(bundle):
     first, second = _two_runs_of_one_arm(bundle)
     edit_json(raw(bundle, second["seq"]), lambda r: r["engine_settings"].update(extra=1))
