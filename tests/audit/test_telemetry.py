@@ -170,6 +170,8 @@ def _forge_graph_candidate(bundle) -> None:
         def graphs(r):
             if r["arm"] == "alias_prefix":
                 r["arm_config"]["cuda_graphs"] = True
+                if r.get("engine_settings"):   # what the engine says it ran with agrees with the forged arm
+                    r["engine_settings"]["cuda_graphs"] = True
                 for phase in ("warmup", "measured"):
                     r[phase]["graphs"].update(replays=r[phase]["work"]["decode_steps"], prefill_replays=3)
         edit_json(path, graphs)
