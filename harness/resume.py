@@ -4,7 +4,8 @@
   plan, raw records and a ``children.json`` that still lists its children as ``running``. ``finish``
   marks those children ``interrupted`` (``interrupted_by: "lost"``), sweeps the temporary files of
   killed writers and publishes the bundle as incomplete, exactly as a controller that was stopped by
-  SIGTERM would have: completed arms intact, no verdict.
+  SIGTERM would have: completed arms intact, no verdict. Only the code that measured the bundle (the same
+  ``code_sha256``) publishes it; other code is refused before anything changes.
 - :func:`resume` (``resume=<bundle>`` in the config): a new run continues an incomplete bundle. Its
   plan is rebuilt from this run's config, code, checkpoint, prompts and devices and must equal the
   bundle's frozen plan (every key but the creation time and the config's ``resume`` and ``results_dir``,
@@ -28,7 +29,7 @@ import json
 import os
 from pathlib import Path
 
-from . import cards, evidence, inputs, machine
+from . import cards, evidence, identity, inputs, machine
 from .controller import (RunResult, make_executor, prepare_checkpoint, publish, run_restarts, unless_stopped,
                          write_children)
 from .executors import StopSignals
@@ -163,10 +164,26 @@ def finish(bundle: Path) -> RunResult:
         if status is not None:
             raise ResumeRefused(f"{bundle} is published already (status {status}); there is nothing to finish")
         plan = json.loads((bundle / "plan.json").read_text())
+        _check_same_code(bundle, plan)
         env = json.loads((bundle / "environment.json").read_text())
         return publish(bundle, plan, _mark_lost(bundle, _read_children(bundle)), env)
     finally:
         os.close(lock)
+
+
+def _check_same_code(bundle: Path, plan: dict) -> None:
+    """ResumeRefused unless this checkout's runtime, harness and kernels sources hash as those that measured
+    ``bundle`` (its plan's ``code.code_sha256``, identity.code_identity): the publisher writes the summary,
+    report and format version of its own code, so other code would publish, under the measuring code's name,
+    a bundle its auditor may fail (a format-8 bundle finished by format-9 code lacks engine_settings)."""
+    code = plan.get("code") or {}
+    ours = identity.code_identity()
+    if code.get("code_sha256") != ours["code_sha256"]:
+        raise ResumeRefused(
+            f"{bundle} was measured by other code (git {code.get('git_sha') or 'unknown'}, code_sha256 "
+            f"{str(code.get('code_sha256'))[:12]}) than this checkout's (git {ours['git_sha'] or 'unknown'}, "
+            f"code_sha256 {ours['code_sha256'][:12]}); a bundle is published by the code that measured it, so run "
+            "finish from a checkout of that commit. Nothing was changed")
 
 
 def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list[Path]]:

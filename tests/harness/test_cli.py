@@ -286,6 +286,18 @@ def test_audit_and_finish_refuse_a_folder_that_is_no_bundle_and_write_nothing_th
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "the auditor wrote into a non-bundle folder"
 
 
+def test_finish_refuses_a_bundle_that_other_code_measured_and_changes_nothing(tmp_path, capsys):
+    """The publisher writes its own code's summary, report and format version; the committed cpu-smoke bundle
+    was measured by older code (another code_sha256), so finishing it here is refused, naming both."""
+    plan = json.loads((REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json").read_text())
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert cli.main(["finish", str(tmp_path)]) == 1      # as a bundle published already: finish refused
+    err = capsys.readouterr().err
+    assert f"{tmp_path} was measured by other code (git {plan['code']['git_sha']}, code_sha256 " \
+           f"{plan['code']['code_sha256'][:12]})" in err and "run finish from a checkout of that commit" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
 def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and_each_names_finish(tmp_path, capsys):
     """Exit 3 (incomplete), as the README's exit statuses define it, from every command that reads a published
     bundle; a path that is no bundle at all still gives 2 (usage), named first."""
