@@ -5,6 +5,7 @@ log file; ``start`` returns once ``GET /health`` answers 200, and raises :class:
 log's last lines when the process exits first or health does not come within ``health_timeout_s``.
 ``stop`` sends SIGTERM (uvicorn shuts down gracefully), then SIGKILL after ``grace_s``; ``check``
 raises ServerFailed (with the log tail) when the server died on its own, e.g. after an engine failure.
+``engine_settings`` reads what the served engine resolved and runs with (``GET /settings``).
 """
 from __future__ import annotations
 
@@ -83,6 +84,18 @@ class ServerProcess:
             return httpx.get(self.url + "/health", timeout=5.0).json()
         except (httpx.HTTPError, ValueError, TypeError):
             return None
+
+    def engine_settings(self) -> dict | None:
+        """What the served engine resolved and runs with (``GET /settings``: a flat dict of JSON scalars, None for
+        an engine without ``settings()``); ServerFailed, with the log tail, when the server does not say, since
+        None would claim an engine without settings."""
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/settings", timeout=5.0).raise_for_status().json()["engine_settings"]
+        except (httpx.HTTPError, ValueError, TypeError, KeyError) as exc:
+            raise ServerFailed(f"the server did not report its engine settings ({type(exc).__name__}: {exc}); last "
+                               f"lines of {self.log_path}:\n{log_tail(self.log_path)}") from None
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after ``grace_s``; the exit status as harness/exit_status.py records one

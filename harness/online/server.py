@@ -9,6 +9,10 @@ exit policy), ``exit`` (min_loops, max_loops, threshold), ``host`` and ``port_fi
 
 - ``GET /health``: 200 ``{"status": "ok", ...counters}`` (requests accepted, completed, aborted; slots
   running and free);
+- ``GET /settings``: 200 ``{"engine_settings": ...}``, what the served engine resolved and runs with
+  (harness/engines.py ``engine_settings``: a flat object of JSON scalars, null for an engine without
+  ``settings()``), read and checked once when the app is made, before any request (settings do not change
+  with a run); the online runner writes it into each raw online record (bundle format 10);
 - ``POST /v1/completions``: an OpenAI-style completion over token ids. Body: ``prompt`` (a non-empty
   list of token ids), ``max_tokens`` (int >= 1), optional ``ignore_eos`` (bool; default false, true for
   an engine without EOS), ``stream`` (bool, default false), ``model`` (ignored). Greedy only, so any
@@ -39,6 +43,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..engines import engine_settings
 from .engine_loop import EngineLoop
 
 FIELDS = {"prompt", "max_tokens", "ignore_eos", "stream", "model"}
@@ -79,6 +84,7 @@ def make_app(engine, exit_conf: dict, model_name: str = "loopbench") -> Starlett
     """The ASGI app serving ``engine`` (a ``LoopEngine``); ``exit_conf``: min_loops, max_loops, threshold."""
     from loopbench.runtime.api import Request
 
+    reported = engine_settings(engine)   # refused here, before the server listens, when not JSON scalars
     loop_thread = EngineLoop(engine)
     ids = itertools.count()
 
@@ -93,6 +99,9 @@ def make_app(engine, exit_conf: dict, model_name: str = "loopbench") -> Starlett
         return JSONResponse({"status": "ok", "accepted": c.accepted, "rejected": c.rejected,
                              "completed": c.completed, "aborted": c.aborted, "running": c.running,
                              "queued": c.queued, "free_slots": c.free_slots, "steps": c.steps})
+
+    async def settings(request: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"engine_settings": reported})
 
     async def completions(request: HTTPRequest):
         try:
@@ -119,6 +128,7 @@ def make_app(engine, exit_conf: dict, model_name: str = "loopbench") -> Starlett
         return await _whole(request, rid, created, model_name, len(fields["prompt"]), events, loop_thread)
 
     return Starlette(routes=[Route("/health", health, methods=["GET"]),
+                             Route("/settings", settings, methods=["GET"]),
                              Route("/v1/completions", completions, methods=["POST"])], lifespan=lifespan)
 
 

@@ -27,6 +27,8 @@ def test_the_server_process_starts_healthy_on_127_0_0_1_and_stops_cleanly(tmp_pa
     try:
         assert url.startswith("http://127.0.0.1:")
         assert server.health()["status"] == "ok"
+        settings = server.engine_settings()          # what an online record's engine_settings holds (format 10)
+        assert settings["kv_layout"] == "native" and settings["max_num_seqs"] == 2 and settings["exit_policy"] == "ouro"
         out = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60).json()
         assert len(out["choices"][0]["token_ids"]) == 4
     finally:

@@ -1,8 +1,10 @@
 """The online server (harness/online/server.py) on the tiny model, served by uvicorn on 127.0.0.1.
 
 Streamed tokens equal the engine's own output for the same request; bad requests get a 4xx naming the
-field; a client that disconnects mid-stream aborts its request and frees its slot.
+field; a client that disconnects mid-stream aborts its request and frees its slot; ``GET /settings`` says what
+the served engine runs with (null for an engine without settings()).
 """
+import asyncio
 import json
 import socket
 import threading
@@ -12,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from loopbench.harness import engines
 from loopbench.harness.online.server import make_app
 from loopbench.runtime.api import EngineConfig, Request
 from loopbench.runtime.engine import LoopEngine
@@ -128,3 +131,38 @@ def test_a_client_disconnect_aborts_the_request_and_frees_its_slot(server):
     # the freed slot serves the next request in full
     tokens, reason = _stream(url, {"prompt": _prompt(4, 8), "max_tokens": 5})
     assert len(tokens) == 5 and reason == "length"
+
+
+def test_settings_report_what_the_served_engine_runs_with(server):
+    url, engine = server
+    got = httpx.get(url + "/settings", timeout=10).json()
+    assert got == {"engine_settings": engines.engine_settings(engine)} == {"engine_settings": engine.settings()}
+    assert got["engine_settings"]["kv_layout"] == "alias" and got["engine_settings"]["max_num_seqs"] == B
+    assert "engine_settings" not in _health(url)        # health stays the counters
+
+
+class _WithoutSettings:
+    """The served engine with its optional settings() hidden: a third-party engine without it."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        if name == "settings":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+
+class _BadSettings(_WithoutSettings):
+    def settings(self) -> dict:
+        return {"tile_size": [32]}
+
+
+def test_an_engine_without_settings_reports_null_and_bad_settings_are_refused_before_serving(model):
+    async def get_settings(app) -> dict:   # the app in-process (no lifespan: its engine loop never starts)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return (await client.get("/settings")).json()
+
+    assert asyncio.run(get_settings(make_app(_WithoutSettings(_engine(model)), EXIT))) == {"engine_settings": None}
+    with pytest.raises(TypeError, match=r"_BadSettings.settings\(\)\['tile_size'\] is \[32\], not a JSON scalar"):
+        make_app(_BadSettings(_engine(model)), EXIT)
