@@ -37,7 +37,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    never from words; a status code the contract does not define is a discrepancy;
 10. engine settings (:mod:`.check_settings`, format 9): each record's ``engine_settings`` is an object of JSON
    scalars or null, the runs of one arm at one point and track in one session hold equal ones, and a replayed
-   run that names its ``schedule_sha256`` names its point's frozen reference;
+   run that names its ``schedule_sha256`` names its point's frozen reference; from format 10 the online records'
+   ``engine_settings`` alike, equal across an arm's online runs in one session;
 11. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
    re-derived figures (no extra, hidden or edited line; no raw HTML).
 
@@ -58,8 +59,8 @@ from . import (check_files, check_natural, check_online, check_plan, check_roofl
                check_settings, check_summary, check_tables, check_telemetry, contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 8   # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
-                      # 8: format 9, engine settings
+AUDITOR_VERSION = 9   # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+                      # 8: format 9, engine settings; 9: format 10, the online runs' engine settings
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -94,6 +95,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     ctx.section("engine_settings", check_settings.check, plan, records)   # format 9: what each run ran with
+    ctx.section("engine_settings", check_settings.check_online, plan, ctx.online_records)   # format 10: online runs'
     return checks_ok, ctx.section("natural", check_natural.check, plan, records)
 
 

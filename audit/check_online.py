@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from . import contract
+from . import check_settings, contract
 from .context import Audit
 from .values import field_diffs, plain, same
 
@@ -96,7 +96,8 @@ def load_records(ctx: Audit, plan: dict) -> list[dict]:
         except ValueError as exc:
             ctx.fail("online", f"{rel} could not be read: {exc}")
             continue
-        problem = contract.fields_problem(rec, SPEC["record_fields"], f"{rel}: ", closed=True) or next(
+        problem = contract.fields_problem(rec, SPEC["record_fields"], f"{rel}: ", SPEC["record_optional"],
+                                          closed=True) or next(
             (contract.fields_problem(q, SPEC["request_fields"], f"{rel}: requests[{i}].", closed=True)
              for i, q in enumerate(rec["requests"]) if isinstance(q, dict)), None)
         item = order.get(rec.get("seq"))
@@ -290,6 +291,7 @@ def check(ctx: Audit, plan: dict, children: list) -> None:
         return
     check_plan(ctx, plan)
     records = load_records(ctx, plan)
+    ctx.online_records = records   # format 10: their engine_settings (check_settings.check_online, report_lines)
     ctx.count("online_records", len(records))
     summary, slo = derived(ctx, plan, records)
     check_table(ctx, expected_rows(records, slo))
@@ -311,7 +313,8 @@ def _num(v, t: str = R["number"]) -> str:
 
 
 def report_lines(ctx: Audit, plan: dict) -> list[str]:
-    """The Online section of report.md from the re-derived summary (none without an online track)."""
+    """The Online section of report.md from the re-derived summary (none without an online track); from format 10
+    it ends its runs with what their servers' engines ran with (check_settings.online_report_lines)."""
     s = ctx.online_summary
     if not plan.get("online") or s is None:
         return []
@@ -347,4 +350,4 @@ def report_lines(ctx: Audit, plan: dict) -> list[str]:
     line = R["check_ok"].format(checked=ch["requests_checked"], failed=ch["requests_failed"]) if ch["ok"] else \
         R["check_failed"].format(n=len(ch["mismatches"]), checked=ch["requests_checked"], failed=ch["requests_failed"],
                                  **ch["mismatches"][0])
-    return lines + ["", line, "", R["plot"]]
+    return lines + ["", line, *check_settings.online_report_lines(ctx, plan, ctx.online_records), "", R["plot"]]

@@ -1,5 +1,5 @@
 """What each measured run ran with (format 9): every raw record's ``engine_settings``, its engine's own report of
-what it resolved and ran with (audit/FORMAT.md, "Runtime settings").
+what it resolved and ran with (audit/FORMAT.md, "Runtime settings"); and, from format 10, every online run's.
 
 A record of a format-9 bundle holds ``engine_settings``: an object whose every value is a JSON scalar
 (``documents.record.engine_settings_values``; a number finite), or null for an engine without ``settings()``.
@@ -10,6 +10,12 @@ whose settings name a ``schedule_sha256`` must name its point's frozen reference
 and a setting named like an ``arm_config`` key (but ``engine``) or ``max_num_seqs`` must equal the record's. Records of
 earlier formats have no ``engine_settings``; one that has it is named. The report's Runtime settings section is
 rendered here from the records (:func:`report_lines`).
+
+A raw online record of a format-10 bundle holds ``engine_settings`` of the same shape, what its server's engine
+reported (:func:`check_online`): equal across the online runs of one arm in one session, its calibration run
+included (each run's server is a fresh one of the same arm, batch and exit policy), and a setting named like an
+``arm_config`` key (but ``engine``) or ``max_num_seqs`` says what the record's ``arm_config`` and plan.json
+``online.max_num_seqs`` do. The Online section shows them laid out as the Runtime settings section (:func:`section`).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from .context import Audit
 
 RECORD = contract.DOCS["record"]
 SINCE = RECORD["engine_settings_since"]
+ONLINE_SINCE = contract.FORMAT["online"]["engine_settings_since"]
 ABSENT = contract.ABSENT
 
 
@@ -28,9 +35,14 @@ def _at(rec: dict) -> str:
     return f"record {rec['job']} seq {rec['seq']} ({rec['arm']}, {rec['point']}, session {rec.get('session', rec['job'])})"
 
 
+def _online_at(rec: dict) -> str:
+    return f"online record {rec['job']} seq {rec['seq']} ({rec['arm']}, {rec['kind']} run, session {rec['session']})"
+
+
 def _problem(rec: dict) -> str | None:
-    """Why a format-9 record's ``engine_settings`` is not an object of JSON scalars or null (its JSON type is
-    the contract's ``object|null`` already: load.record_problem)."""
+    """Why a format-9 record's (or a format-10 online record's) ``engine_settings`` is not an object of JSON
+    scalars or null (its JSON type is the contract's ``object|null`` already: load.record_problem,
+    check_online.load_records)."""
     if "engine_settings" not in rec:
         return "has no engine_settings"
     settings = rec["engine_settings"]
@@ -55,15 +67,15 @@ def _differences(got: dict | None, want: dict | None) -> list[tuple[str, str, st
             for k in sorted(set(got) | set(want)) if _text(got.get(k, ABSENT)) != _text(want.get(k, ABSENT))]
 
 
-def _check_against_record(ctx: Audit, rec: dict) -> None:
+def _check_against_record(ctx: Audit, rec: dict, at: str, max_num_seqs: int) -> None:
     """Settings that name what the record itself says (an ``arm_config`` key but ``engine``, ``max_num_seqs``)
     must say the same, compared as JSON: a run whose engine ran another arm or batch than its record claims is
     named. Keys an engine does not report are not held to anything."""
     settings = rec["engine_settings"] or {}
-    claimed = {**{k: v for k, v in rec["arm_config"].items() if k != "engine"}, "max_num_seqs": rec["max_num_seqs"]}
+    claimed = {**{k: v for k, v in rec["arm_config"].items() if k != "engine"}, "max_num_seqs": max_num_seqs}
     for key, want in sorted(claimed.items()):
         if key in settings and _text(settings[key]) != _text(want):
-            ctx.fail("engine_settings", f"{_at(rec)}: engine_settings.{key} is {_text(settings[key])}, where the "
+            ctx.fail("engine_settings", f"{at}: engine_settings.{key} is {_text(settings[key])}, where the "
                                         f"record says {_text(want)}")
 
 
@@ -78,34 +90,60 @@ def _check_schedule(ctx: Audit, rec: dict, reference_sha256: str | None) -> None
                                     f"point's frozen reference ({reference_sha256})")
 
 
-def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
-    """Format 9: each record's ``engine_settings``, and equal settings within an arm's runs at one point and
-    track in one session; before format 9: none."""
-    if ctx.version < SINCE:
+def _held(ctx: Audit, records: list[dict], since: int, at, counted: str) -> list[dict]:
+    """The records whose ``engine_settings`` are well formed (by job and seq), each counted as ``counted``; the
+    others named. Before format ``since`` none are held, and a record that has settings is named."""
+    if ctx.version < since:
         for rec in records:
             if "engine_settings" in rec:
-                ctx.fail("engine_settings", f"{_at(rec)} holds engine_settings, format {SINCE} content in a format "
+                ctx.fail("engine_settings", f"{at(rec)} holds engine_settings, format {since} content in a format "
                                             f"{ctx.version} bundle")
-        return
-    references = {pt["key"]: pt["reference"]["sha256"] for pt in plan["points"] if pt.get("reference")}
-    groups: dict[tuple, list[dict]] = {}
+        return []
+    held = []
     for rec in sorted(records, key=lambda r: (r["job"], r["seq"])):
         problem = _problem(rec)
         if problem is not None:
-            ctx.fail("engine_settings", f"{_at(rec)} {problem}")
+            ctx.fail("engine_settings", f"{at(rec)} {problem}")
             continue
-        ctx.count("engine_settings")
-        track = "natural" if check_natural.is_natural(plan, rec) else "replay"
-        _check_against_record(ctx, rec)
-        if track == "replay":
-            _check_schedule(ctx, rec, references.get(rec["point"]))
-        groups.setdefault((rec.get("session", rec["job"]), rec["point"], track, rec["arm"]), []).append(rec)
+        ctx.count(counted)
+        held.append(rec)
+    return held
+
+
+def _check_groups(ctx: Audit, groups: dict[tuple, list[dict]], at, alike: str) -> None:
+    """Each run of a group (``alike`` says what its runs share) holds its first run's settings."""
     for runs in groups.values():
         first = runs[0]
         for rec in runs[1:]:
             for key, got, want in _differences(rec["engine_settings"], first["engine_settings"]):
-                ctx.fail("engine_settings", f"{_at(rec)}: {key} is {got}, where seq {first['seq']}, a run of the same "
-                                            f"arm at the same point and track in the same session, holds {want}")
+                ctx.fail("engine_settings", f"{at(rec)}: {key} is {got}, where seq {first['seq']}, {alike}, "
+                                            f"holds {want}")
+
+
+def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
+    """Format 9: each record's ``engine_settings``, and equal settings within an arm's runs at one point and
+    track in one session; before format 9: none."""
+    references = {pt["key"]: pt["reference"]["sha256"] for pt in plan["points"] if pt.get("reference")}
+    groups: dict[tuple, list[dict]] = {}
+    for rec in _held(ctx, records, SINCE, _at, "engine_settings"):
+        track = "natural" if check_natural.is_natural(plan, rec) else "replay"
+        _check_against_record(ctx, rec, _at(rec), rec["max_num_seqs"])
+        if track == "replay":
+            _check_schedule(ctx, rec, references.get(rec["point"]))
+        groups.setdefault((rec.get("session", rec["job"]), rec["point"], track, rec["arm"]), []).append(rec)
+    _check_groups(ctx, groups, _at, "a run of the same arm at the same point and track in the same session")
+
+
+def check_online(ctx: Audit, plan: dict, records: list[dict]) -> None:
+    """Format 10: each online record's ``engine_settings`` (``records``: check_online.load_records), held to its
+    record and equal across the online runs of one arm in one session; before format 10: none."""
+    if not plan.get("online"):
+        return
+    groups: dict[tuple, list[dict]] = {}
+    for rec in _held(ctx, records, ONLINE_SINCE, _online_at, "online_engine_settings"):
+        _check_against_record(ctx, rec, _online_at(rec), plan["online"]["max_num_seqs"])
+        groups.setdefault((rec["session"], rec["arm"]), []).append(rec)
+    _check_groups(ctx, groups, _online_at, "an online run of the same arm in the same session")
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -116,12 +154,13 @@ def _shown(value) -> str:
     return json.dumps(value) if value == "" or not isinstance(value, str) else value
 
 
-def section(w: dict, plan: dict, records: list[dict]) -> list[str]:
+def section(w: dict, plan: dict, records: list[dict], heading: str | None = None, text: str | None = None) -> list[str]:
     """The Runtime settings section of ``records`` in the wording ``w`` (render.wording of the bundle's format),
     by ``report.runtime_settings.about``: an arm's value of a setting is its runs' values, each once, in run
     order (plan point, job, seq; n/a where a run lacks it); the settings whose value differs between arms as
     rows, one column per arm, then the line of those every arm shares; the "none" line when no run's engine
-    reported any; no section without runs."""
+    reported any; no section without runs. ``heading`` and ``text`` (the section's own by default) word it
+    for other runs (the online runs': :func:`online_report_lines`)."""
     from .render import _table
 
     spec, na = w["runtime_settings"], w["words"]["na"]
@@ -131,7 +170,7 @@ def section(w: dict, plan: dict, records: list[dict]) -> list[str]:
     if not runs:
         return []
     values = [{k: _shown(v) for k, v in (r.get("engine_settings") or {}).items()} for r in runs]
-    lines = ["", w["headings"]["runtime_settings"], ""]
+    lines = ["", heading or w["headings"]["runtime_settings"], ""]
     names = sorted(set().union(*values))
     if not names:
         return lines + [spec["none"]]
@@ -142,15 +181,15 @@ def section(w: dict, plan: dict, records: list[dict]) -> list[str]:
         for arm in arms:
             seen: list[str] = []
             for rec, held in zip(runs, values):
-                text = held.get(name, na)
-                if rec["arm"] == arm and text not in seen:
-                    seen.append(text)
+                shown = held.get(name, na)
+                if rec["arm"] == arm and shown not in seen:
+                    seen.append(shown)
             cells.append(spec["value_separator"].join(seen))
         if all(cell == cells[0] for cell in cells):
             shared.append(spec["setting"].format(key=name, value=cells[0]))
         else:
             rows.append(spec["row"].format(setting=name, cells=spec["cell_separator"].join(cells)))
-    lines += [spec["text"], ""]
+    lines += [text or spec["text"], ""]
     if rows:
         lines += _table(w, [spec["column"], *arms], rows) + [""]
     return lines + [spec["shared"].format(settings=spec["setting_separator"].join(shared) or spec["shared_none"])]
@@ -163,3 +202,15 @@ def report_lines(ctx: Audit, plan: dict, records: list[dict]) -> list[str]:
     from .render import wording
 
     return section(wording(contract.FORMAT["report"], ctx.version), plan, records)
+
+
+def online_report_lines(ctx: Audit, plan: dict, records: list[dict]) -> list[str]:
+    """The Online section's settings of the online runs (``online.report.settings_heading``; format 10, none
+    before): the online ``records``' engine_settings laid out as the Runtime settings section."""
+    if ctx.version < ONLINE_SINCE:
+        return []
+    from .render import wording
+
+    words = contract.FORMAT["online"]["report"]
+    return section(wording(contract.FORMAT["report"], ctx.version), plan, records, words["settings_heading"],
+                   words["settings_text"])

@@ -21,6 +21,7 @@ class Audit:
         self._counts: dict[str, int] = {}
         self.checked: dict[str, int] = {}
         self.online_summary: dict | None = None   # the re-derived online/summary.json (check_online), format 5
+        self.online_records: list[dict] = []   # the online records that load (check_online), format 5
         self.roofline: tuple[list[dict], dict] | None = None   # derived rows and ceilings (check_roofline), format 7
 
     def fail(self, kind: str, message: str) -> None:

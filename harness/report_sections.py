@@ -113,12 +113,14 @@ def setting_text(value) -> str:
     return value if isinstance(value, str) and value else json.dumps(value)
 
 
-def runtime_settings(plan: dict, records: list[dict]) -> list[str]:
+def runtime_settings(plan: dict, records: list[dict], heading: str | None = None, text: str | None = None) -> list[str]:
     """Format 9's Runtime settings section from the raw records' ``engine_settings`` (``report.runtime_settings``).
     Each arm's value of a setting is its runs' values, each once, in run order (runs by plan point, then job and
     seq; a run without the setting holds n/a), joined by " / " (an arm run at two points: "16 / 32"). A table of
     the settings whose value differs between arms, one column per arm (in name order), then the line of those
-    every arm shares; the contract's "none" line when no run's engine reported any; nothing without runs."""
+    every arm shares; the contract's "none" line when no run's engine reported any; nothing without runs.
+    ``heading`` and ``text`` (the section's own by default) word it for other runs: format 10's online runs
+    (``online.report.settings_heading``, harness/online/evidence.py)."""
     from .report import table_lines
 
     spec = R["runtime_settings"]
@@ -128,7 +130,7 @@ def runtime_settings(plan: dict, records: list[dict]) -> list[str]:
         return []
     reported = [r.get("engine_settings") or {} for r in runs]
     keys = sorted({key for settings in reported for key in settings})
-    head = ["", R["headings"]["runtime_settings"], ""]
+    head = ["", heading or R["headings"]["runtime_settings"], ""]
     if not keys:
         return head + [spec["none"]]
     arms = sorted({r["arm"] for r in runs})
@@ -142,5 +144,5 @@ def runtime_settings(plan: dict, records: list[dict]) -> list[str]:
         else:
             rows.append(spec["row"].format(setting=key, cells=spec["cell_separator"].join(cells)))
     table = table_lines([spec["column"], *arms], rows) + [""] if rows else []
-    return head + [spec["text"], ""] + table + [
+    return head + [text or spec["text"], ""] + table + [
         spec["shared"].format(settings=spec["setting_separator"].join(shared) or spec["shared_none"])]

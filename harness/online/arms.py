@@ -9,7 +9,8 @@ process, engine and natural exit policy on this device), send ``warmup_requests`
 - an arm run: the frozen trace open loop at ``rate_multiple`` x capacity (``loadgen.arrivals_s``),
 
 then stop the server and write one raw record ``online/<device>/<seq:05d>-<kind>-<arm>[-r<rate index>-p<pair>].json``
-(atomic) with every request's timestamps and tokens; the server's log sits beside it (same stem, .log).
+(atomic) with every request's timestamps and tokens and what the server's engine ran with
+(``engine_settings``, read once it is healthy: bundle format 10); the server's log sits beside it (same stem, .log).
 A server that crashes or never gets healthy raises ``ServerFailed`` with its log tail: the session
 fails, and the bundle is incomplete. Only a device's first session runs the track (a resume does not).
 """
@@ -60,6 +61,7 @@ def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capaci
     server = ServerProcess(server_spec(plan, job, item["arm"]), out_dir / f"{stem}.log", online["health_timeout_s"])
     server.start()
     try:
+        settings = server.engine_settings()
         if online["warmup_requests"]:
             warm = [loadgen.Job(-1 - i, j.prompt_index, j.prompt, j.max_tokens)
                     for i, j in enumerate(jobs[:online["warmup_requests"]])]
@@ -84,6 +86,7 @@ def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capaci
               "capacity_rps": capacity_rps, "rate_rps": rate_rps, "start_unix_s": start,
               "warmup_requests": online["warmup_requests"], "max_duration_s": online["max_duration_s"],
               "server": {"log": f"{stem}.log", "exit_code": exit_code, "health": health},
+              "engine_settings": settings,
               "requests": [r.to_dict() for r in results]}
     atomic_write_json(out_dir / f"{stem}.json", record)
     return record

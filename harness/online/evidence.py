@@ -18,6 +18,7 @@ from ..evidence import FORMAT, arrow_type, atomic_write_json, write_table
 from . import metrics
 
 SPEC = FORMAT["online"]
+R = SPEC["report"]
 
 
 def load_online_records(bundle: Path) -> list[dict]:
@@ -120,6 +121,7 @@ def online_summary(bundle: Path, plan: dict, records: list[dict]) -> dict:
 def publish(bundle: Path, plan: dict) -> list[str]:
     """Write the online files of a bundle whose plan has an online track; the report's Online lines
     (none without a track)."""
+    from ..report_sections import runtime_settings
     from .report import plot_latency, report_lines
 
     if plan.get("online") is None:
@@ -130,4 +132,5 @@ def publish(bundle: Path, plan: dict) -> list[str]:
     write_table(bundle / "online" / "requests.parquet", request_rows(records, slo_of(plan["online"], records)))
     atomic_write_json(bundle / "online" / "summary.json", summary)
     plot_latency(records, summary, bundle / "online" / "latency.png")
-    return report_lines(plan["online"], summary)
+    settings = runtime_settings(plan, records, R["settings_heading"], R["settings_text"])   # format 10
+    return report_lines(plan["online"], summary, settings)

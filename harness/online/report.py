@@ -59,15 +59,16 @@ def _check_line(checks: dict) -> str:
                                     failed=checks["requests_failed"], **checks["mismatches"][0])
 
 
-def report_lines(online: dict, summary: dict) -> list[str]:
-    """The Online section of report.md (its lines, led by an empty one)."""
+def report_lines(online: dict, summary: dict, settings: list[str] = ()) -> list[str]:
+    """The Online section of report.md (its lines, led by an empty one); ``settings``: the lines of the online
+    runs' engine settings (format 10), after the served-token check."""
     lines = ["", R["heading"], ""]
     if summary["status"] != "complete":
         lines += [R["incomplete"].format(recorded=summary["runs_recorded"], planned=summary["runs_planned"]), ""]
     lines += [_trace_line(online, summary), "", *_table(R["runs_columns"], [_run_row(r) for r in summary["runs"]])]
     for rate in summary["rates"]:
         lines += _paired(rate)
-    return lines + ["", _check_line(summary["checks"]), "", R["plot"]]
+    return lines + ["", _check_line(summary["checks"]), *settings, "", R["plot"]]
 
 
 def status_line(bundle: Path) -> str | None:

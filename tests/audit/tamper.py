@@ -61,6 +61,14 @@ def failed(bundle: Path) -> str:
     return "\n".join(verdict["discrepancies"])
 
 
+def forge_settings(bundle: Path, path: Path, **settings) -> str:
+    """The record at ``path`` (a raw arm or online record) with ``settings`` over its ``engine_settings``, the
+    manifest rewritten to match; the failed audit's discrepancies."""
+    edit_json(path, lambda rec: rec["engine_settings"].update(settings))
+    rewrite_manifest(bundle)
+    return failed(bundle)
+
+
 def tampered(value):
     """A different value of the same kind."""
     if isinstance(value, (bool, np.bool_)):
@@ -186,9 +194,24 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
     (bundle / "report.md").write_text("\n".join(out))
 
 
+def strip_version_10(bundle: Path) -> None:
+    """What format 10 added taken out: the raw online records' ``engine_settings`` and the Online section's
+    settings of the online runs (from its heading to the plot line's blank one); the manifest's
+    ``format_version`` is the caller's to set."""
+    for path in sorted((bundle / "online").glob("*/*.json")):
+        edit_json(path, lambda r: r.pop("engine_settings", None))
+    words = evidence.FORMAT["online"]["report"]
+    lines = (bundle / "report.md").read_text().split("\n")
+    if words["settings_heading"] in lines:
+        del lines[lines.index(words["settings_heading"]) - 1:lines.index(words["plot"]) - 1]
+    (bundle / "report.md").write_text("\n".join(lines))
+
+
 def strip_version_9(bundle: Path) -> None:
     """What format 9 added taken out: the raw records' ``engine_settings`` and report.md's Runtime settings
-    section; the manifest's ``format_version`` is the caller's to set."""
+    section (and format 10's additions, ``strip_version_10``); the manifest's ``format_version`` is the caller's
+    to set."""
+    strip_version_10(bundle)
     for path in sorted((bundle / "raw").glob("*/*.json")):
         edit_json(path, lambda r: r.pop("engine_settings", None))
     drop_report_sections(bundle, {evidence.FORMAT["report"]["headings"]["runtime_settings"]})

@@ -1,5 +1,6 @@
 """The online track's evidence against the auditor (audit/check_online.py): an honest cpu-online bundle
-passes; changing one latency, timestamp, figure, token or report line fails the audit and names it."""
+passes; changing one latency, timestamp, figure, token or report line fails the audit and names it. From format
+10 each online record says what its server's engine ran with (audit/check_settings.py check_online)."""
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,8 @@ from loopbench.audit import contract
 from loopbench.harness import conf, controller, evidence
 from loopbench.harness.online import evidence as online_evidence, metrics
 
-from .tamper import REPO, edit_json, edit_report, failed, rewrite_manifest
+from .tamper import (REPO, audit, edit_json, edit_report, failed, forge_settings, passes_as_version, rewrite_manifest,
+                     strip_version_10)
 
 SMALL = ["online.num_requests=6", "online.rates=[1.0]", "online.warmup_requests=2", "executor.poll_s=0.1"]
 
@@ -37,8 +39,6 @@ def _raw(bundle: Path, seq: int) -> Path:
 
 
 def test_the_honest_online_bundle_passes_and_serves_the_reference_tokens(honest_online):
-    from loopbench.audit.auditor import audit
-
     verdict = audit(honest_online)
     assert verdict["status"] == "pass", verdict["discrepancies"]
     assert verdict["checked"]["online_records"] == 3 and verdict["checked"]["online_request_rows"] == 18
@@ -139,3 +139,84 @@ def test_a_format_4_claim_with_an_online_track_is_a_downgrade(bundle):
     edit_json(bundle / "manifest.json", lambda m: m.update(format_version=4))
     edit_json(bundle / "plan.json", lambda p: p.pop("natural"))     # format 6's field, named first otherwise
     assert "plan: plan.json: online is a field that" in failed(bundle)
+
+
+# ------------------------------------------------------------------ what each online run ran with (format 10)
+
+def _online_records(bundle: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((bundle / "online" / "cpu0").glob("*.json"))]
+
+
+def _baseline_runs(bundle: Path) -> tuple[dict, dict]:
+    """The calibration run (seq 0, the baseline arm's) and the baseline's arm run at the one rate."""
+    recs = _online_records(bundle)
+    return recs[0], next(r for r in recs[1:] if r["arm"] == recs[0]["arm"])
+
+
+def test_every_online_record_holds_what_its_servers_engine_ran_with(honest_online):
+    plan = json.loads((honest_online / "plan.json").read_text())
+    recs = _online_records(honest_online)
+    for rec in recs:
+        settings = rec["engine_settings"]
+        assert settings["kv_layout"] == rec["arm_config"]["kv_layout"]
+        assert settings["max_num_seqs"] == plan["online"]["max_num_seqs"]
+        assert settings["exit_policy"] == plan["config"]["exit"]["policy"] and settings["schedule_sha256"] is None
+        assert "engine_settings" not in rec["server"]["health"]    # one copy, the record's own
+    assert audit(honest_online)["checked"]["online_engine_settings"] == len(recs) == 3
+    report = (honest_online / "report.md").read_text().split("\n")
+    at = report.index("### Runtime settings of the online runs")
+    assert report[at + 2] == contract.FORMAT["online"]["report"]["settings_text"]
+    assert "| setting | alias_prefix | native |" in report[at:] and "| kv_layout | alias | native |" in report[at:]
+    plot = report.index("![online latency](online/latency.png)")    # the online section's last line
+    assert report[plot - 2].startswith("Shared by every arm: ") and "exit_policy=ouro" in report[plot - 2]
+
+
+def test_an_online_record_without_engine_settings_is_named(bundle):
+    edit_json(_raw(bundle, 1), lambda rec: rec.pop("engine_settings"))
+    rewrite_manifest(bundle)
+    rec = json.loads(_raw(bundle, 1).read_text())
+    assert f"engine_settings: online record cpu0 seq 1 ({rec['arm']}, arm run, session cpu0) has no engine_settings" \
+        in failed(bundle)
+
+
+def test_an_online_run_whose_settings_differ_from_its_arms_other_runs_is_named(bundle):
+    """A changed setting and one the calibration run lacks, each named with its key against the arm's first run."""
+    calibration, run = _baseline_runs(bundle)
+    lines = forge_settings(bundle, _raw(bundle, run["seq"]), batch_invariant=False, extra=1).splitlines()
+    at = f"engine_settings: online record cpu0 seq {run['seq']} ({run['arm']}, arm run, session cpu0): "
+    alike = "an online run of the same arm in the same session"
+    assert [f for f in lines if f.startswith("engine_settings:")] == [
+        f"{at}engine_settings.batch_invariant is false, where seq 0, {alike}, holds true",
+        f"{at}engine_settings.extra is 1, where seq 0, {alike}, holds missing"]
+
+
+def test_an_online_setting_that_contradicts_its_record_is_named(bundle):
+    calibration, run = _baseline_runs(bundle)
+    for rec in (calibration, run):    # every run of the arm alike, so only the record check can name them
+        edit_json(_raw(bundle, rec["seq"]), lambda r: r["engine_settings"].update(max_num_seqs=999, tile_size=64))
+    rewrite_manifest(bundle)
+    lines = [f for f in failed(bundle).splitlines() if f.startswith("engine_settings:")]
+    assert len(lines) == 4 and f"seq {run['seq']} ({run['arm']}, arm run, session cpu0): " in lines[3]
+    batch, tile_size = calibration["engine_settings"]["max_num_seqs"], calibration["arm_config"]["tile_size"]
+    assert f"engine_settings.max_num_seqs is 999, where the record says {batch}" in lines[0]
+    assert f"engine_settings.tile_size is 64, where the record says {tile_size}" in lines[1]
+
+
+def test_a_forged_online_settings_line_is_named(bundle):
+    def forge(lines):   # the online runs' row, not the measured runs' one of the Runtime settings section
+        at = lines.index("### Runtime settings of the online runs")
+        return lines[:at] + [line.replace("| kv_layout | alias | native |", "| kv_layout | alias | alias |")
+                             for line in lines[at:]]
+    edit_report(bundle, forge)
+    rewrite_manifest(bundle)
+    assert "(## Online serving) reads '| kv_layout | alias | alias |'" in failed(bundle)
+
+
+def test_a_format_9_online_bundle_has_no_online_settings_and_audits_as_before(bundle):
+    strip_version_10(bundle)
+    assert "### Runtime settings of the online runs" not in (bundle / "report.md").read_text()
+    passes_as_version(bundle, 9)
+    edit_json(_raw(bundle, 0), lambda rec: rec.update(engine_settings=None))   # format 10 content
+    rewrite_manifest(bundle)
+    assert "engine_settings: online record cpu0 seq 0 (native, calibration run, session cpu0) holds engine_settings, " \
+           "format 10 content in a format 9 bundle" in failed(bundle)

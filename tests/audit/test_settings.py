@@ -8,8 +8,8 @@ import json
 
 from loopbench.audit import check_settings, contract, render
 from loopbench.harness import evidence, report_sections
-from tests.audit.tamper import (audit, edit_json, edit_report, failed, passes_as_version, raw, rewrite_manifest,
-                                strip_version_9)
+from tests.audit.tamper import (audit, edit_json, edit_report, failed, forge_settings, passes_as_version, raw,
+                                rewrite_manifest, strip_version_9)
 
 SPEC = contract.FORMAT["report"]["runtime_settings"]
 
@@ -30,7 +30,7 @@ def _two_runs_of_one_arm(bundle) -> tuple[dict, dict]:
 
 
 def test_every_record_holds_what_its_engine_ran_with(honest_bundle):
-    assert contract.VERSION == evidence.FORMAT_VERSION == 9
+    assert contract.VERSION == evidence.FORMAT_VERSION == 10
     for rec in _records(honest_bundle):
         settings = rec["engine_settings"]
         assert all(type(v) in (str, int, float, bool, type(None)) for v in settings.values())
@@ -42,11 +42,10 @@ def test_every_record_holds_what_its_engine_ran_with(honest_bundle):
 
 def test_a_run_whose_settings_differ_from_its_arms_other_runs_is_named(bundle):
     first, second = _two_runs_of_one_arm(bundle)
-    edit_json(raw(bundle, second["seq"]), lambda r: r["engine_settings"].update(batch_invariant=False))
-    rewrite_manifest(bundle)
+    text = forge_settings(bundle, raw(bundle, second["seq"]), batch_invariant=False)
     assert (f"engine_settings: record cpu0 seq {second['seq']} ({second['arm']}, {second['point']}, session cpu0): "
             f"engine_settings.batch_invariant is false, where seq {first['seq']}, a run of the same arm at the same "
-            f"point and track in the same session, holds true") in failed(bundle)
+            f"point and track in the same session, holds true") in text
 
 
 def test_a_replayed_run_names_its_points_frozen_reference(honest_bundle):
