@@ -96,11 +96,8 @@ def load_records(ctx: Audit, plan: dict) -> list[dict]:
         except ValueError as exc:
             ctx.fail("online", f"{rel} could not be read: {exc}")
             continue
-        problem = contract.fields_problem(rec, SPEC["record_fields"], f"{rel}: ", SPEC["record_optional"],
-                                          closed=True) or next(
-            (contract.fields_problem(q, SPEC["request_fields"], f"{rel}: requests[{i}].", closed=True)
-             for i, q in enumerate(rec["requests"]) if isinstance(q, dict)), None)
-        item = order.get(rec.get("seq"))
+        problem = _record_problem(rec, rel)
+        item = order.get(rec.get("seq")) if problem is None else None
         if problem is None and (item is None or rel != f"online/{on['device']}/{record_stem(item)}.json"
                                 or rec["job"] != on["device"]
                                 or any(rec[k] != item[k] for k in item)):
@@ -110,6 +107,17 @@ def load_records(ctx: Audit, plan: dict) -> list[dict]:
             continue
         out.append(rec)
     return sorted(out, key=lambda r: r["seq"])
+
+
+def _record_problem(rec, rel: str) -> str | None:
+    """Why ``rec`` is no online record of the contract's fields, each of its requests one too; or None."""
+    if not isinstance(rec, dict):
+        return f"{rel}: a JSON {type(rec).__name__}, not an object"
+    problem = contract.fields_problem(rec, SPEC["record_fields"], f"{rel}: ", SPEC["record_optional"], closed=True)
+    for i, q in enumerate(rec["requests"] if problem is None else []):
+        problem = problem or (contract.fields_problem(q, SPEC["request_fields"], f"{rel}: requests[{i}].", closed=True)
+                              if isinstance(q, dict) else f"{rel}: requests[{i}] is {q!r}, not an object")
+    return problem
 
 
 def latencies(q: dict) -> dict:

@@ -220,3 +220,19 @@ def test_a_format_9_online_bundle_has_no_online_settings_and_audits_as_before(bu
     rewrite_manifest(bundle)
     assert "engine_settings: online record cpu0 seq 0 (native, calibration run, session cpu0) holds engine_settings, " \
            "format 10 content in a format 9 bundle" in failed(bundle)
+
+
+@pytest.mark.parametrize("forge, named", [
+    (lambda rec: [rec], "a JSON list, not an object"),
+    (lambda rec: "x", "a JSON str, not an object"),
+    (lambda rec: rec["requests"].__setitem__(0, "x") or rec, "requests[0] is 'x', not an object"),
+    (lambda rec: rec["requests"][1].pop("end_s") and rec, "requests[1].end_s is missing"),   # not only the first
+])
+def test_an_online_record_or_request_that_is_malformed_is_named_not_a_crash(bundle, forge, named):
+    """A record or request that is no JSON object, or a later request missing a field, is named with its file; it
+    did not stop the whole online check with the exception's text ("could not be checked: TypeError: ...")."""
+    path = _raw(bundle, 1)
+    path.write_text(json.dumps(forge(json.loads(path.read_text()))))
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert f"online: {path.relative_to(bundle).as_posix()}: {named}" in text and "could not be checked" not in text, text
