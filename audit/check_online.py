@@ -105,6 +105,7 @@ def load_records(ctx: Audit, plan: dict) -> list[dict]:
         if problem is not None:
             ctx.fail("online", problem)
             continue
+        _check_as_planned(ctx, plan, rec, rel)
         out.append(rec)
     return sorted(out, key=lambda r: r["seq"])
 
@@ -118,6 +119,19 @@ def _record_problem(rec, rel: str) -> str | None:
         problem = problem or (contract.fields_problem(q, SPEC["request_fields"], f"{rel}: requests[{i}].", closed=True)
                               if isinstance(q, dict) else f"{rel}: requests[{i}] is {q!r}, not an object")
     return problem
+
+
+def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str) -> None:
+    """A record at its place ran where and what the plan says: in its device's first session, the only one that
+    runs the track (its id the device's name), and its arm's planned config, as a raw arm record must
+    (check_plan); the engine_settings checks hold the settings to that config (check_settings.check_online)."""
+    device, arm = plan["online"]["device"], rec["arm"]
+    if rec["session"] != device:
+        ctx.fail("online", f"{rel}: session is {rec['session']!r}, not {device!r}, the only session that runs the "
+                           "online track")
+    for path, got, want in field_diffs(rec["arm_config"], plan["config"]["arms"].get(arm, {}), "arm_config"):
+        ctx.fail("online", f"{rel}: {path} is {'missing' if got is contract.ABSENT else repr(got)}, plan.json "
+                           f"config.arms.{arm} says {'nothing' if want is contract.ABSENT else repr(want)}")
 
 
 def latencies(q: dict) -> dict:

@@ -236,3 +236,36 @@ def test_an_online_record_or_request_that_is_malformed_is_named_not_a_crash(bund
     rewrite_manifest(bundle)
     text = failed(bundle)
     assert f"online: {path.relative_to(bundle).as_posix()}: {named}" in text and "could not be checked" not in text, text
+
+
+def _candidate_run(bundle: Path) -> dict:
+    """The candidate arm's one online run (at the one rate, pair 0)."""
+    return next(r for r in _online_records(bundle) if r["position"] == "candidate")
+
+
+def test_an_online_run_that_ran_the_baselines_config_under_the_candidates_name_is_named(bundle):
+    """The candidate's online run forged as native (its arm_config and engine_settings alike, so the settings
+    agree with the record): the record's arm_config is held to the plan's arm, as a raw arm record's is."""
+    run = _candidate_run(bundle)
+    plan = json.loads((bundle / "plan.json").read_text())
+    baseline = plan["config"]["arms"][plan["online"]["baseline"]]
+
+    def forge(rec):
+        rec["arm_config"] = dict(baseline)
+        rec["engine_settings"].update({k: v for k, v in baseline.items() if k in rec["engine_settings"]})
+    edit_json(_raw(bundle, run["seq"]), forge)
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    rel = _raw(bundle, run["seq"]).relative_to(bundle).as_posix()
+    assert f"online: {rel}: arm_config.kv_layout is 'native', plan.json config.arms.{run['arm']} says 'alias'" \
+        in text, text
+
+
+def test_an_online_run_claiming_another_session_is_named(bundle):
+    """A run moved out of its arm's group by its session (so its differing settings met no other run): the online
+    track runs in its device's first session only, whose id is the device's name."""
+    calibration, run = _baseline_runs(bundle)
+    edit_json(_raw(bundle, run["seq"]), lambda rec: rec.update(session="cpu0-r1"))
+    text = forge_settings(bundle, _raw(bundle, run["seq"]), batch_invariant=False)
+    rel = _raw(bundle, run["seq"]).relative_to(bundle).as_posix()
+    assert f"online: {rel}: session is 'cpu0-r1', not 'cpu0', the only session that runs the online track" in text, text
