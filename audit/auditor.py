@@ -95,7 +95,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     ctx.section("engine_settings", check_settings.check, plan, records)   # format 9: what each run ran with
-    ctx.section("engine_settings", check_settings.check_online, plan, ctx.online_records)   # format 10: online runs'
+    ctx.section("engine_settings", check_settings.check_online, plan, ctx.online_records, records)   # format 10
     return checks_ok, ctx.section("natural", check_natural.check, plan, records)
 
 

@@ -15,7 +15,8 @@ A raw online record of a format-10 bundle holds ``engine_settings`` of the same 
 reported (:func:`check_online`): equal across the online runs of one arm in one session, its calibration run
 included (each run's server is a fresh one of the same arm, batch and exit policy), and a setting named like an
 ``arm_config`` key (but ``engine``) or ``max_num_seqs`` says what the record's ``arm_config`` and plan.json
-``online.max_num_seqs`` do. The Online section shows them laid out as the Runtime settings section (:func:`section`).
+``online.max_num_seqs`` do; null (an engine without ``settings()``) only where the bundle's other runs of the same
+engine are null too. The Online section shows them laid out as the Runtime settings section (:func:`section`).
 """
 from __future__ import annotations
 
@@ -134,16 +135,37 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
     _check_groups(ctx, groups, _at, "a run of the same arm at the same point and track in the same session")
 
 
-def check_online(ctx: Audit, plan: dict, records: list[dict]) -> None:
+def check_online(ctx: Audit, plan: dict, records: list[dict], measured: list[dict]) -> None:
     """Format 10: each online record's ``engine_settings`` (``records``: check_online.load_records), held to its
-    record and equal across the online runs of one arm in one session; before format 10: none."""
+    record, equal across the online runs of one arm in one session, and null only where its engine's are
+    (:func:`_check_engine_reports`, against the ``measured`` raw records too); before format 10: none."""
     if not plan.get("online"):
         return
     groups: dict[tuple, list[dict]] = {}
-    for rec in _held(ctx, records, ONLINE_SINCE, _online_at, "online_engine_settings"):
+    held = _held(ctx, records, ONLINE_SINCE, _online_at, "online_engine_settings")
+    for rec in held:
         _check_against_record(ctx, rec, _online_at(rec), plan["online"]["max_num_seqs"])
         groups.setdefault((rec["session"], rec["arm"]), []).append(rec)
     _check_groups(ctx, groups, _online_at, "an online run of the same arm in the same session")
+    if held:
+        _check_engine_reports(ctx, held, [r for r in measured if _problem(r) is None])
+
+
+def _check_engine_reports(ctx: Audit, online: list[dict], measured: list[dict]) -> None:
+    """null says an engine without ``settings()`` (runtime/api.py), which one engine (``arm_config.engine``) either
+    has or lacks in one bundle's code: an online run whose settings are null where the first run of its engine
+    (a measured run first, else an online one) holds an object, or the other way round, is named, so a null cannot
+    hide what the engine reported."""
+    first: dict = {}
+    for rec, at in [*((r, _at) for r in measured), *((r, _online_at) for r in online)]:
+        first.setdefault(rec["arm_config"].get("engine"), (rec, at))
+    for rec in online:
+        engine = rec["arm_config"].get("engine")
+        other, at = first[engine]
+        if (rec["engine_settings"] is None) != (other["engine_settings"] is None):
+            _, got, want = _differences(rec["engine_settings"], other["engine_settings"])[0]   # null, an object
+            ctx.fail("engine_settings", f"{_online_at(rec)}: engine_settings is {got}, where {at(other)}, of the same "
+                                        f"engine ({engine}), holds {want}")
 
 
 # ------------------------------------------------------------------------------------------ report

@@ -269,3 +269,17 @@ def test_an_online_run_claiming_another_session_is_named(bundle):
     text = forge_settings(bundle, _raw(bundle, run["seq"]), batch_invariant=False)
     rel = _raw(bundle, run["seq"]).relative_to(bundle).as_posix()
     assert f"online: {rel}: session is 'cpu0-r1', not 'cpu0', the only session that runs the online track" in text, text
+
+
+def test_online_settings_nulled_where_the_same_engines_measured_runs_report_settings_are_named(bundle):
+    """null says an engine without settings(); every online record nulled (the report then says no run's engine
+    reported any) while the measured runs of the same engine, in the same bundle, report theirs: each named."""
+    for path in sorted((bundle / "online" / "cpu0").glob("*.json")):
+        edit_json(path, lambda rec: rec.update(engine_settings=None))
+    rewrite_manifest(bundle)
+    lines = [f for f in failed(bundle).splitlines() if f.startswith("engine_settings:")]
+    raw = json.loads(next((bundle / "raw" / "cpu0").glob("00000-*.json")).read_text())
+    assert len(lines) == 3 and lines[0] == (
+        "engine_settings: online record cpu0 seq 0 (native, calibration run, session cpu0): engine_settings is null, "
+        f"where record cpu0 seq 0 ({raw['arm']}, {raw['point']}, session cpu0), of the same engine "
+        f"({raw['arm_config']['engine']}), holds an object"), lines
