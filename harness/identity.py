@@ -14,6 +14,7 @@ from pathlib import Path
 from .executors import REPO_ROOT
 
 GIT_SHA_ENV = "LOOPBENCH_GIT_SHA"
+CONTRACT = "loopbench/bundle_format.json"   # what the writer writes (format version, tables, wording) follows it
 _HEX_SHA = re.compile(r"[0-9a-f]{7,64}")
 
 
@@ -54,15 +55,16 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
     may carry a stale ``.git`` (seen on the lent GPU host, whose copy's HEAD was the session's first
     commit), and the operator's explicit statement outranks it; git's HEAD and dirty flag are then kept as
     ``git_head_observed``/``git_dirty_observed`` so nothing is hidden. ``code_sha256`` hashes the runtime
-    sources (runtime, harness, kernels) and is what ties the run to its source in every case. Raises ValueError
+    sources (runtime, harness, kernels) and the bundle format contract their writer follows
+    (loopbench/bundle_format.json), and is what ties the run to its source in every case. Raises ValueError
     when ``LOOPBENCH_GIT_SHA`` is set and no hex SHA.
     """
     root = Path(root)
     h = hashlib.sha256()
-    for folder in ("runtime", "harness", "kernels"):
-        for p in sorted((root / folder).rglob("*.py")):
-            h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
-            h.update(p.read_bytes())
+    sources = [p for folder in ("runtime", "harness", "kernels") for p in sorted((root / folder).rglob("*.py"))]
+    for p in sources + [p for p in [root / CONTRACT] if p.is_file()]:   # a copy of the sources alone has none
+        h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
+        h.update(p.read_bytes())
     env_sha = _env_git_sha()
     sha = _git(root, "rev-parse", "HEAD") if own_git_repo(root) else None
     dirty = None

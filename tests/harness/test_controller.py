@@ -228,6 +228,20 @@ def test_project_inside_another_repository_does_not_record_that_repositorys_sha(
     assert ident["code_sha256"] == identity.code_identity(REPO)["code_sha256"]   # the same sources, hashed
 
 
+def test_code_sha256_covers_the_contract_the_writer_reads(tmp_path):
+    """The publisher writes the format version, tables and report wording of loopbench/bundle_format.json: two
+    trees whose runtime, harness and kernels sources are equal but whose contracts differ are other code, so
+    finish and resume refuse a bundle measured under the other contract (dca0539 changed only the contract)."""
+    proj = _copy_sources(tmp_path / "proj", ("loopbench", "runtime", "harness", "kernels"))
+    before = identity.code_identity(proj)["code_sha256"]
+    assert before == identity.code_identity(REPO)["code_sha256"]
+    contract = proj / "loopbench" / "bundle_format.json"
+    text = contract.read_text()
+    contract.write_text(text.replace('"version": 10', '"version": 11', 1))
+    assert contract.read_text() != text
+    assert identity.code_identity(proj)["code_sha256"] != before
+
+
 def test_project_in_another_repository_takes_the_named_sha_and_checks_it(tmp_path, monkeypatch):
     outer = tmp_path / "outer"
     outer_sha = _repo_with_one_commit(outer)
