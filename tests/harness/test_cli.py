@@ -298,6 +298,16 @@ def test_finish_refuses_a_bundle_that_other_code_measured_and_changes_nothing(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+@pytest.mark.parametrize("plan, named", [([], "plan.json is [], not an object"),
+                                         ({"code": "x"}, "plan.json's code is 'x', not an object")])
+def test_finish_refuses_a_plan_that_names_no_code_naming_it_not_a_traceback(tmp_path, capsys, plan, named):
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert cli.main(["finish", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/{named}: it does not say which code measured it" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
 def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and_each_names_finish(tmp_path, capsys):
     """Exit 3 (incomplete), as the README's exit statuses define it, from every command that reads a published
     bundle; a path that is no bundle at all still gives 2 (usage), named first."""
