@@ -172,10 +172,11 @@ def finish(bundle: Path) -> RunResult:
 
 
 def _check_same_code(bundle: Path, plan: dict) -> None:
-    """ResumeRefused unless this checkout's runtime, harness and kernels sources hash as those that measured
-    ``bundle`` (its plan's ``code.code_sha256``, identity.code_identity): the publisher writes the summary,
-    report and format version of its own code, so other code would publish, under the measuring code's name,
-    a bundle its auditor may fail (a format-8 bundle finished by format-9 code lacks engine_settings)."""
+    """ResumeRefused unless this checkout's runtime, harness and kernels sources and bundle format contract hash
+    as those that measured ``bundle`` (its plan's ``code.code_sha256``, identity.code_identity): the publisher
+    writes the summary, report and format version of its own code, so other code would publish, under the
+    measuring code's name, a bundle its auditor may fail (a format-8 bundle finished by format-9 code lacks
+    engine_settings)."""
     if not isinstance(plan, dict) or not isinstance(plan.get("code", {}), dict):
         bad = f"plan.json is {plan!r}" if not isinstance(plan, dict) else f"plan.json's code is {plan['code']!r}"
         raise ResumeRefused(f"{bundle}/{bad}, not an object: it does not say which code measured it. Nothing was "
