@@ -16,7 +16,7 @@ reported (:func:`check_online`): equal across the online runs of one arm in one 
 included (each run's server is a fresh one of the same arm, batch and exit policy), and a setting named like an
 ``arm_config`` key (but ``engine``) or ``max_num_seqs`` says what the record's ``arm_config`` and plan.json
 ``online.max_num_seqs`` do; null (an engine without ``settings()``) only where the bundle's other runs of the same
-engine are null too. The Online section shows them laid out as the Runtime settings section (:func:`section`).
+engine are null too; and no ``schedule_sha256``, since a server runs its own exits (the plan's exit policy). The Online section shows them laid out as the Runtime settings section (:func:`section`).
 """
 from __future__ import annotations
 
@@ -137,14 +137,19 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
 
 def check_online(ctx: Audit, plan: dict, records: list[dict], measured: list[dict]) -> None:
     """Format 10: each online record's ``engine_settings`` (``records``: check_online.load_records), held to its
-    record, equal across the online runs of one arm in one session, and null only where its engine's are
-    (:func:`_check_engine_reports`, against the ``measured`` raw records too); before format 10: none."""
+    record, naming no replayed schedule, equal across the online runs of one arm in one session, and null only where
+    its engine's are (:func:`_check_engine_reports`, against the ``measured`` raw records too); before format 10:
+    none."""
     if not plan.get("online"):
         return
     groups: dict[tuple, list[dict]] = {}
     held = _held(ctx, records, ONLINE_SINCE, _online_at, "online_engine_settings")
     for rec in held:
         _check_against_record(ctx, rec, _online_at(rec), plan["online"]["max_num_seqs"])
+        replayed = (rec["engine_settings"] or {}).get("schedule_sha256")
+        if replayed is not None:
+            ctx.fail("engine_settings", f"{_online_at(rec)}: engine_settings.schedule_sha256 is {replayed}, where an "
+                                        "online run replays no schedule: its server runs the plan's exit policy")
         groups.setdefault((rec["session"], rec["arm"]), []).append(rec)
     _check_groups(ctx, groups, _online_at, "an online run of the same arm in the same session")
     if held:

@@ -283,3 +283,18 @@ def test_online_settings_nulled_where_the_same_engines_measured_runs_report_sett
         "engine_settings: online record cpu0 seq 0 (native, calibration run, session cpu0): engine_settings is null, "
         f"where record cpu0 seq 0 ({raw['arm']}, {raw['point']}, session cpu0), of the same engine "
         f"({raw['arm_config']['engine']}), holds an object"), lines
+
+
+def test_online_runs_whose_settings_say_they_replayed_the_frozen_reference_are_named(bundle):
+    """A server runs its own exits (plan.json config.exit); every online run's settings forged to name the point's
+    frozen schedule, which would make the served-token check against that reference hold by replay: each named."""
+    plan = json.loads((bundle / "plan.json").read_text())
+    sha = next(p["reference"]["sha256"] for p in plan["points"] if p["key"] == plan["online"]["point"])
+    for path in sorted((bundle / "online" / "cpu0").glob("*.json")):
+        edit_json(path, lambda rec: rec["engine_settings"].update(schedule_sha256=sha))
+    rewrite_manifest(bundle)
+    lines = [f for f in failed(bundle).splitlines() if f.startswith("engine_settings:")]
+    assert len(lines) == 3 and lines[0] == (
+        "engine_settings: online record cpu0 seq 0 (native, calibration run, session cpu0): engine_settings."
+        f"schedule_sha256 is {sha}, where an online run replays no schedule: its server runs the plan's exit "
+        "policy"), lines
