@@ -142,6 +142,16 @@ def _mark_lost(bundle: Path, children: list[dict]) -> list[dict]:
     return out
 
 
+def _bundle_json(bundle: Path, name: str):
+    """The parsed JSON of ``bundle / name``; ResumeRefused naming the file when it is missing or no JSON (a damaged
+    bundle is named, never a traceback)."""
+    try:
+        return json.loads((bundle / name).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ResumeRefused(f"{bundle / name} cannot be read ({type(exc).__name__}: {exc}): the bundle is damaged. "
+                            "Nothing was changed") from None
+
+
 def _published_status(bundle: Path) -> str | None:
     """The published summary's status, or None for a bundle without a manifest (in progress, or lost)."""
     if not (bundle / "manifest.json").is_file():
@@ -163,9 +173,9 @@ def finish(bundle: Path) -> RunResult:
         status = _published_status(bundle)
         if status is not None:
             raise ResumeRefused(f"{bundle} is published already (status {status}); there is nothing to finish")
-        plan = json.loads((bundle / "plan.json").read_text())
+        plan = _bundle_json(bundle, "plan.json")
         _check_same_code(bundle, plan)
-        env = json.loads((bundle / "environment.json").read_text())
+        env = _bundle_json(bundle, "environment.json")
         return publish(bundle, plan, _mark_lost(bundle, _read_children(bundle)), env)
     finally:
         os.close(lock)
@@ -265,7 +275,7 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
         diffs, follow = named, len(diffs) - len(named)
     if (bundle / plan["prompts"]["file"]).read_text() != got.prompts_text:
         diffs.append((plan["prompts"]["file"], "its file", "this run's prompts"))
-    env = json.loads((bundle / "environment.json").read_text())
+    env = _bundle_json(bundle, "environment.json")
     diffs += [(f"environment.{p}", a, b) for p, a, b in
               _differences(_environment_identity(env), _environment_identity(_as_json(machine.environment(got.devices))))]
     if diffs:
@@ -318,7 +328,7 @@ def _check(spec: BenchSpec, got: inputs.Inputs | None,
     bundle = _bundle_of(spec)
     if not (bundle / "plan.json").is_file():
         raise ResumeRefused(f"resume = {spec.resume!r}: {bundle} has no plan.json, so there is no plan to resume")
-    plan = json.loads((bundle / "plan.json").read_text())
+    plan = _bundle_json(bundle, "plan.json")
     status = _published_status(bundle)
     if status == "complete":
         raise ResumeRefused(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "

@@ -308,6 +308,20 @@ def test_finish_refuses_a_plan_that_names_no_code_naming_it_not_a_traceback(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+def test_finish_names_a_damaged_plan_or_a_missing_environment_not_a_traceback(tmp_path, capsys):
+    from loopbench.harness.identity import code_identity
+
+    (tmp_path / "plan.json").write_text('{"code": ')                 # a controller killed mid-write
+    assert cli.main(["finish", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'plan.json'} cannot be read (JSONDecodeError: " in err and "Traceback" not in err, err
+    (tmp_path / "plan.json").write_text(json.dumps({"code": code_identity()}))     # this code's, no environment
+    assert cli.main(["finish", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'environment.json'} cannot be read (FileNotFoundError: " in err and "damaged" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
 def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and_each_names_finish(tmp_path, capsys):
     """Exit 3 (incomplete), as the README's exit statuses define it, from every command that reads a published
     bundle; a path that is no bundle at all still gives 2 (usage), named first."""
