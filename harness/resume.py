@@ -16,7 +16,7 @@
   and continues the same seeded order. Every record names the session that measured it and
   ``children.json`` lists every session of every run. A complete bundle is never resumed.
 - :func:`check_resume`: every check a resume makes before it changes anything, and what it would then
-  do (arms kept, arms left, records discarded), without the locks and without writing; ``resume``
+  do (arms kept, arms left, records discarded), without holding the locks and without writing; ``resume``
   runs it under its lock and ``loopbench plan resume=<bundle>`` prints it, so the two cannot disagree.
 
 Both take the bundle's locks first (:func:`evidence.try_lock`): the bundle folder, held by a live
@@ -108,17 +108,18 @@ class ResumeRefused(ValueError):
     resumed as asked (``loopbench bench`` exits 2, a bad configuration or usage, naming why in one line)."""
 
 
-def _claim(bundle: Path) -> int:
-    """The bundle's exclusive lock, once no controller and no child of it runs; ValueError otherwise."""
+def _claim(bundle: Path, child_wait_s: float = CHILD_EXIT_WAIT_S) -> int:
+    """The bundle's exclusive lock, once no controller and no child of it runs (a child is waited for up to
+    ``child_wait_s``); ValueError otherwise."""
     lock = try_lock(bundle, wait_s=0.5)   # a show or audit takes the lock for an instant (compare.unpublished_hint)
     if lock is None:
         raise ResumeRefused(f"{bundle} is held by a running controller; stop it (SIGTERM publishes the bundle) "
                          "or wait for it")
     if (bundle / "jobs").is_dir():
-        jobs = try_lock(bundle / "jobs", wait_s=CHILD_EXIT_WAIT_S)
+        jobs = try_lock(bundle / "jobs", wait_s=child_wait_s)
         if jobs is None:
             os.close(lock)
-            raise ResumeRefused(f"a child of {bundle} still runs {CHILD_EXIT_WAIT_S:.0f} s after its controller "
+            raise ResumeRefused(f"a child of {bundle} still runs {child_wait_s:.0f} s after its controller "
                              f"ended (it holds {bundle / 'jobs'}); stop it first")
         os.close(jobs)
     return lock
@@ -344,10 +345,13 @@ def _check(spec: BenchSpec, got: inputs.Inputs | None,
 def check_resume(spec: BenchSpec, got: inputs.Inputs | None = None) -> ResumeCheck:
     """Every check :func:`resume` makes of ``spec.resume`` before it changes anything (plan.json, not
     complete, this run's plan the bundle's, completed pairs a prefix of the order), and what it would
-    then do; ResumeRefused (a ValueError) naming the first problem. Reads only: no lock (so a running
-    controller may still be adding records), no card claimed, and a synthetic checkpoint missing from
+    then do; ResumeRefused (a ValueError) naming the first problem. Reads only: no lock held, no card claimed, and a synthetic checkpoint missing from
     the cache is not written but left out of the comparison (``checkpoint_compared``). ``got``: this
-    run's inputs, if gathered already."""
+    run's inputs, if gathered already. A bundle that a controller or child holds now is refused as
+    :func:`resume` refuses it (its lock is taken for an instant and let go)."""
+    bundle = _bundle_of(spec)
+    if bundle.is_dir():            # else _check names what is missing
+        os.close(_claim(bundle, child_wait_s=0.5))
     return _check(spec, got, synthesize=False)[0]
 
 

@@ -543,7 +543,7 @@ def test_plan_of_a_resume_says_what_it_would_keep_and_measure_and_changes_nothin
     assert _tree(bundle) == before
 
 
-def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs, tmp_path):
+def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs, tmp_path, plan):
     from loopbench.harness import evidence
 
     bundle = _copy(stopped["bundle"], tmp_path / "b")
@@ -551,8 +551,11 @@ def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs,
     try:
         with pytest.raises(ValueError, match="held by a running controller"):
             _resume(dirs, bundle)
+        rc, out, err = plan(bundle)    # the plan of that resume says what the resume would (a new user's find)
+        assert rc == 2 and "held by a running controller" in err and "resume keeps" not in out, (out, err)
     finally:
         os.close(lock)
+    assert plan(bundle)[0] == 0        # let go: the plan of the resume is shown
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="has no plan.json"):
