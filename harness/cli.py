@@ -155,6 +155,15 @@ def _bad(exc: Exception, where: str = "") -> int:
     return 2
 
 
+def _import_libraries() -> None:
+    """torch, triton, Hydra and pandas, which bench and plan load anyway, loaded at once with stops held
+    (executors.stops_held: a Ctrl-C inside triton's native initialisation aborted the interpreter)."""
+    from .executors import stops_held
+
+    with stops_held():
+        import hydra, pandas, torch, triton  # noqa: F401, E401
+
+
 def _bench(args, extra: list[str]) -> int:
     from . import bench, conf, planning
 
@@ -294,6 +303,8 @@ def _main(argv: list[str] | None) -> int:
     passed_on = [a for a in extra if args.command == "bench" and a in _HYDRA_PASS_ON]
     if unknown := [a for a in extra if a not in passed_on]:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command in ("bench", "plan"):
+        _import_libraries()
     if args.command == "bench":
         # Hydra runs one mode a call and raises a ValueError for two; --hydra-help would apply the overrides to
         # Hydra's help config (a traceback for any key of ours): both named here in one line instead

@@ -32,6 +32,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from . import rules
+from .executors import stops_held
 from .online.config import OnlineConf
 from .records import DEFAULT_ENGINE
 from .spec import BenchSpec
@@ -327,7 +328,8 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         raise ValueError(f"unknown preset {config_name!r}; configs/ has {presets()}")
     overrides = list(overrides or [])
     _check_deletions(overrides)     # `~pairs` composes, and the config then lacks a key that every stage reads
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+    # a Ctrl-C inside OmegaConf was replaced by a secondary AttributeError and named as a bad configuration
+    with stops_held(), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:
             cfg = _compose(config_name=config_name, overrides=overrides)
             if _sets_an_empty_dict(overrides):

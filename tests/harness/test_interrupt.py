@@ -280,6 +280,49 @@ def test_signals_become_a_stop_request_while_children_run():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_stops_held_deliver_one_keyboard_interrupt_after_the_block_and_keep_an_ignored_signal_ignored():
+    """Code a KeyboardInterrupt cannot land in cleanly (triton's native initialisation aborted the interpreter on a
+    new user's Ctrl-C) runs to its end; the stop comes after it."""
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with executors.stops_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)               # the handlers run here: neither raises
+            done.append(True)
+    assert done == [True] and signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # as a shell's background job starts
+    try:
+        with executors.stops_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_stop_inside_the_composition_is_an_interrupt_not_a_bad_configuration(monkeypatch, how):
+    """A Ctrl-C inside OmegaConf came out as a secondary AttributeError, named as a bad configuration (exit 2)."""
+    import hydra
+
+    from loopbench.harness import conf
+
+    real, composed = hydra.compose, []
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(0.05)                   # where the stop would land inside Hydra and OmegaConf
+        composed.append(real(*args, **kwargs))
+        return composed[-1]
+
+    monkeypatch.setattr(hydra, "compose", signalled)
+    with executors.stops_at_once(), pytest.raises(KeyboardInterrupt):
+        conf.compose("cpu-smoke", ["pairs=3"])
+    assert len(composed) == 1 and composed[0].pairs == 3   # held until the composition was done
+
+
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
 def test_a_stop_before_any_child_removes_the_new_bundle_folder(tmp_path, monkeypatch, how):
     """Ctrl-C (Python's KeyboardInterrupt) or SIGTERM while the model is prepared (checkpoint synthesis and
