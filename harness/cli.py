@@ -26,6 +26,12 @@ EXIT_STATUS = """exit status:
   3  the run or bundle is incomplete (stopped, failed child, not yet published; or its audit was interrupted): no
      verdict, and nothing else wrong"""
 
+FINISH_STATUS = """exit status:
+  3  published: the bundle is now published as incomplete (a bundle finish publishes is incomplete by definition)
+  1  refused, naming why: published already, a controller or child still holds it, other code measured it, or a
+     file it needs is damaged; nothing was changed
+  2  usage: no bundle at BUNDLE"""
+
 RUN_EPILOG = """examples:
   loopbench bench --config-name cpu-smoke pairs=6
   loopbench bench --config-name cpu-smoke -m order_seed=0,1     # a sweep: one bundle per value
@@ -76,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub, "bench", "run the paired benchmark: references, arms, checks, bundle, audit, table")
     _run_parser(sub, "plan", "validate a configuration and print its plan; creates nothing")
-    for name, what in (("audit", "audit a bundle with the independent auditor (writes its audit.json)"),
-                       ("finish", "publish, as incomplete, the bundle of a controller that died")):
-        p = sub.add_parser(name, help=what, description=what, epilog=EXIT_STATUS,
+    for name, what, epilog in (
+            ("audit", "audit a bundle with the independent auditor (writes its audit.json)", EXIT_STATUS),
+            ("finish", "publish, as incomplete, the bundle of a controller that died", FINISH_STATUS)):
+        p = sub.add_parser(name, help=what, description=what, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("bundle", type=Path, metavar="BUNDLE")
     p = sub.add_parser("show", help="a bundle's result tables, or one line per bundle with --all",

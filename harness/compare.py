@@ -23,12 +23,13 @@ recorded in ``summary.json`` (``evidence.summarize``), not a second rule.
 
 Every interval is at the one level asked for, row by row, with no correction for multiplicity (as in
 ``bench``'s own verdicts, and the code has none to apply); the line after the table counts the intervals
-shown, says how many would exclude 1 by chance alone, and names the ``--confidence`` that would make them
+shown, says how many would exclude no change by chance alone, and names the ``--confidence`` that would make them
 a Bonferroni family at that level. The correction is left to that flag rather than applied, so that the
 level printed is always the level each interval was computed at.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import functools
 import json
 import os
@@ -232,7 +233,7 @@ def multiplicity_note(shown: int, level: float) -> str:
     if shown == 1:
         return f"1 interval shown, a {level_text(level)} interval"
     return (fill("{shown:interval|intervals} shown, each a {level} interval on its own with no multiplicity "
-                 "correction: with no real change anywhere, about {chance:.1f} of them would exclude 1 by chance alone "
+                 "correction: with no real change anywhere, about {chance:.1f} of them would exclude no change (0%) by chance alone "
                  "(--confidence {family:.4g} makes them a Bonferroni family at {level})",
                  shown=shown, level=level_text(level), chance=shown * alpha, family=1 - alpha / shown))
 
@@ -343,5 +344,21 @@ def _line(path: Path, plan: dict, summary: dict | None, audit_doc: dict | None) 
 
 
 def bundle_dirs(results_dir: Path) -> list[Path]:
-    """The folders of ``results_dir`` that hold a ``plan.json``, by name."""
-    return sorted(p for p in results_dir.iterdir() if (p / "plan.json").is_file()) if results_dir.is_dir() else []
+    """The folders of ``results_dir`` that hold a ``plan.json``, oldest first (:func:`_created`): by name, a
+    bundle's ``-10`` came before its ``-2`` and one commit's before an older commit's of the same day."""
+    if not results_dir.is_dir():
+        return []
+    return sorted((p for p in results_dir.iterdir() if (p / "plan.json").is_file()), key=_created)
+
+
+def _created(path: Path) -> tuple[_dt.datetime, str]:
+    """A bundle's place in time: its ``plan.json`` ``created_utc``, then its folder name (the earliest
+    time where the plan cannot be read or has none). Not the folder's mtime, which a copy, a checkout
+    or a re-audit changes."""
+    utc = _dt.timezone.utc
+    try:
+        created = _dt.datetime.fromisoformat(json.loads((path / "plan.json").read_text())["created_utc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        created = _dt.datetime.min
+    return (created if created.tzinfo else created.replace(tzinfo=utc)), path.name   # UTC, as the key says
+

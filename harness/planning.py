@@ -15,7 +15,6 @@ discarded; its estimate is of the arms left (the bundle's references are frozen)
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 from pathlib import Path
 
@@ -83,24 +82,12 @@ def _checked_jobs(config_name: str, overrides: list[str]) -> list[tuple[list[str
     return checked
 
 
-def _created(path: Path) -> tuple[_dt.datetime, str]:
-    """A bundle's place in time: its ``plan.json`` ``created_utc``, then its folder name (the earliest
-    time where the plan cannot be read or has none). Not the folder's mtime, which a copy, a checkout
-    or a re-audit changes."""
-    utc = _dt.timezone.utc
-    try:
-        created = _dt.datetime.fromisoformat(json.loads((path / "plan.json").read_text())["created_utc"])
-    except (OSError, ValueError, KeyError, TypeError):
-        created = _dt.datetime.min
-    return (created if created.tzinfo else created.replace(tzinfo=utc)), path.name   # UTC, as the key says
-
-
 def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None:
-    """The most recent complete bundle of ``results_dir`` (by :func:`_created`; of two created in the same
-    second, the later folder name) that measured what ``plan_like`` would, on the same device labels
+    """The most recent complete bundle of ``results_dir`` (by compare.bundle_dirs: its plan's creation time; of
+    two created in the same second, the later folder name) that measured what ``plan_like`` would, on the same device labels
     (None when there is none)."""
     labels = {d["label"] for d in plan_like["devices"]}
-    for path in sorted(compare.bundle_dirs(results_dir), key=_created, reverse=True):
+    for path in reversed(compare.bundle_dirs(results_dir)):
         try:
             b = compare.Bundle.load(path)
             same_devices = {d["label"] for d in b.plan["devices"]} == labels

@@ -252,7 +252,9 @@ def test_show_a_bundle_and_show_all(two_bundles, tmp_path):
 def test_show_all_lists_every_committed_bundle(capsys):
     assert cli.main(["show", "--all"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    bundles = sorted(p.name for p in (REPO / "results").iterdir() if (p / "plan.json").is_file())
+    plans = {p.name: json.loads((p / "plan.json").read_text()) for p in (REPO / "results").iterdir()
+             if (p / "plan.json").is_file()}
+    bundles = sorted(plans, key=lambda name: (plans[name]["created_utc"], name))   # oldest first, one clock (UTC)
     assert [line.split()[0] for line in lines] == bundles    # with any a local `make bench` added
     gpu = [line for line in lines if "-ouro-1.4b-" in line.split()[0]]
     assert len(gpu) >= 4 and all("complete (audit pass)" in line and re.search(r" B16C\d+\S* [01]\.\d{4}x", line)
@@ -498,10 +500,12 @@ def test_show_all_gives_a_damaged_bundle_its_own_line_and_lists_the_rest(tmp_pat
             (bundle / doc).write_text(text)
     assert cli.main(["show", "--all", "--results", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0].rstrip(":") for line in lines] == ["a-good", "b-summary", "c-plan", "d-audit", "e-field"]
-    assert "complete (audit pass)" in lines[0]
-    assert lines[1:4] == ["b-summary: unreadable summary.json (ValueError)",
-                          "c-plan: unreadable plan.json (ValueError)", "d-audit: unreadable audit.json (ValueError)"]
+    # oldest first: a plan that cannot be read has no creation time and comes first, the copies by name
+    assert [line.split()[0].rstrip(":") for line in lines] == ["c-plan", "a-good", "b-summary", "d-audit", "e-field"]
+    assert "complete (audit pass)" in lines[1]
+    assert [lines[0], *lines[2:4]] == ["c-plan: unreadable plan.json (ValueError)",
+                                       "b-summary: unreadable summary.json (ValueError)",
+                                       "d-audit: unreadable audit.json (ValueError)"]
     assert lines[4] == "e-field: damaged bundle (KeyError: 'status'); loopbench audit names what is wrong"
 
 

@@ -129,7 +129,8 @@ def test_the_line_after_the_table_counts_the_intervals_and_says_they_are_uncorre
     last_row = max(i for i, line in enumerate(lines) if line.startswith("| ") and "---" not in line)
     assert lines[last_row + 1] == ""
     assert lines[last_row + 2] == ("6 intervals shown, each a 95% interval on its own with no multiplicity correction: "
-                                   "with no real change anywhere, about 0.3 of them would exclude 1 by chance alone "
+                                   "with no real change anywhere, about 0.3 of them would exclude no change (0%) by "
+                                   "chance alone "
                                    "(--confidence 0.9917 makes them a Bonferroni family at 95%)")
     assert compare.multiplicity_note(1, 0.9) == "1 interval shown, a 90% interval"
     assert "20 intervals shown, each a 90% interval" in compare.multiplicity_note(20, 0.9)
