@@ -6,7 +6,8 @@ A record of a format-9 bundle holds ``engine_settings``: an object whose every v
 The runs of one arm at one point and track (replay, or its own exits: a natural comparison) in one session
 ran the same code on the same model, so they hold equal settings: a run that differs is named with the key,
 against that group's first run (by job and seq). Values compare as JSON (``true`` is not ``1``). A replayed run
-whose settings name a ``schedule_sha256`` must name its point's frozen reference (the plan's ``reference.sha256``),
+whose settings name a ``schedule_sha256`` must name its point's frozen reference (the plan's ``reference.sha256``; a
+natural comparison's run names none),
 and a setting named like an ``arm_config`` key (but ``engine``) or ``max_num_seqs`` must equal the record's. Records of
 earlier formats have no ``engine_settings``; one that has it is named. The report's Runtime settings section is
 rendered here from the records (:func:`report_lines`).
@@ -16,7 +17,8 @@ reported (:func:`check_online`): equal across the online runs of one arm in one 
 included (each run's server is a fresh one of the same arm, batch and exit policy), and a setting named like an
 ``arm_config`` key (but ``engine``) or ``max_num_seqs`` says what the record's ``arm_config`` and plan.json
 ``online.max_num_seqs`` do; null (an engine without ``settings()``) only where the bundle's other runs of the same
-engine are null too; and no ``schedule_sha256``, since a server runs its own exits (the plan's exit policy). The Online section shows them laid out as the Runtime settings section (:func:`section`).
+engine are null too; and no ``schedule_sha256``, since a server runs its own exits (the plan's exit policy). The
+Online section shows them laid out as the Runtime settings section (:func:`section`).
 """
 from __future__ import annotations
 
@@ -91,6 +93,14 @@ def _check_schedule(ctx: Audit, rec: dict, reference_sha256: str | None) -> None
                                     f"point's frozen reference ({reference_sha256})")
 
 
+def _check_no_schedule(ctx: Audit, rec: dict, at: str, why: str) -> None:
+    """A run that replays no schedule (a natural comparison's, an online one) names none: its
+    ``engine_settings.schedule_sha256`` is absent or null (``why`` says why it replays none)."""
+    replayed = (rec["engine_settings"] or {}).get("schedule_sha256")
+    if replayed is not None:
+        ctx.fail("engine_settings", f"{at}: engine_settings.schedule_sha256 is {replayed}, where {why}")
+
+
 def _held(ctx: Audit, records: list[dict], since: int, at, counted: str) -> list[dict]:
     """The records whose ``engine_settings`` are well formed (by job and seq), each counted as ``counted``; the
     others named. Before format ``since`` none are held, and a record that has settings is named."""
@@ -131,6 +141,9 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
         _check_against_record(ctx, rec, _at(rec), rec["max_num_seqs"])
         if track == "replay":
             _check_schedule(ctx, rec, references.get(rec["point"]))
+        else:
+            _check_no_schedule(ctx, rec, _at(rec), "a natural comparison's run replays no schedule: it runs its own "
+                                                   "exits")
         groups.setdefault((rec.get("session", rec["job"]), rec["point"], track, rec["arm"]), []).append(rec)
     _check_groups(ctx, groups, _at, "a run of the same arm at the same point and track in the same session")
 
@@ -146,10 +159,8 @@ def check_online(ctx: Audit, plan: dict, records: list[dict], measured: list[dic
     held = _held(ctx, records, ONLINE_SINCE, _online_at, "online_engine_settings")
     for rec in held:
         _check_against_record(ctx, rec, _online_at(rec), plan["online"]["max_num_seqs"])
-        replayed = (rec["engine_settings"] or {}).get("schedule_sha256")
-        if replayed is not None:
-            ctx.fail("engine_settings", f"{_online_at(rec)}: engine_settings.schedule_sha256 is {replayed}, where an "
-                                        "online run replays no schedule: its server runs the plan's exit policy")
+        _check_no_schedule(ctx, rec, _online_at(rec), "an online run replays no schedule: its server runs the plan's "
+                                                      "exit policy")
         groups.setdefault((rec["session"], rec["arm"]), []).append(rec)
     _check_groups(ctx, groups, _online_at, "an online run of the same arm in the same session")
     if held:

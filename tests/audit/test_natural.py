@@ -191,3 +191,22 @@ def test_a_natural_record_is_not_held_to_the_frozen_reference(forged_bundle, tmp
     text = failed(bundle)
     assert "coverage: record cpu0 seq" in text and "routed_reads" in text
     assert "tokens:" not in text and "exit_depths:" not in text
+
+
+def test_a_natural_run_whose_settings_name_a_replayed_schedule_is_named(natural_bundle, tmp_path):
+    """A natural comparison's run runs its own exits, so its engine names no schedule (format 9's
+    ``schedule_sha256`` null); one that claims the frozen reference's is named, even with the report re-derived."""
+    comparisons = _json(natural_bundle / "plan.json")["config"]["comparisons"]
+    natural = {c["name"] for c in comparisons if c.get("track") == "natural"}
+    records = sorted((natural_bundle / "raw").glob("*/*.json"))
+    assert natural and all(_json(p)["engine_settings"]["schedule_sha256"] is None
+                           for p in records if _json(p)["comparison"] in natural)
+    bundle = _copy(natural_bundle, tmp_path)
+    reference = _json(bundle / "plan.json")["points"][0]["reference"]["sha256"]
+    for path in sorted((bundle / "raw").glob("*/*.json")):
+        if _json(path)["comparison"] in natural:
+            edit_json(path, lambda r: r["engine_settings"].update(schedule_sha256=reference))
+    plan, summary, children, env = (_json(bundle / f"{n}.json") for n in ("plan", "summary", "children", "environment"))
+    evidence.finalize(bundle, plan, summary["checks"], children, env)
+    assert (f"engine_settings.schedule_sha256 is {reference}, where a natural comparison's run replays no schedule"
+            in failed(bundle))
