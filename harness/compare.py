@@ -290,8 +290,10 @@ def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple
 
 def show_text(bundle: Bundle) -> str:
     """``loopbench show BUNDLE``: identity, the result tables and the status line of a published bundle of any
-    supported format (its incomplete reasons worded as :func:`withheld` words them)."""
+    supported format (its incomplete reasons worded as :func:`withheld` words them), and the online track's line.
+    """
     from . import report
+    from .online.report import status_line
 
     s = bundle.summary
     audit_file = bundle.path / "audit.json"
@@ -301,9 +303,10 @@ def show_text(bundle: Bundle) -> str:
         audit = "unreadable (audit.json is damaged; loopbench audit writes it again)"
     status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
     verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
+    online = status_line(bundle.path)      # the online track's line, as bench prints it (None without a track)
     return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s, bundle.plan),
                       f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts {verdicts}",
-                      f"report: {bundle.path / 'report.md'}"])
+                      *([online] if online else []), f"report: {bundle.path / 'report.md'}"])
 
 
 def headline(summary: dict) -> str:

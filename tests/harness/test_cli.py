@@ -249,6 +249,17 @@ def test_show_a_bundle_and_show_all(two_bundles, tmp_path):
                for line in lines), lines
 
 
+def test_show_of_an_online_bundle_gives_the_online_line_bench_printed(capsys):
+    """bench prints the online track's line after the status line (online.report.status_line); show does too."""
+    assert cli.main(["show", str(REPO / "results" / "2026-12-06-ouro-1.4b-online-e87ddf11")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    status = next(i for i, line in enumerate(lines) if line.startswith("status: "))
+    assert lines[status + 1] == ("online: complete, 3 of 3 runs, capacity 15.0030 requests/s; served tokens equal "
+                                 "the frozen reference; 0 failed requests"), lines
+    assert cli.main(["show", str(REPO / "results" / "2026-12-06-ouro-1.4b-7a9bcca8")]) == 0
+    assert "online:" not in capsys.readouterr().out
+
+
 def test_show_all_lists_every_committed_bundle(capsys):
     assert cli.main(["show", "--all"]) == 0
     lines = capsys.readouterr().out.splitlines()
