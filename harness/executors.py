@@ -409,9 +409,8 @@ def stops_held():
     """SIGTERM and SIGINT held until the block ends, then raised as one KeyboardInterrupt: for code that a
     KeyboardInterrupt cannot land in cleanly, which is short (importing torch and triton, composing a
     configuration). Landing inside a native module's initialisation aborts the interpreter (triton's nanobind
-    extension: ``terminate called ... nanobind::python_error``, SIGABRT) or leaves Python to end by SIGINT after
-    it was handled (exit -2, not 3); inside OmegaConf it is replaced by a secondary AttributeError, which read
-    as a bad configuration. A signal ignored on entry (SIG_IGN, as a shell's background job starts) stays
+    extension: ``terminate called ... nanobind::python_error``, SIGABRT); inside OmegaConf it is replaced by a
+    secondary AttributeError, which read as a bad configuration. A signal ignored on entry (SIG_IGN, as a shell's background job starts) stays
     ignored. Outside the main thread it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
