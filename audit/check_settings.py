@@ -16,9 +16,10 @@ A raw online record of a format-10 bundle holds ``engine_settings`` of the same 
 reported (:func:`check_online`): equal across the online runs of one arm in one session, its calibration run
 included (each run's server is a fresh one of the same arm, batch and exit policy), and a setting named like an
 ``arm_config`` key (but ``engine``) or ``max_num_seqs`` says what the record's ``arm_config`` and plan.json
-``online.max_num_seqs`` do; null (an engine without ``settings()``) only where the bundle's other runs of the same
-engine are null too; and no ``schedule_sha256``, since a server runs its own exits (the plan's exit policy). The
-Online section shows them laid out as the Runtime settings section (:func:`section`).
+``online.max_num_seqs`` do, and ``exit_policy`` / ``max_model_len`` what every server ran with, plan.json
+``config.exit.policy`` / ``max_model_len``; null (an engine without ``settings()``) only where the bundle's other
+runs of the same engine are null too; and no ``schedule_sha256``, since a server runs its own exits (the plan's
+exit policy). The Online section shows them laid out as the Runtime settings section (:func:`section`).
 """
 from __future__ import annotations
 
@@ -70,16 +71,28 @@ def _differences(got: dict | None, want: dict | None) -> list[tuple[str, str, st
             for k in sorted(set(got) | set(want)) if _text(got.get(k, ABSENT)) != _text(want.get(k, ABSENT))]
 
 
+def _check_claims(ctx: Audit, rec: dict, at: str, claims: dict[str, tuple[object, str]]) -> None:
+    """Settings that name a value stated elsewhere (``claims``: key -> (value, where it is stated)) must say the
+    same, compared as JSON. Keys an engine does not report are not held to anything."""
+    settings = rec["engine_settings"] or {}
+    for key, (want, stated) in sorted(claims.items()):
+        if key in settings and _text(settings[key]) != _text(want):
+            ctx.fail("engine_settings", f"{at}: engine_settings.{key} is {_text(settings[key])}, where {stated} "
+                                        f"says {_text(want)}")
+
+
 def _check_against_record(ctx: Audit, rec: dict, at: str, max_num_seqs: int) -> None:
     """Settings that name what the record itself says (an ``arm_config`` key but ``engine``, ``max_num_seqs``)
-    must say the same, compared as JSON: a run whose engine ran another arm or batch than its record claims is
-    named. Keys an engine does not report are not held to anything."""
-    settings = rec["engine_settings"] or {}
+    must say the same: a run whose engine ran another arm or batch than its record claims is named."""
     claimed = {**{k: v for k, v in rec["arm_config"].items() if k != "engine"}, "max_num_seqs": max_num_seqs}
-    for key, want in sorted(claimed.items()):
-        if key in settings and _text(settings[key]) != _text(want):
-            ctx.fail("engine_settings", f"{at}: engine_settings.{key} is {_text(settings[key])}, where the "
-                                        f"record says {_text(want)}")
+    _check_claims(ctx, rec, at, {key: (want, "the record") for key, want in claimed.items()})
+
+
+def _online_planned(plan: dict) -> dict[str, tuple[object, str]]:
+    """What every online server runs with by the plan (harness/online/arms.py ``server_spec``): its exit policy
+    and its positions per request, as the settings its engine reports name them (``_check_claims``)."""
+    return {"exit_policy": (plan["config"]["exit"]["policy"], "plan.json config.exit.policy"),
+            "max_model_len": (plan["max_model_len"], "plan.json max_model_len")}
 
 
 def _check_schedule(ctx: Audit, rec: dict, reference_sha256: str | None) -> None:
@@ -150,15 +163,16 @@ def check(ctx: Audit, plan: dict, records: list[dict]) -> None:
 
 def check_online(ctx: Audit, plan: dict, records: list[dict], measured: list[dict]) -> None:
     """Format 10: each online record's ``engine_settings`` (``records``: check_online.load_records), held to its
-    record, naming no replayed schedule, equal across the online runs of one arm in one session, and null only where
-    its engine's are (:func:`_check_engine_reports`, against the ``measured`` raw records too); before format 10:
-    none."""
+    record and to the plan's exit policy and ``max_model_len``, naming no replayed schedule, equal across the
+    online runs of one arm in one session, and null only where its engine's are (:func:`_check_engine_reports`,
+    against the ``measured`` raw records too); before format 10: none."""
     if not plan.get("online"):
         return
     groups: dict[tuple, list[dict]] = {}
     held = _held(ctx, records, ONLINE_SINCE, _online_at, "online_engine_settings")
     for rec in held:
         _check_against_record(ctx, rec, _online_at(rec), plan["online"]["max_num_seqs"])
+        _check_claims(ctx, rec, _online_at(rec), _online_planned(plan))
         _check_no_schedule(ctx, rec, _online_at(rec), "an online run replays no schedule: its server runs the plan's "
                                                       "exit policy")
         groups.setdefault((rec["session"], rec["arm"]), []).append(rec)

@@ -298,3 +298,62 @@ def test_online_runs_whose_settings_say_they_replayed_the_frozen_reference_are_n
         "engine_settings: online record cpu0 seq 0 (native, calibration run, session cpu0): engine_settings."
         f"schedule_sha256 is {sha}, where an online run replays no schedule: its server runs the plan's exit "
         "policy"), lines
+
+
+# ------------------------------------------- what every server ran with by the plan, on the committed GPU bundles
+
+COMMITTED_ONLINE = {"2026-12-01-ouro-1.4b-online-69b8d26": 5, "2026-12-06-ouro-1.4b-online-e87ddf11": 10}
+
+
+def _committed(name: str, tmp_path: Path) -> Path:
+    """A copy of a committed bundle (auditing it writes its audit.json, which the tree's copy must keep)."""
+    src = REPO / "results" / name
+    if not src.is_dir():
+        pytest.skip(f"results/{name} is not checked out")
+    return Path(shutil.copytree(src, tmp_path / name))
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED_ONLINE))
+def test_the_committed_online_bundles_pass_with_their_servers_held_to_the_plan(name, tmp_path):
+    """Format 10's online records name the plan's exit policy and max_model_len; format 5's hold no settings."""
+    bundle = _committed(name, tmp_path)
+    assert json.loads((bundle / "manifest.json").read_text())["format_version"] == COMMITTED_ONLINE[name]
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    records = [json.loads(p.read_text()) for p in sorted((bundle / "online" / "gpu0").glob("*.json"))]
+    if COMMITTED_ONLINE[name] < 10:
+        assert "online_engine_settings" not in verdict["checked"] and not any("engine_settings" in r for r in records)
+        return
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert verdict["checked"]["online_engine_settings"] == len(records) == 3
+    assert {(r["engine_settings"]["exit_policy"], r["engine_settings"]["max_model_len"]) for r in records} == {
+        (plan["config"]["exit"]["policy"], plan["max_model_len"])}
+
+
+@pytest.mark.parametrize("key, forged, stated", [
+    ("exit_policy", "ouro", "plan.json config.exit.policy"),
+    ("max_model_len", 512, "plan.json max_model_len")])
+def test_online_servers_that_ran_another_exit_policy_or_max_model_len_than_the_plan_are_named(key, forged, stated,
+                                                                                               tmp_path):
+    """The committed format-10 GPU bundle with every online record's setting forged alike (so the runs of an arm
+    still agree) and the Online section's shared settings line rewritten to match: only the plan names each
+    record."""
+    bundle = _committed("2026-12-06-ouro-1.4b-online-e87ddf11", tmp_path)
+    plan = json.loads((bundle / "plan.json").read_text())
+    planned = {"exit_policy": plan["config"]["exit"]["policy"], "max_model_len": plan["max_model_len"]}[key]
+    paths = sorted((bundle / "online" / "gpu0").glob("*.json"))
+    for path in paths:
+        edit_json(path, lambda rec: rec["engine_settings"].update({key: forged}))
+
+    def forge(lines):   # the online runs' shared line, not the measured runs' one of the Runtime settings section
+        at = lines.index("### Runtime settings of the online runs")
+        return lines[:at] + [line.replace(f"{key}={planned},", f"{key}={forged},") for line in lines[at:]]
+    edit_report(bundle, forge)
+    rewrite_manifest(bundle)
+    expected = []
+    for path in paths:
+        rec = json.loads(path.read_text())
+        expected.append(f"engine_settings: online record gpu0 seq {rec['seq']} ({rec['arm']}, {rec['kind']} run, "
+                        f"session gpu0): engine_settings.{key} is {json.dumps(forged)}, where {stated} says "
+                        f"{json.dumps(planned)}")
+    assert failed(bundle).splitlines() == expected
