@@ -8,7 +8,8 @@ graph counters. Every run must reproduce the captured tokens and exit depths; a 
 printed and the probe exits 1. ``--profile PATH.md`` adds one measured run per timed policy under
 torch.profiler and writes where its GPU time goes (harness/profile.py) to PATH.md and PATH.json.
 For iterating on the runtime; published figures come from ``make bench`` and its audited bundle. On a
-machine without CUDA it runs the torch backend on the CPU (slowly).
+machine without CUDA it runs the torch backend on the CPU (slowly), on ``--cpu-threads`` torch threads (1, as a
+measured CPU session), and warns on stderr when the machine is busier than its cores.
 
     python -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs 16 --num-requests 32
     python -m loopbench.harness.throughput --preset ouro-1.4b --policy both --profile /tmp/profile-b16.md
@@ -338,6 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="HF checkpoint directory (overrides --preset; it must hold config.json: a wrong path is an "
                          "error, never a synthetic model written there)")
     ap.add_argument("--cache", default=cache, help="where synthetic checkpoints are written and reused")
+    ap.add_argument("--cpu-threads", type=_at_least_one, default=1, metavar="N",
+                    help="torch intra-op threads on the CPU, as a measured CPU session's executor.cpu_threads "
+                         "(default: %(default)s); CUDA runs leave torch's own count")
     ap.add_argument("--max-num-seqs", type=_at_least_one, default=16, help="B: batch capacity (default: %(default)s)")
     ap.add_argument("--num-requests", type=_at_least_one, default=32,
                     help="C: requests submitted at once (default: %(default)s)")
@@ -697,7 +701,7 @@ def _versions() -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({cpu_name()})"
+    device = device_name("cuda" if torch.cuda.is_available() else "cpu")
     return {"device": device, "torch": torch.__version__, "triton": triton_version}
 
 
@@ -721,6 +725,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "norm_trigger": getattr(args, "norm_trigger", "late"),
+            "cpu_threads": getattr(args, "cpu_threads", 1) if model.device.type == "cpu" else "not pinned (CUDA)",
             "wgmma": _wgmma_record(model, args),
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
             "tokens": run.tokens, "tokens_per_s": round(run.tokens_per_s, 1),
@@ -828,12 +833,60 @@ def profile_policies(engines: dict[str, PolicyEngine], reqs: list[Request], args
     print(f"profile written to {md} and {js}" + (f"; traces kept: {', '.join(kept)}" if kept else ""))
 
 
+def pin_cpu_threads(device: str, threads: int) -> Callable[[], None]:
+    """On the CPU, torch's intra-op threads set to ``threads``, as a measured CPU session sets
+    ``executor.cpu_threads`` (harness/machine.py ``child_device``: OpenMP threads that spin-wait for cores held by
+    other processes make CPU timings on a busy machine vary many-fold); nothing on CUDA. Returns what puts the
+    previous count back."""
+    if device != "cpu":
+        return lambda: None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return lambda: torch.set_num_threads(before)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (Linux), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load_average_1m() -> float | None:
+    """The machine's 1-minute load average, or None where the OS gives none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_cpu_warning(load_1m: float | None, cores: int) -> str | None:
+    """The one-line warning of a CPU probe on a machine busier than the probe's cores (``load_1m`` above
+    ``cores``), where its timings say more about the other processes than about the runtime; else None."""
+    if load_1m is None or load_1m <= cores:
+        return None
+    return (f"warning: the 1-minute load average {load_1m:.2f} exceeds the {cores} usable "
+            f"core{'' if cores == 1 else 's'}: CPU timings are for smoke checks, not performance evidence")
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else f"cpu ({cpu_name()})"
+
+
+def header_line(device: str) -> str:
+    """The probe's first output line: the device and the torch threads its timings ran on."""
+    how = "--cpu-threads" if device == "cpu" else "not pinned: --cpu-threads applies on the CPU only"
+    return f"probe on {device_name(device)}, torch threads: {torch.get_num_threads()} ({how})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     identity = code_identity() if args.profile else {}     # a malformed LOOPBENCH_GIT_SHA fails before any run
     device = "cuda" if torch.cuda.is_available() else "cpu"
     max_len = max_model_len(args.prompt_len, args.output_len)
     restore_kernel_options = apply_kernel_options(args)
+    restore_threads = pin_cpu_threads(device, args.cpu_threads)
     try:
         try:
             shape = model_config(args)      # a --checkpoint without config.json is named here, before any run
@@ -852,10 +905,15 @@ def main(argv=None) -> int:
         except ValueError as e:                     # CheckpointError too: a bad config.json or preset, named
             print(f"error: {e}", file=sys.stderr)
             return 2
+        print(header_line(device), flush=True)
+        warning = busy_cpu_warning(load_average_1m(), usable_cores()) if device == "cpu" else None
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         if args.variant:
             return _sweep(args, device, max_len)
         return _run(args, identity, device, max_len)
     finally:
+        restore_threads()
         restore_kernel_options()
 
 

@@ -1,6 +1,7 @@
 """The throughput probe end to end on the CPU (tiny preset): natural vs replay, the profile report, bad arguments."""
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -11,6 +12,14 @@ from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 SMALL = ["--preset", "tiny", "--max-num-seqs", "2", "--num-requests", "2", "--prompt-len", "4", "--output-len", "3",
          "--repeats", "1"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _an_idle_machine(monkeypatch):
+    """The probe sees an idle machine (no busy-CPU warning on stderr) unless a test says otherwise: the CI
+    machine's load is not the test's input."""
+    monkeypatch.setattr(throughput, "load_average_1m", lambda: 0.0)
 
 
 def test_both_policies_with_a_profile_write_two_sections(tmp_path, capsys):
@@ -26,6 +35,8 @@ def test_both_policies_with_a_profile_write_two_sections(tmp_path, capsys):
     md = report.read_text()
     assert "## natural: one measured run" in md and "## replay: one measured run" in md
     assert "no GPU kernels in the trace (a CPU run)" in md and "| B | 2 |" in md
+    assert "| cpu_threads | 1 |" in md or HAS_CUDA                 # the default, as a measured CPU session's
+    assert out.startswith("probe on cpu (") and "torch threads: 1 (--cpu-threads)" in out.splitlines()[0] or HAS_CUDA
     doc = json.loads(report.with_suffix(".json").read_text())
     assert [s["params"]["policy"] for s in doc["sections"]] == ["natural", "replay"]
     for s in doc["sections"]:
@@ -61,13 +72,75 @@ def test_a_run_that_misses_the_schedule_exits_nonzero(tmp_path, capsys, monkeypa
 
 
 @pytest.mark.parametrize("flag", ["--max-num-seqs", "--num-requests", "--prompt-len", "--output-len", "--repeats",
-                                  "--prefill-gemm-rows"])
+                                  "--prefill-gemm-rows", "--cpu-threads"])
 def test_counts_below_one_are_argparse_errors_naming_the_value(flag, tmp_path, capsys):
+    threads = torch.get_num_threads()
     with pytest.raises(SystemExit) as exc:
         throughput.main(["--cache", str(tmp_path / "c"), flag, "0"])
     assert exc.value.code == 2
     assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()                    # nothing ran
+    assert torch.get_num_threads() == threads
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader: the probe got past its checks to loading the model."""
+
+
+def _threads_at_load(monkeypatch, argv: list[str], tmp_path) -> int:
+    """main(argv) up to its model load, which a stand-in replaces: the torch threads the probe would run on."""
+    def loaded(args, device, max_len):
+        raise _Loaded(torch.get_num_threads())
+    monkeypatch.setattr(throughput, "load", loaded)
+    with pytest.raises(_Loaded) as exc:
+        throughput.main(["--cache", str(tmp_path / "c"), *argv])
+    return exc.value.args[0]
+
+
+def test_cpu_threads_default_to_one_and_a_bad_value_is_named_before_anything_runs(tmp_path, capsys):
+    assert throughput.parse_args([]).cpu_threads == 1 and throughput.parse_args(["--cpu-threads", "3"]).cpu_threads == 3
+    for bad, message in (("two", "argument --cpu-threads: 'two' is not an integer"),
+                         ("-1", "argument --cpu-threads: must be >= 1, got -1")):
+        with pytest.raises(SystemExit) as exc:
+            throughput.main(["--cache", str(tmp_path / "c"), "--cpu-threads", bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="--cpu-threads pins the CPU only")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_threads_are_what_the_probe_runs_on_and_are_put_back(threads, tmp_path, capsys, monkeypatch):
+    before = torch.get_num_threads()
+    argv = [] if threads == 1 else ["--cpu-threads", str(threads)]
+    assert _threads_at_load(monkeypatch, argv, tmp_path) == threads
+    assert torch.get_num_threads() == before
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("probe on cpu (") and out.splitlines()[0].endswith(
+        f", torch threads: {threads} (--cpu-threads)") and err == ""
+
+
+def test_cpu_threads_pin_the_cpu_only():
+    before = torch.get_num_threads()
+    restore = throughput.pin_cpu_threads("cuda", before + 1)
+    assert torch.get_num_threads() == before
+    restore()
+    restore = throughput.pin_cpu_threads("cpu", before + 1)
+    assert torch.get_num_threads() == before + 1
+    restore()
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the warning is of CPU timings")
+def test_a_cpu_probe_on_a_machine_busier_than_its_cores_warns_once_on_stderr(tmp_path, capsys, monkeypatch):
+    assert 1 <= throughput.usable_cores() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(throughput, "usable_cores", lambda: 2)
+    monkeypatch.setattr(throughput, "load_average_1m", lambda: 6.5)
+    _threads_at_load(monkeypatch, [], tmp_path)
+    assert capsys.readouterr().err == ("warning: the 1-minute load average 6.50 exceeds the 2 usable cores: CPU "
+                                       "timings are for smoke checks, not performance evidence\n")
+    assert throughput.busy_cpu_warning(2.0, 2) is None and throughput.busy_cpu_warning(None, 2) is None
+    assert throughput.busy_cpu_warning(1.01, 1).startswith("warning: the 1-minute load average 1.01 exceeds the 1 "
+                                                           "usable core: ")
 
 
 def test_bad_profile_path_and_non_integer_are_argparse_errors(tmp_path, capsys):
@@ -270,10 +343,6 @@ def test_prefetch_programs_without_their_region_exit_2_before_any_weight_loads(a
     assert "its extra programs would never be launched" in err
     assert not (tmp_path / "c").exists()
     assert throughput.snapshot_tables() == before
-
-
-class _Loaded(Exception):
-    """Raised by the stand-in loader: the probe got past its checks to loading the model."""
 
 
 @pytest.mark.parametrize("argv", [
