@@ -214,6 +214,11 @@ def check_gate(gate_w: torch.Tensor, gate_b: torch.Tensor, hidden: int, device) 
     return gate_w.reshape(-1), gate_b
 
 
+# Warps of the add_rms_norm kernel: they set a row's layout, and so the order in which its sums of squares reduce
+# (kernels/mlp_ring.py's norm step matches the kernel at 4).
+NORM_WARPS = 8
+
+
 def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b):
     """Both entry points: (x_new, h, hazard or None); the gate runs where ``gate_w`` is given."""
     hidden = w1.shape[0]
@@ -240,7 +245,7 @@ def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b):
                                             x_new.stride(0), h.stride(0), eps,
                                             BLOCK=triton.next_power_of_2(hidden), SPLIT=split,
                                             PDL=pdl.mode(use_pdl, NORM_TRIGGER == "early"),
-                                            GATE=gate, **pdl.launch_options(use_pdl, num_warps=8))
+                                            GATE=gate, **pdl.launch_options(use_pdl, num_warps=NORM_WARPS))
     return x_new, h, hazard
 
 

@@ -30,6 +30,8 @@ import triton
 from loopbench.kernels import fused_ops as fo
 from loopbench.kernels import gemm as gm
 from loopbench.kernels import mlp_block as mb
+from loopbench.kernels import mlp_ring as mr
+from loopbench.kernels import wgmma_gemm as wg
 from loopbench.kernels.bench import sync_cost as sc
 from loopbench.kernels.bench.decode_attention import MIN_WORKING_SET, copy_ceiling_bytes_per_s, graph_ms_per_call
 
@@ -44,6 +46,12 @@ VARIANTS = {       # the configuration kept (mb.CONFIGS), then one change each
     "stages3": mb.MlpBlockConfig(num_stages=3),
     "u_bn16_stages5": mb.MlpBlockConfig(u_bn=16, num_stages=5),
     "2_per_sm": mb.MlpBlockConfig(o_bn=32, d_bn=32, u_bn=16, programs_per_sm=2),
+}
+RING_VARIANTS = {   # kernels/mlp_ring.py: ring depth (weight tiles of 16 KB) and activation tiles in flight
+    "s12x4": mr.RingConfig(stages=12, x_stages=4),
+    "s8x4": mr.RingConfig(stages=8, x_stages=4),
+    "s10x2": mr.RingConfig(stages=10, x_stages=2),
+    "s4x2": mr.RingConfig(stages=4, x_stages=2),
 }
 STAGE_NAMES = ("O", "N1", "U", "D", "N2")
 COLUMNS = ("m", "path", "us_per_layer", "gb_per_s", "pct_ceiling", "speedup", "max_abs_diff", "bitwise_staged",
@@ -74,12 +82,27 @@ def five(a, x, layer):
     return fo.add_rms_norm(x1, d, ln_post2, ln_next, EPS)
 
 
+def now(a, x, layer):
+    """The decode loop's path as configured today: o_proj and down on kernels/wgmma_gemm.py (split-K partials,
+    releasing early), gate_up + SwiGLU on gemm.gemm_swiglu: (x2, h2)."""
+    o = wg.gemm(a, layer["w_o"], wg.CONFIGS[(HIDDEN, HIDDEN)])
+    ln_in2, ln_post, ln_post2, ln_next = layer["lns"]
+    x1, h1 = fo.add_rms_norm(x, o, ln_in2, ln_post, EPS)
+    act = gm.gemm_swiglu(h1, layer["gate_up"], gm.SWIGLU_CONFIGS[(2 * INTER, HIDDEN)])
+    d = wg.gemm(act, layer["down"], wg.CONFIGS[(HIDDEN, INTER)])
+    return fo.add_rms_norm(x1, d, ln_post2, ln_next, EPS)
+
+
+def ring(a, x, layer, cfg, counters):
+    return mr.mlp_ring(a, x, layer["w_o"], layer["gate_up"], layer["down"], *layer["lns"], EPS, cfg, counters)
+
+
 def block(a, x, layer, cfg, counters, staged=False, only=None):
     return mb.mlp_block(a, x, layer["w_o"], layer["gate_up"], layer["down"], *layer["lns"], EPS, cfg, counters,
                         staged=staged, only=only)
 
 
-def measure(m: int, layers: list, ceiling: float) -> list[dict]:
+def measure(m: int, layers: list, ceiling: float, paths: tuple[str, ...] = ("five", "now", "ring", "block")) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(m)
     a = torch.randn((m, HIDDEN), generator=g, device="cuda", dtype=torch.bfloat16)
     x = torch.randn((m, HIDDEN), generator=g, device="cuda", dtype=torch.bfloat16)
@@ -99,7 +122,26 @@ def measure(m: int, layers: list, ceiling: float) -> list[dict]:
     per_kernel = [graph_ms_per_call([lambda w=w, f=f: f(w) for w in layers]) * 1e3 for f in alone]
     rows.append(dict(m=m, path="five", us_per_layer=base_us, max_abs_diff=0.0, bitwise_staged="",
                      stage_us=" ".join(f"{n}={t:.2f}" for n, t in zip(STAGE_NAMES, per_kernel))))
-    for label, cfg in VARIANTS.items():
+    if "now" in paths:
+        got = now(a, x, layers[0])
+        us = graph_ms_per_call([lambda w=w: now(a, x, w) for w in layers]) * 1e3
+        rows.append(dict(m=m, path="now", us_per_layer=us, bitwise_staged="", stage_us="",
+                         max_abs_diff=max((o.float() - b.float()).abs().max().item() for o, b in zip(got, base))))
+    for label, cfg in (RING_VARIANTS.items() if "ring" in paths else ()):
+        counters = mr.new_counters("cuda")
+        try:
+            got = ring(a, x, layers[0], cfg, counters)
+        except ValueError as e:
+            rows.append(dict(m=m, path=f"ring:{label}", us_per_layer=float("nan"), max_abs_diff=float("nan"),
+                             bitwise_staged=f"does not fit: {e}", stage_us=""))
+            continue
+        torch.cuda.synchronize()
+        us = graph_ms_per_call([lambda w=w: ring(a, x, w, cfg, counters) for w in layers]) * 1e3
+        again = ring(a, x, layers[0], cfg, counters)
+        rows.append(dict(m=m, path=f"ring:{label}", us_per_layer=us, stage_us="",
+                         bitwise_staged=f"repeat bitwise {all(torch.equal(o, b) for o, b in zip(got, again))}",
+                         max_abs_diff=max((o.float() - b.float()).abs().max().item() for o, b in zip(got, base))))
+    for label, cfg in (VARIANTS.items() if "block" in paths else ()):
         counters = mb.new_counters("cuda")      # one grid a counters tensor (mb.claim_counters)
         try:
             block(a, x, layers[0], cfg, counters)
@@ -127,6 +169,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 16, 32, 64])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--paths", nargs="+", default=["five", "now", "ring", "block"],
+                    choices=["five", "now", "ring", "block"], help="what to time beside five (always timed)")
     args = ap.parse_args(argv)
     bad = [m for m in args.ms if not 1 <= m <= mb.MAX_M]
     if bad:
@@ -136,7 +180,7 @@ def main(argv=None) -> int:
         return 2
     ceiling = copy_ceiling_bytes_per_s()
     layers = _layers(max(4, -(-MIN_WORKING_SET // weight_bytes())))
-    rows = [r for m in args.ms for r in measure(m, layers, ceiling)]
+    rows = [r for m in args.ms for r in measure(m, layers, ceiling, tuple(args.paths))]
     head = (f"{torch.cuda.get_device_name()}, copy ceiling {ceiling / 1e9:.0f} GB/s, {len(layers)} weight copies of "
             f"{weight_bytes() / 1e6:.1f} MB, graph-chain time per layer\n")
     sc.write_table(head, rows, COLUMNS, args.out)

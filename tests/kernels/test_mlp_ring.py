@@ -1,0 +1,131 @@
+"""kernels/mlp_ring.py: the layer's half after attention as one persistent Gluon launch with a weight ring.
+
+CPU: the kernel compiles for sm_90 at every row bucket and fits an SM's shared memory; bad configurations are named.
+CUDA (sm_90): a first launch in a child process with a time limit (a broken barrier hangs rather than fails), then
+the Ouro shape at several M: near the kernels the fused loop runs today (other accumulation orders in the norms),
+repeated and replayed under a CUDA graph bitwise, and its first M rows bitwise those of a 64-row batch.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from loopbench.kernels import fused_ops as fo
+from loopbench.kernels import gemm as gm
+from loopbench.kernels import mlp_ring as mr
+from loopbench.kernels import wgmma_gemm as wg
+from tests.kernels.child import REPO, run_in_child
+
+H, I = 2048, 5632
+
+
+def test_compiles_for_sm90_and_fits_shared_memory():
+    """Compiled in a child without TRITON_INTERPRET (the suite sets it, and Gluon's reductions are jit functions that
+    the interpreter would take over): at every row bucket the program fits an SM, holds its whole pipeline, and
+    has the four grid barriers and the PDL wait."""
+    pytest.importorskip("triton.experimental.gluon")
+    code = textwrap.dedent("""
+        import json
+        from loopbench.kernels import mlp_ring as mr
+        out = {}
+        for bm in (16, 32, 64):
+            k = mr.compile_sm90(mr.RingConfig(), bm)
+            ptx = k.asm["ptx"]
+            out[bm] = [k.metadata.shared, ptx.count("atom.add.release.gpu.u64"), ptx.count("griddepcontrol.wait")]
+        print(json.dumps(out))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = mr.RingConfig()
+    for bm in (16, 32, 64):
+        shared, barriers, waits = got[str(bm)]
+        assert cfg.smem_bytes(bm, cfg.stages_for(bm)) <= shared <= wg.SHARED_LIMIT, (bm, shared)
+        assert barriers == mr.BARRIERS and waits >= 1, (bm, barriers, waits)
+
+
+def test_bad_configurations_are_named():
+    with pytest.raises(ValueError, match="stages must be a positive int, got 0"):
+        mr.RingConfig(stages=0)
+    with pytest.raises(ValueError, match="block_n 64"):
+        mr.RingConfig(block_n=128)
+    with pytest.raises(ValueError, match="intermediate / d_split=1424 is not a multiple of 128"):
+        mr.check_config(mr.RingConfig(), 2048, 5696)
+    with pytest.raises(ValueError, match="more than"):
+        mr.RingConfig(x_stages=30).stages_for(64)
+    assert mr.RingConfig(stages=12, x_stages=4).stages_for(64) < 12 == mr.RingConfig().stages_for(16)
+
+
+def _inputs(m, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return scale * torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    a, x = r(m, H), r(m, H)
+    weights = (r(H, H, scale=H ** -0.5), r(2 * I, H, scale=H ** -0.5), r(H, I, scale=I ** -0.5))
+    return a, x, weights, [1 + r(H, scale=0.1) for _ in range(4)], (r(1, H, scale=H ** -0.5), r(1))
+
+
+def _today(a, x, weights, lns, gate):
+    w_o, gate_up, down = weights
+    o = wg.gemm(a, w_o, wg.CONFIGS[(H, H)])
+    x1, h1 = fo.add_rms_norm(x, o, lns[0], lns[1], 1e-6)
+    act = gm.gemm_swiglu(h1, gate_up, gm.SWIGLU_CONFIGS[(2 * I, H)])
+    return fo.add_rms_norm_gate(x1, wg.gemm(act, down, wg.CONFIGS[(H, I)]), lns[2], lns[3], 1e-6, *gate)
+
+
+@pytest.mark.gpu
+def test_first_cuda_launch_finishes_in_a_child_process():
+    proc = run_in_child("""
+        import torch
+        from loopbench.kernels import mlp_ring as mr
+        torch.manual_seed(0)
+        h, i = 2048, 5632
+        r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) / 50
+        ln = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+        c = mr.new_counters("cuda")
+        mr.mlp_ring(r(16, h), r(16, h), r(h, h), r(2 * i, h), r(h, i), ln, ln, ln, ln, 1e-6, mr.RingConfig(), c)
+        torch.cuda.synchronize()
+        print("counters", c.tolist())
+    """, timeout_s=120)
+    g = torch.cuda.get_device_properties(0).multi_processor_count
+    assert proc.returncode == 0 and f"counters {[g] * mr.BARRIERS}" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 64])
+def test_ouro_shape_is_todays_kernels_bitwise_and_batch_invariant(m, monkeypatch):
+    """Bitwise the kernels the fused loop runs today with their norm kernel at the ring's 4 warps (the same tiles in
+    the same K order, the same row layout in the norms): x2, h2 and the hazard."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    a, x, weights, lns, gate = _inputs(m, seed=m)
+    cfg = mr.RingConfig()
+    counters = mr.new_counters("cuda")
+    got = mr.mlp_ring(a, x, *weights, *lns, 1e-6, cfg, counters, gate)
+    for _ in range(5):
+        again = mr.mlp_ring(a, x, *weights, *lns, 1e-6, cfg, counters, gate)
+        for p, q in zip(got, again):
+            assert torch.equal(p, q), "a repeated launch differs"
+    monkeypatch.setattr(fo, "NORM_WARPS", 4)
+    for o, t, what in zip(got, _today(a, x, weights, lns, gate), ("x2", "h2", "hazard")):
+        diff = (o.double() - t.double()).abs()
+        assert torch.equal(o, t), f"{what}: max diff {diff.max().item():.3e}, mean {diff.mean().item():.3e}"
+    pad = torch.randn(64 - m, H, device="cuda", dtype=torch.bfloat16)
+    big = mr.mlp_ring(torch.cat([a, pad]), torch.cat([x, pad]), *weights, *lns, 1e-6, cfg, counters, gate)
+    for p, q in zip(big, got):
+        assert torch.equal(p[:m], q), "rows depend on the batch around them"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = mr.mlp_ring(a, x, *weights, *lns, 1e-6, cfg, counters, gate)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(static, got):
+        assert torch.equal(p, q), "a replay differs from an eager launch"
