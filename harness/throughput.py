@@ -205,6 +205,7 @@ class Variant:
     attention_config: dict[str, int | bool] | None = None
     greedy_from_logits: bool | None = None
     norm_in_gemm: bool | None = None
+    mlp_ring: bool | None = None
     wgmma: tuple[tuple[str, tuple[tuple[str, int | bool], ...]], ...] = ()
     no_wgmma: bool | None = None
     prefill_stream: str | None = None
@@ -226,7 +227,7 @@ def _variant(text: str) -> Variant:
     except (argparse.ArgumentTypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return Variant(text.strip() or "as configured", ns.prefetch_tiles, tuple(ns.gemm_config), plan,
-                   ns.attention_config, ns.greedy_from_logits, ns.norm_in_gemm, tuple(ns.wgmma),
+                   ns.attention_config, ns.greedy_from_logits, ns.norm_in_gemm, ns.mlp_ring, tuple(ns.wgmma),
                    ns.no_wgmma, ns.prefill_stream)
 
 
@@ -307,6 +308,11 @@ def add_kernel_options(ap: argparse.ArgumentParser) -> None:
                     help="o_proj and down run the norm step after them in their own launch (OuroModel.norm_in_gemm, "
                          "kernels/gemm_norm.py; off by default): one kernel fewer after each, where they run on our "
                          "split-K GEMM")
+    ap.add_argument("--mlp-ring", action="store_true", default=None,
+                    help="the layer half after attention (o_proj, norm, gate_up + SwiGLU, down, norm) as one "
+                         "persistent launch whose weight ring runs across its grid barriers (kernels/mlp_ring.py; "
+                         "off by default) at up to 64 rows, the norm kernels at its warps elsewhere; prefill loops "
+                         "then share the decode stream")
     ap.add_argument("--prefill-stream", default=None, choices=["on", "off"],
                     help="EngineConfig.prefill_stream: a step's prefill loop on a second CUDA stream, concurrent with "
                          "its decode loop (on, EngineConfig's default), or on the decode loop's stream (off)")
@@ -410,11 +416,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def kernel_tables() -> tuple[dict, ...]:
     """The module tables the model reads at every launch: the GEMM configurations (kernels/gemm.py CONFIGS,
     SWIGLU_CONFIGS; kernels/qkv_rope.py CONFIGS), then their FASTER_UP_TO tables, then kernels/wgmma_gemm.py
-    CONFIGS and SWIGLU_CONFIGS."""
-    from loopbench.kernels import gemm, qkv_rope, wgmma_gemm
+    CONFIGS and SWIGLU_CONFIGS, then kernels/mlp_ring.py CONFIGS."""
+    from loopbench.kernels import gemm, mlp_ring, qkv_rope, wgmma_gemm
     return (gemm.CONFIGS, gemm.SWIGLU_CONFIGS, qkv_rope.CONFIGS,
             gemm.FASTER_UP_TO, gemm.SWIGLU_FASTER_UP_TO, qkv_rope.FASTER_UP_TO, wgmma_gemm.CONFIGS,
-            wgmma_gemm.SWIGLU_CONFIGS)
+            wgmma_gemm.SWIGLU_CONFIGS, mlp_ring.CONFIGS)
 
 
 def snapshot_tables() -> list[dict]:
@@ -536,6 +542,8 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
                                    prefetch_next=getattr(args, "prefetch_next", None))
     model.greedy_tiles = not getattr(args, "greedy_from_logits", None)
     model.norm_in_gemm = bool(getattr(args, "norm_in_gemm", None))
+    if getattr(args, "mlp_ring", None):
+        ring_on(cfg)
     asked = getattr(args, "prefetch_next", None) or any(v.prefetch_next for v in getattr(args, "variant", []))
     if asked and not prefetch_applies(model):
         print(f"note: --prefetch-next changes nothing in this run ({PREFETCH_IDLE})", file=sys.stderr)
@@ -725,6 +733,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
                                 or "as configured",
             "gemm_config": " ".join(f"{r}.{f}={v}" for r, f, v in getattr(args, "gemm_config", [])) or "as configured",
             "norm_trigger": getattr(args, "norm_trigger", "late"),
+            "mlp_ring": "on" if model.ring_on() else "off",
             "cpu_threads": getattr(args, "cpu_threads", 1) if model.device.type == "cpu" else "not pinned (CUDA)",
             "wgmma": _wgmma_record(model, args),
             "git_sha": identity.get("git_sha") or "unknown", "git_sha_source": identity.get("git_sha_source"),
@@ -917,6 +926,13 @@ def main(argv=None) -> int:
         restore_kernel_options()
 
 
+def ring_on(cfg: OuroConfig) -> None:
+    """``--mlp-ring``: kernels/mlp_ring.py's table gets the default RingConfig for this model's layer shape (the
+    restore of :func:`apply_kernel_options` or a variant's tables take it out again)."""
+    from loopbench.kernels import mlp_ring
+    mlp_ring.CONFIGS[(cfg.hidden_size, cfg.intermediate_size)] = mlp_ring.RingConfig()
+
+
 def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict],
                   prefetch_next: dict[str, float] | None) -> dict[str, float] | None:
     """Load ``base`` (the probe's own tables) and apply ``variant``'s --prefetch-tiles, then its --gemm-config;
@@ -929,6 +945,8 @@ def apply_variant(cfg: OuroConfig, variant: Variant, base: list[dict],
     try:
         apply_gemm_overrides(cfg, list(variant.gemm_config))
         apply_wgmma(cfg, list(variant.wgmma), bool(variant.no_wgmma), list(variant.gemm_config))
+        if variant.mlp_ring:
+            ring_on(cfg)
         check_prefetch_programs(cfg, plan)
     except ValueError as e:
         raise ValueError(f"--variant {variant.label!r}: {e}") from None

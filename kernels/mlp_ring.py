@@ -93,6 +93,15 @@ class RingConfig:
         return stages
 
 
+# (hidden, intermediate) -> the RingConfig with which the fused decode loop runs this half of a layer as one launch
+# (runtime/model.py ``OuroModel.ring_config``), at most MAX_M rows. Empty (off) until it is measured faster in the
+# loop; the throughput probe's ``--mlp-ring`` puts ``RingConfig()`` here.
+CONFIGS: dict[tuple[int, int], RingConfig] = {}
+# The add_rms_norm kernel's warps wherever a layer of this shape can run here, so its norm steps reduce as the ring's
+# do (fused_ops.NORM_WARPS): a batch of more than MAX_M rows gets the bits the ring gives fewer rows.
+NORM_WARPS = 4
+
+
 @gluon.jit
 def _arrive(cnt_ptr, G):
     """Every thread passes a CTA barrier (the program's stores come first), then thread 0 adds one to the counter

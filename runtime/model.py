@@ -285,6 +285,10 @@ class OuroModel:
         # One pair serves every loop on one stream: two streams running this model's loops at once would share them.
         self.norm_in_gemm = False
         self._norm_counters = torch.zeros(2, dtype=torch.int32, device=self.device) if self.fused else None
+        # kernels/mlp_ring.py's arrival counters (its BARRIERS), for the layer half after attention as one persistent
+        # launch where mlp_ring.CONFIGS has this layer shape (:meth:`ring_config`); allocated here, outside any
+        # capture, and used by one stream at a time (:meth:`ring_on` keeps prefill loops off a second stream).
+        self._ring_counters = torch.zeros(4, dtype=torch.int64, device=self.device) if self.fused else None
         expected = tensor_shapes(cfg)
         missing = sorted(set(expected) - set(tensors))
         if missing:
@@ -361,6 +365,8 @@ class OuroModel:
           (:meth:`greedy_tiles_config`), else from written logits (the same tokens);
         - ``norm_in_gemm``: o_proj and down run their norm step in their own launch where they can
           (:meth:`norm_gemm_config`);
+        - ``mlp_ring``: the layer half after attention runs as one persistent launch where it can
+          (:meth:`ring_config`; kernels/mlp_ring.py ``CONFIGS`` has this layer shape and our small-M GEMM runs);
         - ``prefetch_next_<target>`` for each of :data:`PREFETCH_TARGETS`: the fraction (0, 1] of that weight's K
           columns the projection before it brings into L2, None where not asked for;
         - ``pdl``: this device's Triton kernels launch with programmatic dependent launch (kernels/pdl.py
@@ -373,7 +379,7 @@ class OuroModel:
         on = pdl.active(self.embed)
         out = {"device_type": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
                "fused": self.fused, "small_m_gemm": self.small_m_gemm, "wgmma_projections": self._wgmma_projections(),
-               "greedy_tiles": self.greedy_tiles, "norm_in_gemm": self.norm_in_gemm,
+               "greedy_tiles": self.greedy_tiles, "norm_in_gemm": self.norm_in_gemm, "mlp_ring": self.ring_on(),
                **{f"prefetch_next_{t}": self.prefetch_next.get(t) for t in PREFETCH_TARGETS},
                "pdl": on, "pdl_trigger": pdl.TRIGGER if on else None}
         return {k: setting_value(k, v) for k, v in out.items()}
@@ -457,13 +463,21 @@ class OuroModel:
                     rope_write(i, qkv)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             a = attend(i, q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D))
+            nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
+            gate = i + 1 == len(self.layers) and self.rope_dtype == torch.float32
+            ring = self.ring_config(a.reshape(n, H * D), gemm_rows)
+            if ring is not None:
+                from loopbench.kernels import mlp_ring
+                out = mlp_ring.mlp_ring(a.reshape(n, H * D), x, w.o, w.gate_up, w.down, w.ln_in2, w.ln_post,
+                                        w.ln_post2, nxt, eps, ring, self._ring_counters,
+                                        (self.gate_w, self.gate_b) if gate else None)
+                x, h, hazard = out if gate else (*out, None)
+                continue
             x, h, _ = self._project_norm(a.reshape(n, H * D), w.o, x, w.ln_in2, w.ln_post, gemm_rows,
                                          self._prefetch_region("gate_up", w.gate_up), gate=False)
-            nxt = self.layers[i + 1].ln_in if i + 1 < len(self.layers) else self.norm
             pf_down = self._prefetch_region("down", w.down)
             act = (self._swiglu(h, w.gate_up, glu_cfg, pf_down) if glu_cfg
                    else fo.silu_mul(proj(h, w.gate_up, gemm_rows, False, pf_down)))
-            gate = i + 1 == len(self.layers) and self.rope_dtype == torch.float32
             x, h, hazard = self._project_norm(act, w.down, x, w.ln_post2, nxt, gemm_rows,
                                               self._prefetch_region("qkv", nxt_layer.qkv), gate)
         # the last norm step ran the exit gate, except for an fp64 model (whose hazard is fp64: the torch gate)
@@ -516,8 +530,37 @@ class OuroModel:
             out = gemm_norm.gemm_add_rms_norm(a, weight, cfg, x, w1, w2, eps, self._norm_counters, gate_wb)
         else:
             y = self._project(a, weight, gemm_rows, True, next_weight)
-            out = fo.add_rms_norm_gate(x, y, w1, w2, eps, *gate_wb) if gate else fo.add_rms_norm(x, y, w1, w2, eps)
+            warps = self._norm_warps()
+            kw = {"num_warps": warps} if warps else {}
+            out = (fo.add_rms_norm_gate(x, y, w1, w2, eps, *gate_wb, **kw) if gate
+                   else fo.add_rms_norm(x, y, w1, w2, eps, **kw))
         return out if gate else (*out, None)
+
+    def ring_on(self) -> bool:
+        """Whether the layer half after attention runs as one persistent launch wherever it can (kernels/mlp_ring.py
+        ``CONFIGS`` has this layer shape, our small-M GEMM runs, bf16 weights). Read at every loop: the table is a
+        process-wide switch (empty by default; the throughput probe's ``--mlp-ring``)."""
+        from loopbench.kernels import mlp_ring
+        return (self.small_m_gemm and self.dtype == torch.bfloat16
+                and (self.cfg.hidden_size, self.cfg.intermediate_size) in mlp_ring.CONFIGS)
+
+    def ring_config(self, a: torch.Tensor, gemm_rows: int | None = None):
+        """The RingConfig with which o_proj, its norm step, gate_up + SwiGLU, down and its norm step run as one
+        launch (kernels/mlp_ring.py) on attention output ``a`` [N, H D] (a meta tensor will do), or None: the ring
+        off (:meth:`ring_on`), rows in fixed-size calls, more than ``mlp_ring.MAX_M`` rows, or an L2 prefetch asked
+        for one of those projections or the next qkv (that kernel has none). One per layer shape, never per M."""
+        from loopbench.kernels import mlp_ring
+        if not self.ring_on() or gemm_rows is not None or a.shape[0] > mlp_ring.MAX_M:
+            return None
+        if any(self.prefetch_next.get(t) for t in ("o_proj", "gate_up", "down", "qkv")):
+            return None
+        return mlp_ring.CONFIGS[(self.cfg.hidden_size, self.cfg.intermediate_size)]
+
+    def _norm_warps(self) -> int | None:
+        """The add_rms_norm kernel's warps: the ring's where it is on (so a batch too large for it reduces its
+        norms as the ring does, and a row's bits depend on neither M nor the path), else the kernel's default."""
+        from loopbench.kernels import mlp_ring
+        return mlp_ring.NORM_WARPS if self.ring_on() else None
 
     def norm_gemm_config(self, a: torch.Tensor, weight: torch.Tensor, gemm_rows: int | None = None,
                          next_weight: torch.Tensor | None = None):

@@ -172,10 +172,11 @@ class Runner:
     @property
     def prefill_on_own_stream(self) -> bool:
         """Whether :meth:`prefill` queues its loop on the prefill stream now: :func:`prefill_beside_decode` gave
-        this runner one, and the model's ``norm_in_gemm`` is off. The norm step inside o_proj / down
-        (kernels/gemm_norm.py) counts arrivals in one buffer per model and needs every program resident: two
-        such GEMMs at once would corrupt and deadlock. Read at every prefill (the switch may change)."""
-        return self._prefill_stream is not None and not self.model.norm_in_gemm
+        this runner one, and the model's ``norm_in_gemm`` and ring (``ring_on``) are off. The norm step inside o_proj
+        / down (kernels/gemm_norm.py) and the persistent layer half (kernels/mlp_ring.py) count arrivals in one
+        buffer per model and need every program resident: two such launches at once would corrupt and deadlock.
+        Read at every prefill (the switch may change)."""
+        return self._prefill_stream is not None and not self.model.norm_in_gemm and not self.model.ring_on()
 
     def join_prefill(self) -> None:
         """Make the current stream wait for the prefill loops queued on the prefill stream (no host sync); a

@@ -59,7 +59,7 @@ def test_model_settings_name_its_switches_as_resolved_on_a_cpu(model32):
     got = model32.settings()
     _scalars(got)
     assert got == {"device_type": "cpu", "dtype": "float32", "fused": False, "small_m_gemm": False,
-                   "wgmma_projections": "", "greedy_tiles": True, "norm_in_gemm": False,
+                   "wgmma_projections": "", "greedy_tiles": True, "norm_in_gemm": False, "mlp_ring": False,
                    **{f"prefetch_next_{t}": None for t in PREFETCH_TARGETS}, "pdl": False, "pdl_trigger": None}
     model32.norm_in_gemm, model32.greedy_tiles = True, False          # switches are read when asked
     model32.prefetch_next = {"down": 0.5}
