@@ -127,6 +127,14 @@ def _wait(cnt_ptr, target):
 
 
 @gluon.jit
+def _stamp(trace_ptr, p, i, TRACE: gl.constexpr):
+    """With ``TRACE``: this program's %globaltimer (ns) at point ``i`` into ``trace[p, i]`` (timing diagnostics)."""
+    if TRACE:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(trace_ptr + p * 16 + i, t)
+
+
+@gluon.jit
 def _issue(j, p, G, nO, nU, nD, lo_u, wo_desc, wgu_desc, wd_desc, w_smem, w_bar,
            HID: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, O_SPLIT: gl.constexpr,
            D_SPLIT: gl.constexpr, STAGES: gl.constexpr):
@@ -168,7 +176,7 @@ def _split_stage(x_desc, part_ptr, M, p, G, units, c, xi, k_lo, nk, stride_pm, s
                  wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD, lo_u,
                  HID: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BLOCK_M: gl.constexpr,
                  O_SPLIT: gl.constexpr, D_SPLIT: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                 XS: gl.constexpr, num_warps: gl.constexpr):
+                 XS: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
     """O or D: this program's units p, p + G, ... (``units`` of them), ``nk`` K tiles each from K ``k_lo`` of its
     split, each storing an fp32 partial ``[M, BN]``. ``c`` / ``xi``: the weight and activation tiles consumed so
     far. Returns the new (c, xi)."""
@@ -190,8 +198,9 @@ def _split_stage(x_desc, part_ptr, M, p, G, units, c, xi, k_lo, nk, stride_pm, s
             mbarrier.wait(w_bar.index(slot), (c // STAGES) & 1)
             xs = (xi + t) % XS
             mbarrier.wait(x_bar.index(xs), ((xi + t) // XS) & 1)
-            acc = warpgroup_mma(w_smem.index(slot), x_smem.index(xs).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if DIAG & 2 == 0:
+                acc = warpgroup_mma(w_smem.index(slot), x_smem.index(xs).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _issue(c + STAGES, p, G, nO, nU, nD, lo_u, wo_desc, wgu_desc, wd_desc, w_smem, w_bar,
                    HID, I, BN, BK, O_SPLIT, D_SPLIT, STAGES)
             _load_x(x_desc, x_smem, x_bar, xi + t + XS, k0 + (t + XS) * BK, t + XS < nk, XS)
@@ -208,7 +217,7 @@ def _glu_stage(x_desc, act_ptr, M, p, G, lo_u, hi_u, c, xi, stride_a,
                wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD,
                HID: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BLOCK_M: gl.constexpr,
                O_SPLIT: gl.constexpr, D_SPLIT: gl.constexpr, STAGES: gl.constexpr, XS: gl.constexpr,
-               num_warps: gl.constexpr):
+               DIAG: gl.constexpr, num_warps: gl.constexpr):
     """U: units [lo_u, hi_u) of 64 gate columns, each K step a gate tile then its up tile; stores
     silu(gate) * up ``[M, BN]`` at ``act[:, u BN ..]``. Returns the new (c, xi)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -230,9 +239,10 @@ def _glu_stage(x_desc, act_ptr, M, p, G, lo_u, hi_u, c, xi, stride_a,
             mbarrier.wait(w_bar.index(slot), (c // STAGES) & 1)
             slot_up = (c + 1) % STAGES
             mbarrier.wait(w_bar.index(slot_up), ((c + 1) // STAGES) & 1)
-            acc = warpgroup_mma(w_smem.index(slot), xt, acc, is_async=True)
-            acc_up = warpgroup_mma(w_smem.index(slot_up), xt, acc_up, is_async=True)
-            acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+            if DIAG & 2 == 0:
+                acc = warpgroup_mma(w_smem.index(slot), xt, acc, is_async=True)
+                acc_up = warpgroup_mma(w_smem.index(slot_up), xt, acc_up, is_async=True)
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
             _issue(c + STAGES, p, G, nO, nU, nD, lo_u, wo_desc, wgu_desc, wd_desc, w_smem, w_bar,
                    HID, I, BN, BK, O_SPLIT, D_SPLIT, STAGES)
             _issue(c + 1 + STAGES, p, G, nO, nU, nD, lo_u, wo_desc, wgu_desc, wd_desc, w_smem, w_bar,
@@ -287,7 +297,8 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
                      h2_ptr, gw_ptr, gb_ptr, hazard_ptr, cnt_ptr, M, G, eps, stride_pm, stride_ps, stride_x, stride_a,
                      HID: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BLOCK_M: gl.constexpr,
                      O_SPLIT: gl.constexpr, D_SPLIT: gl.constexpr, STAGES: gl.constexpr, XS: gl.constexpr,
-                     PDL: gl.constexpr, GATE: gl.constexpr, num_warps: gl.constexpr):
+                     PDL: gl.constexpr, GATE: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
+                     trace_ptr=None, TRACE: gl.constexpr = False):
     p = gl.program_id(0)
     TN: gl.constexpr = HID // BN
     TK_O: gl.constexpr = HID // O_SPLIT // BK
@@ -312,31 +323,45 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
     for j in gl.static_range(STAGES):
         _issue(j, p, G, nO, nU, nD, lo_u, wo_desc, wgu_desc, wd_desc, w_smem, w_bar,
                HID, I, BN, BK, O_SPLIT, D_SPLIT, STAGES)
+    _stamp(trace_ptr, p, 0, TRACE)
     if PDL != 0:
         _gdc_wait()
+    _stamp(trace_ptr, p, 1, TRACE)
     c = 0
     xi = 0
     c, xi = _split_stage(a_desc, part_o, M, p, G, units_o, c, xi, HID // O_SPLIT, TK_O, stride_pm, stride_ps,
                          wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD, lo_u,
-                         HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, O_SPLIT, STAGES, XS, num_warps)
-    _wait(cnt_ptr, _arrive(cnt_ptr, G))
-    _norm_rows(part_o, x_ptr, ln_in2, ln_post, x1_ptr, h1_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G, stride_pm,
-               stride_ps, stride_x, stride_x, eps, HID, O_SPLIT, False, num_warps)
-    _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G))
+                         HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, O_SPLIT, STAGES, XS, DIAG, num_warps)
+    _stamp(trace_ptr, p, 2, TRACE)
+    if DIAG & 1 == 0:
+        _wait(cnt_ptr, _arrive(cnt_ptr, G))
+        _stamp(trace_ptr, p, 3, TRACE)
+        _norm_rows(part_o, x_ptr, ln_in2, ln_post, x1_ptr, h1_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G, stride_pm,
+                   stride_ps, stride_x, stride_x, eps, HID, O_SPLIT, False, num_warps)
+        _stamp(trace_ptr, p, 4, TRACE)
+        _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G))
+    _stamp(trace_ptr, p, 5, TRACE)
     c, xi = _glu_stage(h1_desc, act_ptr, M, p, G, lo_u, hi_u, c, xi, stride_a,
                        wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD,
-                       HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, STAGES, XS, num_warps)
-    _wait(cnt_ptr + 2, _arrive(cnt_ptr + 2, G))
+                       HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, STAGES, XS, DIAG, num_warps)
+    _stamp(trace_ptr, p, 6, TRACE)
+    if DIAG & 1 == 0:
+        _wait(cnt_ptr + 2, _arrive(cnt_ptr + 2, G))
+    _stamp(trace_ptr, p, 7, TRACE)
     if PDL != 0:
         _gdc_launch_dependents()       # every program has arrived, so every one is resident
     c, xi = _split_stage(act_desc, part_d, M, p, G, units_d, c, xi, I // D_SPLIT, TK_D, stride_pm, stride_ps,
                          wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD, lo_u,
-                         HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, D_SPLIT, STAGES, XS, num_warps)
-    target = _arrive(cnt_ptr + 3, G)
-    if p < M:
+                         HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, D_SPLIT, STAGES, XS, DIAG, num_warps)
+    _stamp(trace_ptr, p, 8, TRACE)
+    if DIAG & 1 == 0:
+        target = _arrive(cnt_ptr + 3, G)
+    if p < M and DIAG & 1 == 0:
         _wait(cnt_ptr + 3, target)
+        _stamp(trace_ptr, p, 9, TRACE)
         _norm_rows(part_d, x1_ptr, ln_post2, ln_next, x2_ptr, h2_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G,
                    stride_pm, stride_ps, stride_x, stride_x, eps, HID, D_SPLIT, GATE, num_warps)
+    _stamp(trace_ptr, p, 10, TRACE)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(w_bar.index(s))
     for s in gl.static_range(XS):
@@ -366,7 +391,8 @@ def check_config(config: RingConfig, hidden: int, inter: int) -> None:
 
 def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
              ln_in2: torch.Tensor, ln_post: torch.Tensor, ln_post2: torch.Tensor, ln_next: torch.Tensor, eps: float,
-             config: RingConfig, counters: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor] | None = None):
+             config: RingConfig, counters: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+             _diag: int = 0, _trace: torch.Tensor | None = None):
     """``kernels.mlp_block.mlp_block_ref``'s (x2, h2) in one persistent launch (module docstring); never
     synchronises with the host.
 
@@ -376,7 +402,9 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
         hidden]`` (gate rows then up rows), down ``[hidden, I]``: bf16, contiguous. ln_*: ``[hidden]`` norm
         weights. eps: the norms' epsilon. config: :class:`RingConfig`. counters: :func:`new_counters`, used only
         with this device's grid (one program an SM). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``):
-        also return the hazard of h2 (``fused_ops.add_rms_norm_gate``).
+        also return the hazard of h2 (``fused_ops.add_rms_norm_gate``). _diag: timing diagnostics only (wrong
+        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``).
+        _trace: int64 ``[G, 16]``: each program's %globaltimer (ns) at its stage points (timing diagnostics).
 
     Returns:
         (x2, h2) ``[M, hidden]`` bf16, or (x2, h2, hazard [M] fp32) with ``gate``.
@@ -419,7 +447,7 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
                            h1, act, part_d, x2, h2, gw, gb, hazard, counters, m, g, eps, part_o.stride(1), part_o.stride(0),
                            x.stride(0), act.stride(0), hidden, inter, c.block_n, c.block_k, block_m, c.o_split,
                            c.d_split, stages, c.x_stages, pdl.mode(use_pdl), gate is not None, num_warps=c.num_warps,
-                           **pdl.launch_options(use_pdl))
+                           DIAG=_diag, trace_ptr=_trace, TRACE=_trace is not None, **pdl.launch_options(use_pdl))
     return (x2, h2) if gate is None else (x2, h2, hazard)
 
 
@@ -435,11 +463,11 @@ def compile_sm90(config: RingConfig, block_m: int, use_pdl: bool = True, gate: b
     signature = dict(wo_desc=wd, wgu_desc=wd, wd_desc=wd, a_desc=xd, h1_desc=xd, act_desc=xd)
     signature.update({n: "*bf16" for n in ("x_ptr", "ln_in2", "ln_post", "ln_post2", "ln_next", "x1_ptr", "h1_ptr",
                                            "act_ptr", "x2_ptr", "h2_ptr", "gw_ptr", "gb_ptr")})
-    signature.update(part_o="*fp32", part_d="*fp32", hazard_ptr="*fp32", cnt_ptr="*i64", M="i32", G="i32", eps="fp32", stride_pm="i32",
+    signature.update(part_o="*fp32", part_d="*fp32", hazard_ptr="*fp32", trace_ptr="*i64", cnt_ptr="*i64", M="i32", G="i32", eps="fp32", stride_pm="i32",
                      stride_ps="i32", stride_x="i32", stride_a="i32")
     constexprs = dict(HID=2048, I=5632, BN=c.block_n, BK=c.block_k, BLOCK_M=block_m, O_SPLIT=c.o_split,
                       D_SPLIT=c.d_split, STAGES=c.stages_for(block_m), XS=c.x_stages, PDL=pdl.mode(use_pdl),
-                      GATE=gate, num_warps=c.num_warps)
+                      GATE=gate, num_warps=c.num_warps, DIAG=0, TRACE=False)
     signature.update({k: "constexpr" for k in constexprs})
     order = list(_mlp_ring_kernel.arg_names)
     signature = {k: signature[k] for k in order}

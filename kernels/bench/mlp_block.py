@@ -93,8 +93,33 @@ def now(a, x, layer):
     return fo.add_rms_norm(x1, d, ln_post2, ln_next, EPS)
 
 
-def ring(a, x, layer, cfg, counters):
-    return mr.mlp_ring(a, x, layer["w_o"], layer["gate_up"], layer["down"], *layer["lns"], EPS, cfg, counters)
+def ring(a, x, layer, cfg, counters, diag=0):
+    return mr.mlp_ring(a, x, layer["w_o"], layer["gate_up"], layer["down"], *layer["lns"], EPS, cfg, counters,
+                       _diag=diag)
+
+
+TRACE_POINTS = ("start", "pdl_wait", "O_done", "bar0", "N1_done", "bar1", "U_done", "bar2", "D_done", "bar3",
+                "end")
+
+
+def trace_summary(a, x, layers, cfg, counters) -> str:
+    """One traced launch after a chain of untraced ones (layers 0-2 then layer 3 traced, eagerly): per stage point the
+    median and max over programs of its %globaltimer minus the earliest start, in us (points a program skips: none)."""
+    trace = torch.full((gm.sm_count("cuda"), 16), -1, dtype=torch.int64, device="cuda")
+    for w in layers[:3]:
+        ring(a, x, w, cfg, counters)
+    mr.mlp_ring(a, x, layers[3]["w_o"], layers[3]["gate_up"], layers[3]["down"], *layers[3]["lns"], EPS, cfg,
+                counters, _trace=trace)
+    torch.cuda.synchronize()
+    t = trace[:, :len(TRACE_POINTS)].double()
+    t0 = t[:, 0].min()
+    parts = []
+    for i, name in enumerate(TRACE_POINTS):
+        col = t[:, i][t[:, i] >= 0]
+        if col.numel():
+            us = (col - t0) / 1e3
+            parts.append(f"{name} {us.median().item():.2f}/{us.max().item():.2f}")
+    return "us from first start (median/max over programs): " + ", ".join(parts)
 
 
 def block(a, x, layer, cfg, counters, staged=False, only=None):
@@ -141,6 +166,13 @@ def measure(m: int, layers: list, ceiling: float, paths: tuple[str, ...] = ("fiv
         rows.append(dict(m=m, path=f"ring:{label}", us_per_layer=us, stage_us="",
                          bitwise_staged=f"repeat bitwise {all(torch.equal(o, b) for o, b in zip(got, again))}",
                          max_abs_diff=max((o.float() - b.float()).abs().max().item() for o, b in zip(got, base))))
+        if label == "s8x4":
+            print(f"M={m} {label}: " + trace_summary(a, x, layers, cfg, counters), flush=True)
+        if label == "s8x4":      # where the ring's time goes: without barriers and norms, without MMAs, neither
+            for diag, what in ((1, "no_sync"), (2, "no_mma"), (3, "stream_only")):
+                us = graph_ms_per_call([lambda w=w: ring(a, x, w, cfg, counters, diag) for w in layers]) * 1e3
+                rows.append(dict(m=m, path=f"ring:{label}:{what}", us_per_layer=us, stage_us="",
+                                 bitwise_staged="timing only", max_abs_diff=float("nan")))
     for label, cfg in (VARIANTS.items() if "block" in paths else ()):
         counters = mb.new_counters("cuda")      # one grid a counters tensor (mb.claim_counters)
         try:
