@@ -169,23 +169,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, eps: float, *,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sandwich-norm residual step and the next pre-norm in one pass.
 
     x_new = x + RMSNorm(y; w1); h = RMSNorm(x_new; w2). x: [N, hidden]; w1, w2: [hidden] (read before the PDL
     wait, as rms_norm's weight); y: [N, hidden],
     or fp32 split-K partials [S, N, hidden] of the projection that made it (kernels/gemm.py), which are
     summed in order s = 0, 1, ... and rounded to x.dtype first, as ``gemm.reduce_partials`` does.
-    num_warps: the kernel's warps (default :data:`NORM_WARPS`), which set the order its sums reduce in.
     Returns (x_new, h), both [N, hidden] in x.dtype. Raises ValueError for a y of another shape.
     """
-    return _add_rms_norm(x, y, w1, w2, eps, None, None, num_warps)[:2]
+    return _add_rms_norm(x, y, w1, w2, eps, None, None)[:2]
 
 
 def add_rms_norm_gate(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, eps: float,
-                      gate_w: torch.Tensor, gate_b: torch.Tensor, *, num_warps: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      gate_w: torch.Tensor, gate_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm` for a loop's last layer, with the exit gate on h in the same pass (one launch where
     ``F.linear`` + the slice's cast + ``torch.sigmoid`` took three): hazard = sigmoid(gate_w . h + gate_b), the
     logit rounded to x.dtype first, as ``F.linear``'s output is (BRIEF section 1: the early-exit gate is
@@ -193,7 +191,7 @@ def add_rms_norm_gate(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: to
     both read before the PDL wait. Returns (x_new, h, hazard [N] fp32). The logit's fp32 sum runs in another
     order than cuBLAS's, so hazard agrees with the unfused gate to rounding, not bitwise.
     """
-    return _add_rms_norm(x, y, w1, w2, eps, *check_gate(gate_w, gate_b, w1.shape[0], x.device), num_warps)
+    return _add_rms_norm(x, y, w1, w2, eps, *check_gate(gate_w, gate_b, w1.shape[0], x.device))
 
 
 def check_vectors(device, hidden: int, **vectors: torch.Tensor) -> None:
@@ -216,12 +214,7 @@ def check_gate(gate_w: torch.Tensor, gate_b: torch.Tensor, hidden: int, device) 
     return gate_w.reshape(-1), gate_b
 
 
-# Warps of the add_rms_norm kernel: they set a row's layout, and so the order in which its sums of squares reduce
-# (kernels/mlp_ring.py's norm step matches the kernel at 4).
-NORM_WARPS = 8
-
-
-def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b, num_warps=None):
+def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b):
     """Both entry points: (x_new, h, hazard or None); the gate runs where ``gate_w`` is given."""
     hidden = w1.shape[0]
     _check_rows("x", x, hidden)
@@ -247,7 +240,7 @@ def _add_rms_norm(x, y, w1, w2, eps, gate_w, gate_b, num_warps=None):
                                             x_new.stride(0), h.stride(0), eps,
                                             BLOCK=triton.next_power_of_2(hidden), SPLIT=split,
                                             PDL=pdl.mode(use_pdl, NORM_TRIGGER == "early"),
-                                            GATE=gate, **pdl.launch_options(use_pdl, num_warps=num_warps or NORM_WARPS))
+                                            GATE=gate, **pdl.launch_options(use_pdl, num_warps=8))
     return x_new, h, hazard
 
 

@@ -97,9 +97,6 @@ class RingConfig:
 # (runtime/model.py ``OuroModel.ring_config``), at most MAX_M rows. Empty (off) until it is measured faster in the
 # loop; the throughput probe's ``--mlp-ring`` puts ``RingConfig()`` here.
 CONFIGS: dict[tuple[int, int], RingConfig] = {}
-# The add_rms_norm kernel's warps wherever a layer of this shape can run here, so its norm steps reduce as the ring's
-# do (fused_ops.NORM_WARPS): a batch of more than MAX_M rows gets the bits the ring gives fewer rows.
-NORM_WARPS = 4
 
 
 @gluon.jit
@@ -264,8 +261,8 @@ def _norm_rows(part_ptr, res_ptr, w1_ptr, w2_ptr, x_out_ptr, h_out_ptr, gw_ptr, 
                GATE: gl.constexpr, num_warps: gl.constexpr):
     """N1 / N2: rows p, p + G, ... < M: x_new = res + RMSNorm(sum of partials; w1), h = RMSNorm(x_new; w2), and with
     ``GATE`` the exit gate's hazard on h, rounded as ``fused_ops.norm_pair_store`` rounds (the summed projection
-    rounded to bf16 first). One element a thread a step, as ``fused_ops.add_rms_norm``'s kernel lays a row out at
-    the same warps, so its sums reduce in the same order."""
+    rounded to bf16 first). Its sums reduce in Gluon's order for this layout, not necessarily the add_rms_norm
+    kernel's."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     offs = gl.arange(0, HID, layout=layout)
     dtype: gl.constexpr = x_out_ptr.dtype.element_ty

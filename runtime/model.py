@@ -530,10 +530,7 @@ class OuroModel:
             out = gemm_norm.gemm_add_rms_norm(a, weight, cfg, x, w1, w2, eps, self._norm_counters, gate_wb)
         else:
             y = self._project(a, weight, gemm_rows, True, next_weight)
-            warps = self._norm_warps()
-            kw = {"num_warps": warps} if warps else {}
-            out = (fo.add_rms_norm_gate(x, y, w1, w2, eps, *gate_wb, **kw) if gate
-                   else fo.add_rms_norm(x, y, w1, w2, eps, **kw))
+            out = fo.add_rms_norm_gate(x, y, w1, w2, eps, *gate_wb) if gate else fo.add_rms_norm(x, y, w1, w2, eps)
         return out if gate else (*out, None)
 
     def ring_on(self) -> bool:
@@ -548,19 +545,16 @@ class OuroModel:
         """The RingConfig with which o_proj, its norm step, gate_up + SwiGLU, down and its norm step run as one
         launch (kernels/mlp_ring.py) on attention output ``a`` [N, H D] (a meta tensor will do), or None: the ring
         off (:meth:`ring_on`), rows in fixed-size calls, more than ``mlp_ring.MAX_M`` rows, or an L2 prefetch asked
-        for one of those projections or the next qkv (that kernel has none). One per layer shape, never per M."""
+        for one of those projections or the next qkv (that kernel has none). One per layer shape, never per M. An
+        experiment (kernels/results/README.md, ``mlp_ring``): slower than the five launches it replaces, and its
+        norm steps reduce in another order than fused_ops.add_rms_norm, so a run whose batches cross
+        ``mlp_ring.MAX_M`` rows is not batch invariant with it on."""
         from loopbench.kernels import mlp_ring
         if not self.ring_on() or gemm_rows is not None or a.shape[0] > mlp_ring.MAX_M:
             return None
         if any(self.prefetch_next.get(t) for t in ("o_proj", "gate_up", "down", "qkv")):
             return None
         return mlp_ring.CONFIGS[(self.cfg.hidden_size, self.cfg.intermediate_size)]
-
-    def _norm_warps(self) -> int | None:
-        """The add_rms_norm kernel's warps: the ring's where it is on (so a batch too large for it reduces its
-        norms as the ring does, and a row's bits depend on neither M nor the path), else the kernel's default."""
-        from loopbench.kernels import mlp_ring
-        return mlp_ring.NORM_WARPS if self.ring_on() else None
 
     def norm_gemm_config(self, a: torch.Tensor, weight: torch.Tensor, gemm_rows: int | None = None,
                          next_weight: torch.Tensor | None = None):
