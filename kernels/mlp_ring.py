@@ -22,13 +22,15 @@ One program per SM (all resident for the whole launch), five stages:
 - ``D``: down as ``O`` over act; ``N2``: as ``N1`` into (x2, h2).
 
 Activation tiles (``[BLOCK_M, block_k]``, rows past M read as zero) go through a second, small TMA ring that is
-filled only after the barrier that publishes them. Grid barriers: every thread passes a CTA barrier, then thread 0
-adds one to an arrival counter (release, GPU scope) and later spins until the counter shows every program
-(acquire), and a proxy fence lets the TMA unit see what other programs stored. The int64 counters only grow, by G
+filled only after the barrier that publishes them. Grid barriers: every thread passes a CTA barrier, then thread 32
+(warp 1, not the thread that issues the TMA copies) adds one to an arrival counter (release, GPU scope) and later
+spins until the counter shows every program (acquire), and a proxy fence lets the TMA unit see what other programs
+stored. The int64 counters only grow, by G
 a barrier, so a tensor used only with one grid size needs no reset (kernels/mlp_block.py's ``claim_counters``).
 
-Each output element is one fp32 dot product over its K range in a fixed tile order, so rows are batch invariant.
-Gluon has no interpreter: this is exercised by an sm_90 compile test on the CPU and by GPU runs of the bench.
+Each output element is one fp32 dot product over its K range in a fixed tile order, so rows are batch invariant;
+they are not bitwise the five kernels' (the norm steps' sums reduce in another order; kernels/results/README.md).
+Measured slower than those five launches (kernels/results/README.md, ``mlp_ring``). Gluon has no interpreter: this is exercised by an sm_90 compile test on the CPU and by GPU runs of the bench.
 """
 from __future__ import annotations
 
