@@ -22,15 +22,15 @@ One program per SM (all resident for the whole launch), five stages:
 - ``D``: down as ``O`` over act; ``N2``: as ``N1`` into (x2, h2).
 
 Activation tiles (``[BLOCK_M, block_k]``, rows past M read as zero) go through a second, small TMA ring that is
-filled only after the barrier that publishes them. Grid barriers: every thread passes a CTA barrier, then thread 32
-(warp 1, not the thread that issues the TMA copies) adds one to an arrival counter (release, GPU scope) and later
-spins until the counter shows every program (acquire), and a proxy fence lets the TMA unit see what other programs
-stored. The int64 counters only grow, by G
+filled only after the barrier that publishes them. Grid barriers: every thread passes a CTA barrier, then thread 0
+adds one to an arrival counter (release, GPU scope) and later spins until the counter shows every program
+(acquire), and a proxy fence lets the TMA unit see what other programs stored. The int64 counters only grow, by G
 a barrier, so a tensor used only with one grid size needs no reset (kernels/mlp_block.py's ``claim_counters``).
 
 Each output element is one fp32 dot product over its K range in a fixed tile order, so rows are batch invariant;
 they are not bitwise the five kernels' (the norm steps' sums reduce in another order; kernels/results/README.md).
-Measured slower than those five launches (kernels/results/README.md, ``mlp_ring``). Gluon has no interpreter: this is exercised by an sm_90 compile test on the CPU and by GPU runs of the bench.
+Measured slower than those five launches (kernels/results/README.md, ``mlp_ring``). Gluon has no interpreter: this
+is exercised by an sm_90 compile test on the CPU and by GPU runs of the bench.
 """
 from __future__ import annotations
 
@@ -103,35 +103,26 @@ CONFIGS: dict[tuple[int, int], RingConfig] = {}
 
 @gluon.jit
 def _arrive(cnt_ptr, G):
-    """Every thread passes a CTA barrier (the program's stores come first), then thread 32 (warp 1: not the thread
-    that issues the TMA copies, whose fences could wait for the ring's copies in flight) adds one to the counter
-    (release, GPU scope). Returns, in thread 32, the count :func:`_wait` must see: the next multiple of ``G``."""
+    """Every thread passes a CTA barrier (the program's stores come first), then thread 0 adds one to the counter
+    (release, GPU scope). Returns, in thread 0, the count :func:`_wait` must see: the next multiple of ``G``."""
     return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u64 old; .reg .u32 t; mov.u64 $0, 0; barrier.sync 0; mov.u32 t, %tid.x; "
-        "setp.eq.u32 p, t, 32;\n"
+        "{ .reg .pred p; .reg .u64 old; .reg .u32 t; mov.u64 $0, 0; barrier.sync 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+        "@p fence.proxy.async.global; @p fence.acq_rel.gpu;\n"
         "@p atom.add.release.gpu.u64 old, [$1], 1;\n"
         "@p div.u64 old, old, $2; @p add.u64 old, old, 1; @p mul.lo.u64 $0, old, $2; }",
         "=l,l,l", [cnt_ptr, G.to(gl.int64)], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _wait(cnt_ptr, target, FENCE: gl.constexpr = True):
-    """Thread 32 spins until the counter reaches ``target`` (acquire); then every thread passes a CTA barrier and,
-    with ``FENCE``, a proxy fence, so later TMA copies see what the counted programs stored before they arrived."""
-    if FENCE:
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .u64 v; .reg .u32 t; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 32;\n"
-            "@!p bra DONE;\n"
-            "SPIN: ld.acquire.gpu.u64 v, [$1]; setp.lt.u64 q, v, $2; @q bra SPIN;\n"
-            "DONE: barrier.sync 0; fence.proxy.async.global; }",
-            "=r,l,l", [cnt_ptr, target], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .u64 v; .reg .u32 t; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 32;\n"
-            "@!p bra DONE;\n"
-            "SPIN: ld.acquire.gpu.u64 v, [$1]; setp.lt.u64 q, v, $2; @q bra SPIN;\n"
-            "DONE: barrier.sync 0; }",
-            "=r,l,l", [cnt_ptr, target], dtype=gl.int32, is_pure=False, pack=1)
+def _wait(cnt_ptr, target):
+    """Thread 0 spins until the counter reaches ``target`` (acquire); then every thread passes a CTA barrier and a
+    proxy fence, so later TMA copies see what the counted programs stored before they arrived."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p, q; .reg .u64 v; .reg .u32 t; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+        "@!p bra DONE;\n"
+        "SPIN: ld.acquire.gpu.u64 v, [$1]; setp.lt.u64 q, v, $2; @q bra SPIN;\n"
+        "DONE: barrier.sync 0; fence.proxy.async.global; }",
+        "=r,l,l", [cnt_ptr, target], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -342,19 +333,19 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
                          HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, O_SPLIT, STAGES, XS, DIAG, num_warps)
     _stamp(trace_ptr, p, 2, TRACE)
     if DIAG & 1 == 0:
-        _wait(cnt_ptr, _arrive(cnt_ptr, G), DIAG & 4 == 0)
+        _wait(cnt_ptr, _arrive(cnt_ptr, G))
         _stamp(trace_ptr, p, 3, TRACE)
         _norm_rows(part_o, x_ptr, ln_in2, ln_post, x1_ptr, h1_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G, stride_pm,
                    stride_ps, stride_x, stride_x, eps, HID, O_SPLIT, False, num_warps)
         _stamp(trace_ptr, p, 4, TRACE)
-        _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G), DIAG & 4 == 0)
+        _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G))
     _stamp(trace_ptr, p, 5, TRACE)
     c, xi = _glu_stage(h1_desc, act_ptr, M, p, G, lo_u, hi_u, c, xi, stride_a,
                        wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD,
                        HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, STAGES, XS, DIAG, num_warps)
     _stamp(trace_ptr, p, 6, TRACE)
     if DIAG & 1 == 0:
-        _wait(cnt_ptr + 2, _arrive(cnt_ptr + 2, G), DIAG & 4 == 0)
+        _wait(cnt_ptr + 2, _arrive(cnt_ptr + 2, G))
     _stamp(trace_ptr, p, 7, TRACE)
     if PDL != 0:
         _gdc_launch_dependents()       # every program has arrived, so every one is resident
@@ -365,7 +356,7 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
     if DIAG & 1 == 0:
         target = _arrive(cnt_ptr + 3, G)
     if p < M and DIAG & 1 == 0:
-        _wait(cnt_ptr + 3, target, DIAG & 4 == 0)
+        _wait(cnt_ptr + 3, target)
         _stamp(trace_ptr, p, 9, TRACE)
         _norm_rows(part_d, x1_ptr, ln_post2, ln_next, x2_ptr, h2_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G,
                    stride_pm, stride_ps, stride_x, stride_x, eps, HID, D_SPLIT, GATE, num_warps)
@@ -411,8 +402,7 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
         weights. eps: the norms' epsilon. config: :class:`RingConfig`. counters: :func:`new_counters`, used only
         with this device's grid (one program an SM). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``):
         also return the hazard of h2 (``fused_ops.add_rms_norm_gate``). _diag: timing diagnostics only (wrong
-        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``); 4
-        leaves out the proxy fence after each barrier (a candidate: its results are checked by the bench).
+        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``).
         _trace: int64 ``[G, 16]``: each program's %globaltimer (ns) at its stage points (timing diagnostics).
 
     Returns:
