@@ -667,3 +667,77 @@ def test_norm_gemm_config_falls_back_wherever_the_fused_launch_cannot_run(tiny_c
     chosen["config"] = split
     monkeypatch.setattr(gn, "fits", lambda device, c, n: False)                    # more programs than SMs
     assert model.norm_gemm_config(rows(1), weight) is None
+
+
+def test_ring_config_runs_the_persistent_half_only_where_it_can(tiny_ckpt, monkeypatch):
+    """OuroModel.ring_config, which the fused loop and the settings' ``mlp_ring`` ask: kernels/mlp_ring.py's
+    configuration for this layer shape only with its table holding that shape (empty by default), our small-M GEMM
+    on, bf16 weights, rows in one call, at most mlp_ring.MAX_M rows and no L2 prefetch of a projection it runs or of
+    the next qkv; else None. The runner then keeps prefill loops off a second stream."""
+    from loopbench.kernels import mlp_ring as mr
+    from loopbench.runtime.runner import Runner
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    hd = cfg.num_attention_heads * cfg.head_dim
+
+    def rows(n):
+        return torch.empty(n, hd, dtype=torch.bfloat16, device="meta")
+
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    assert mr.CONFIGS == {} and model.ring_config(rows(1)) is None and not model.ring_on()    # off by default
+    ring = mr.RingConfig()
+    monkeypatch.setitem(mr.CONFIGS, (cfg.hidden_size, cfg.intermediate_size), ring)
+    assert model.ring_on() and model.settings()["mlp_ring"] is True
+    assert model.ring_config(rows(mr.MAX_M)) is ring
+    assert model.ring_config(rows(mr.MAX_M + 1)) is None                          # too many rows
+    assert model.ring_config(rows(1), gemm_rows=16) is None                       # rows in fixed-size calls
+    for target in ("o_proj", "gate_up", "down", "qkv"):
+        monkeypatch.setattr(model, "prefetch_next", {target: 0.5})
+        assert model.ring_config(rows(1)) is None, target                         # an L2 prefetch asked for
+    monkeypatch.setattr(model, "prefetch_next", {})
+    monkeypatch.setattr(model, "small_m_gemm", False)
+    assert model.ring_config(rows(1)) is None and not model.ring_on()             # cuBLAS: no ring
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "dtype", torch.float32)
+    assert model.ring_config(rows(1)) is None                                     # bf16 only
+    monkeypatch.setattr(model, "dtype", torch.bfloat16)
+    runner = Runner.__new__(Runner)
+    runner.model, runner._prefill_stream = model, object()
+    assert not runner.prefill_on_own_stream                                       # a persistent launch needs every SM
+    monkeypatch.delitem(mr.CONFIGS, (cfg.hidden_size, cfg.intermediate_size))
+    assert runner.prefill_on_own_stream
+
+
+def test_the_fused_loop_hands_the_ring_each_layers_half_in_order(tiny_ckpt, monkeypatch):
+    """Where ring_config gives a configuration, every layer's o_proj .. norm step goes to kernels/mlp_ring.py in one
+    call, with that layer's weights and norms, the next layer's input norm (the final norm after the last layer) and
+    the exit gate on the last layer only. A stand-in for the Gluon kernel (no interpreter) runs the loop's own
+    unfused steps, so the loop's output and hazard are bitwise those of the loop without the ring."""
+    from loopbench.kernels import fused_ops as fo
+    from loopbench.kernels import mlp_ring as mr
+    from loopbench.runtime.model import linear
+    cfg, tensors = tiny_ckpt
+    model = OuroModel.from_tensors(cfg, tensors, dtype=torch.bfloat16, fused=True)
+    monkeypatch.setattr(model, "small_m_gemm", True)
+    monkeypatch.setattr(model, "_fused_config", lambda configs, faster, w, x, rows: None)   # unfused projections
+    calls = []
+
+    def stand_in(a, x, w_o, gate_up, down, ln_in2, ln_post, ln_post2, ln_next, eps, config, counters, gate=None):
+        calls.append((w_o, ln_next, gate))
+        x1, h1 = fo.add_rms_norm(x, linear(a, w_o, None), ln_in2, ln_post, eps)
+        y = linear(fo.silu_mul(linear(h1, gate_up, None)), down, None)
+        return fo.add_rms_norm(x1, y, ln_post2, ln_next, eps) if gate is None else \
+            fo.add_rms_norm_gate(x1, y, ln_post2, ln_next, eps, *gate)
+    monkeypatch.setattr(mr, "mlp_ring", stand_in)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    pos = torch.arange(3, dtype=torch.int32)
+    want = model.run_loop(x, pos, lambda i, q, k, v: q)
+    assert calls == []
+    monkeypatch.setitem(mr.CONFIGS, (cfg.hidden_size, cfg.intermediate_size), mr.RingConfig())
+    got = model.run_loop(x, pos, lambda i, q, k, v: q)
+    assert [c[0] is w.o for c, w in zip(calls, model.layers)] == [True] * cfg.num_hidden_layers
+    nexts = [w.ln_in for w in model.layers[1:]] + [model.norm]
+    assert all(c[1] is n for c, n in zip(calls, nexts)) and len(calls) == cfg.num_hidden_layers
+    assert [c[2] is not None for c in calls] == [False] * (cfg.num_hidden_layers - 1) + [True]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
