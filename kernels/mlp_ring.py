@@ -102,11 +102,22 @@ CONFIGS: dict[tuple[int, int], RingConfig] = {}
 
 
 @gluon.jit
-def _arrive(cnt_ptr, G):
-    """Every thread passes a CTA barrier (the program's stores come first), then thread 0 adds one to the counter
-    (release, GPU scope). Returns, in thread 0, the count :func:`_wait` must see: the next multiple of ``G``."""
+def _arrive(cnt_ptr, G, LEAN: gl.constexpr = False):
+    """Every thread passes a CTA barrier (the program's stores come first), then one thread adds one to the counter
+    (release, GPU scope) and returns, in that thread, the count :func:`_wait` must see: the next multiple of ``G``.
+    As measured: thread 0 (the thread that issues the TMA copies), after a proxy fence and an acq_rel fence.
+    ``LEAN`` (a timing switch, ``_diag`` 4, never run on a GPU yet): thread 32 (warp 1), no fences, in case those
+    wait for the ring's copies in flight."""
+    if LEAN:
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u64 old; .reg .u32 t; mov.u64 $0, 0; barrier.sync 0; mov.u32 t, %tid.x; "
+            "setp.eq.u32 p, t, 32;\n"
+            "@p atom.add.release.gpu.u64 old, [$1], 1;\n"
+            "@p div.u64 old, old, $2; @p add.u64 old, old, 1; @p mul.lo.u64 $0, old, $2; }",
+            "=l,l,l", [cnt_ptr, G.to(gl.int64)], dtype=gl.int64, is_pure=False, pack=1)
     return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u64 old; .reg .u32 t; mov.u64 $0, 0; barrier.sync 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+        "{ .reg .pred p; .reg .u64 old; .reg .u32 t; mov.u64 $0, 0; barrier.sync 0; mov.u32 t, %tid.x; "
+        "setp.eq.u32 p, t, 0;\n"
         "@p fence.proxy.async.global; @p fence.acq_rel.gpu;\n"
         "@p atom.add.release.gpu.u64 old, [$1], 1;\n"
         "@p div.u64 old, old, $2; @p add.u64 old, old, 1; @p mul.lo.u64 $0, old, $2; }",
@@ -114,15 +125,24 @@ def _arrive(cnt_ptr, G):
 
 
 @gluon.jit
-def _wait(cnt_ptr, target):
-    """Thread 0 spins until the counter reaches ``target`` (acquire); then every thread passes a CTA barrier and a
-    proxy fence, so later TMA copies see what the counted programs stored before they arrived."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p, q; .reg .u64 v; .reg .u32 t; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
-        "@!p bra DONE;\n"
-        "SPIN: ld.acquire.gpu.u64 v, [$1]; setp.lt.u64 q, v, $2; @q bra SPIN;\n"
-        "DONE: barrier.sync 0; fence.proxy.async.global; }",
-        "=r,l,l", [cnt_ptr, target], dtype=gl.int32, is_pure=False, pack=1)
+def _wait(cnt_ptr, target, LEAN: gl.constexpr = False):
+    """The thread that arrived spins until the counter reaches ``target`` (acquire); then every thread passes a CTA
+    barrier and a proxy fence, so later TMA copies see what the counted programs stored before they arrived
+    (``LEAN``: thread 32, as :func:`_arrive`)."""
+    if LEAN:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .u64 v; .reg .u32 t; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 32;\n"
+            "@!p bra DONE;\n"
+            "SPIN: ld.acquire.gpu.u64 v, [$1]; setp.lt.u64 q, v, $2; @q bra SPIN;\n"
+            "DONE: barrier.sync 0; fence.proxy.async.global; }",
+            "=r,l,l", [cnt_ptr, target], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .u64 v; .reg .u32 t; mov.u32 $0, 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+            "@!p bra DONE;\n"
+            "SPIN: ld.acquire.gpu.u64 v, [$1]; setp.lt.u64 q, v, $2; @q bra SPIN;\n"
+            "DONE: barrier.sync 0; fence.proxy.async.global; }",
+            "=r,l,l", [cnt_ptr, target], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -333,19 +353,19 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
                          HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, O_SPLIT, STAGES, XS, DIAG, num_warps)
     _stamp(trace_ptr, p, 2, TRACE)
     if DIAG & 1 == 0:
-        _wait(cnt_ptr, _arrive(cnt_ptr, G))
+        _wait(cnt_ptr, _arrive(cnt_ptr, G, DIAG & 4 != 0), DIAG & 4 != 0)
         _stamp(trace_ptr, p, 3, TRACE)
         _norm_rows(part_o, x_ptr, ln_in2, ln_post, x1_ptr, h1_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G, stride_pm,
                    stride_ps, stride_x, stride_x, eps, HID, O_SPLIT, False, num_warps)
         _stamp(trace_ptr, p, 4, TRACE)
-        _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G))
+        _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G, DIAG & 4 != 0), DIAG & 4 != 0)
     _stamp(trace_ptr, p, 5, TRACE)
     c, xi = _glu_stage(h1_desc, act_ptr, M, p, G, lo_u, hi_u, c, xi, stride_a,
                        wo_desc, wgu_desc, wd_desc, w_smem, w_bar, x_smem, x_bar, nO, nU, nD,
                        HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, STAGES, XS, DIAG, num_warps)
     _stamp(trace_ptr, p, 6, TRACE)
     if DIAG & 1 == 0:
-        _wait(cnt_ptr + 2, _arrive(cnt_ptr + 2, G))
+        _wait(cnt_ptr + 2, _arrive(cnt_ptr + 2, G, DIAG & 4 != 0), DIAG & 4 != 0)
     _stamp(trace_ptr, p, 7, TRACE)
     if PDL != 0:
         _gdc_launch_dependents()       # every program has arrived, so every one is resident
@@ -354,9 +374,9 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
                          HID, I, BN, BK, BLOCK_M, O_SPLIT, D_SPLIT, D_SPLIT, STAGES, XS, DIAG, num_warps)
     _stamp(trace_ptr, p, 8, TRACE)
     if DIAG & 1 == 0:
-        target = _arrive(cnt_ptr + 3, G)
+        target = _arrive(cnt_ptr + 3, G, DIAG & 4 != 0)
     if p < M and DIAG & 1 == 0:
-        _wait(cnt_ptr + 3, target)
+        _wait(cnt_ptr + 3, target, DIAG & 4 != 0)
         _stamp(trace_ptr, p, 9, TRACE)
         _norm_rows(part_d, x1_ptr, ln_post2, ln_next, x2_ptr, h2_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G,
                    stride_pm, stride_ps, stride_x, stride_x, eps, HID, D_SPLIT, GATE, num_warps)
@@ -402,7 +422,8 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
         weights. eps: the norms' epsilon. config: :class:`RingConfig`. counters: :func:`new_counters`, used only
         with this device's grid (one program an SM). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``):
         also return the hazard of h2 (``fused_ops.add_rms_norm_gate``). _diag: timing diagnostics only (wrong
-        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``).
+        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``); 4
+        runs the barriers lean (:func:`_arrive`; not yet run on a GPU: the bench checks its bits).
         _trace: int64 ``[G, 16]``: each program's %globaltimer (ns) at its stage points (timing diagnostics).
 
     Returns:
@@ -450,9 +471,10 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
     return (x2, h2) if gate is None else (x2, h2, hazard)
 
 
-def compile_sm90(config: RingConfig, block_m: int, use_pdl: bool = True, gate: bool = True):
+def compile_sm90(config: RingConfig, block_m: int, use_pdl: bool = True, gate: bool = True, diag: int = 0):
     """The kernel :func:`mlp_ring` would launch for the Ouro layer (hidden 2048, intermediate 5632) at ``block_m``
-    rows, compiled for sm_90 with Triton's own ptxas on any machine (no GPU needed): Triton's compiled kernel."""
+    rows (``diag``: its ``_diag`` timing switches), compiled for sm_90 with Triton's own ptxas on any machine (no GPU
+    needed): Triton's compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     c = config
@@ -466,7 +488,7 @@ def compile_sm90(config: RingConfig, block_m: int, use_pdl: bool = True, gate: b
                      stride_ps="i32", stride_x="i32", stride_a="i32")
     constexprs = dict(HID=2048, I=5632, BN=c.block_n, BK=c.block_k, BLOCK_M=block_m, O_SPLIT=c.o_split,
                       D_SPLIT=c.d_split, STAGES=c.stages_for(block_m), XS=c.x_stages, PDL=pdl.mode(use_pdl),
-                      GATE=gate, num_warps=c.num_warps, DIAG=0, TRACE=False)
+                      GATE=gate, num_warps=c.num_warps, DIAG=diag, TRACE=False)
     signature.update({k: "constexpr" for k in constexprs})
     order = list(_mlp_ring_kernel.arg_names)
     signature = {k: signature[k] for k in order}

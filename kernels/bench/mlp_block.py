@@ -169,6 +169,11 @@ def measure(m: int, layers: list, ceiling: float, paths: tuple[str, ...] = ("fiv
         if label == "s8x4":
             print(f"M={m} {label}: " + trace_summary(a, x, layers, cfg, counters), flush=True)
         if label == "s8x4":      # where the ring's time goes: without barriers and norms, without MMAs, neither
+            lean = ring(a, x, layers[0], cfg, counters, 4)
+            us = graph_ms_per_call([lambda w=w: ring(a, x, w, cfg, counters, 4) for w in layers]) * 1e3
+            rows.append(dict(m=m, path=f"ring:{label}:lean_barriers", us_per_layer=us, stage_us="",
+                             bitwise_staged=f"bitwise the measured barriers' {all(torch.equal(o, b) for o, b in zip(lean, got))}",
+                             max_abs_diff=max((o.float() - b.float()).abs().max().item() for o, b in zip(lean, base))))
             for diag, what in ((1, "no_sync"), (2, "no_mma"), (3, "stream_only")):
                 us = graph_ms_per_call([lambda w=w: ring(a, x, w, cfg, counters, diag) for w in layers]) * 1e3
                 rows.append(dict(m=m, path=f"ring:{label}:{what}", us_per_layer=us, stage_us="",

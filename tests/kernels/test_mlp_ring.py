@@ -27,7 +27,7 @@ H, I = 2048, 5632
 def test_compiles_for_sm90_and_fits_shared_memory():
     """Compiled in a child without TRITON_INTERPRET (the suite sets it, and Gluon's reductions are jit functions that
     the interpreter would take over): at every row bucket the program fits an SM, holds its whole pipeline, and
-    has the four grid barriers and the PDL wait."""
+    has the four grid barriers and the PDL wait; the lean barriers (``_diag`` 4) compile too."""
     pytest.importorskip("triton.experimental.gluon")
     code = textwrap.dedent("""
         import json
@@ -37,6 +37,8 @@ def test_compiles_for_sm90_and_fits_shared_memory():
             k = mr.compile_sm90(mr.RingConfig(), bm)
             ptx = k.asm["ptx"]
             out[bm] = [k.metadata.shared, ptx.count("atom.add.release.gpu.u64"), ptx.count("griddepcontrol.wait")]
+        lean = mr.compile_sm90(mr.RingConfig(), 16, diag=4).asm["ptx"]
+        out["lean"] = [lean.count("setp.eq.u32 p, t, 32"), lean.count("fence.acq_rel.gpu")]
         print(json.dumps(out))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -49,6 +51,7 @@ def test_compiles_for_sm90_and_fits_shared_memory():
         shared, barriers, waits = got[str(bm)]
         assert cfg.smem_bytes(bm, cfg.stages_for(bm)) <= shared <= wg.SHARED_LIMIT, (bm, shared)
         assert barriers == mr.BARRIERS and waits >= 1, (bm, barriers, waits)
+    assert got["lean"] == [2 * mr.BARRIERS, 0], got["lean"]        # _diag 4: thread 32 arrives and spins, no fences
 
 
 def test_bad_configurations_are_named():
