@@ -72,25 +72,24 @@ def _layers(copies: int):
                  lns=[1 + r(HIDDEN, scale=0.1) for _ in range(4)]) for _ in range(copies)]
 
 
-def five(a, x, layer):
-    """The fused loop's five launches for this half of a layer: (x2, h2)."""
-    o = gm.gemm(a, layer["w_o"], gm.CONFIGS[(HIDDEN, HIDDEN)])
+def _half(a, x, layer, project):
+    """This half of a layer as the fused loop launches it, o_proj and down by ``project(rows, weight)`` (split-K
+    partials), the norms and gate_up + SwiGLU as configured: (x2, h2)."""
     ln_in2, ln_post, ln_post2, ln_next = layer["lns"]
-    x1, h1 = fo.add_rms_norm(x, o, ln_in2, ln_post, EPS)
+    x1, h1 = fo.add_rms_norm(x, project(a, layer["w_o"]), ln_in2, ln_post, EPS)
     act = gm.gemm_swiglu(h1, layer["gate_up"], gm.SWIGLU_CONFIGS[(2 * INTER, HIDDEN)])
-    d = gm.gemm(act, layer["down"], gm.CONFIGS[(HIDDEN, INTER)])
-    return fo.add_rms_norm(x1, d, ln_post2, ln_next, EPS)
+    return fo.add_rms_norm(x1, project(act, layer["down"]), ln_post2, ln_next, EPS)
+
+
+def five(a, x, layer):
+    """The fused loop's five launches for this half of a layer, o_proj and down on kernels/gemm.py: (x2, h2)."""
+    return _half(a, x, layer, lambda t, w: gm.gemm(t, w, gm.CONFIGS[tuple(w.shape)]))
 
 
 def now(a, x, layer):
     """The decode loop's path as configured today: o_proj and down on kernels/wgmma_gemm.py (split-K partials,
     releasing early), gate_up + SwiGLU on gemm.gemm_swiglu: (x2, h2)."""
-    o = wg.gemm(a, layer["w_o"], wg.CONFIGS[(HIDDEN, HIDDEN)])
-    ln_in2, ln_post, ln_post2, ln_next = layer["lns"]
-    x1, h1 = fo.add_rms_norm(x, o, ln_in2, ln_post, EPS)
-    act = gm.gemm_swiglu(h1, layer["gate_up"], gm.SWIGLU_CONFIGS[(2 * INTER, HIDDEN)])
-    d = wg.gemm(act, layer["down"], wg.CONFIGS[(HIDDEN, INTER)])
-    return fo.add_rms_norm(x1, d, ln_post2, ln_next, EPS)
+    return _half(a, x, layer, lambda t, w: wg.gemm(t, w, wg.CONFIGS[tuple(w.shape)]))
 
 
 def ring(a, x, layer, cfg, counters, diag=0):
