@@ -355,8 +355,9 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
     if DIAG & 1 == 0:
         _wait(cnt_ptr, _arrive(cnt_ptr, G, DIAG & 4 != 0), DIAG & 4 != 0)
         _stamp(trace_ptr, p, 3, TRACE)
-        _norm_rows(part_o, x_ptr, ln_in2, ln_post, x1_ptr, h1_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G, stride_pm,
-                   stride_ps, stride_x, stride_x, eps, HID, O_SPLIT, False, num_warps)
+        if DIAG & 8 == 0:
+            _norm_rows(part_o, x_ptr, ln_in2, ln_post, x1_ptr, h1_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G, stride_pm,
+                       stride_ps, stride_x, stride_x, eps, HID, O_SPLIT, False, num_warps)
         _stamp(trace_ptr, p, 4, TRACE)
         _wait(cnt_ptr + 1, _arrive(cnt_ptr + 1, G, DIAG & 4 != 0), DIAG & 4 != 0)
     _stamp(trace_ptr, p, 5, TRACE)
@@ -378,8 +379,9 @@ def _mlp_ring_kernel(wo_desc, wgu_desc, wd_desc, a_desc, h1_desc, act_desc,
     if p < M and DIAG & 1 == 0:
         _wait(cnt_ptr + 3, target, DIAG & 4 != 0)
         _stamp(trace_ptr, p, 9, TRACE)
-        _norm_rows(part_d, x1_ptr, ln_post2, ln_next, x2_ptr, h2_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G,
-                   stride_pm, stride_ps, stride_x, stride_x, eps, HID, D_SPLIT, GATE, num_warps)
+        if DIAG & 8 == 0:
+            _norm_rows(part_d, x1_ptr, ln_post2, ln_next, x2_ptr, h2_ptr, gw_ptr, gb_ptr, hazard_ptr, M, p, G,
+                       stride_pm, stride_ps, stride_x, stride_x, eps, HID, D_SPLIT, GATE, num_warps)
     _stamp(trace_ptr, p, 10, TRACE)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(w_bar.index(s))
@@ -422,8 +424,9 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
         weights. eps: the norms' epsilon. config: :class:`RingConfig`. counters: :func:`new_counters`, used only
         with this device's grid (one program an SM). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``):
         also return the hazard of h2 (``fused_ops.add_rms_norm_gate``). _diag: timing diagnostics only (wrong
-        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``); 4
-        runs the barriers lean (:func:`_arrive`; not yet run on a GPU: the bench checks its bits).
+        results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``), 8
+        the norm steps only (the barriers stay); 4 runs the barriers lean (:func:`_arrive`; not yet run on a GPU:
+        the bench checks its bits).
         _trace: int64 ``[G, 16]``: each program's %globaltimer (ns) at its stage points (timing diagnostics).
 
     Returns:

@@ -101,14 +101,15 @@ TRACE_POINTS = ("start", "pdl_wait", "O_done", "bar0", "N1_done", "bar1", "U_don
                 "end")
 
 
-def trace_summary(a, x, layers, cfg, counters) -> str:
-    """One traced launch after a chain of untraced ones (layers 0-2 then layer 3 traced, eagerly): per stage point the
-    median and max over programs of its %globaltimer minus the earliest start, in us (points a program skips: none)."""
+def trace_summary(a, x, layers, cfg, counters, diag=0) -> str:
+    """One traced launch after a chain of untraced ones (layers 0-2 then layer 3 traced, eagerly; ``diag``: the ring's
+    timing switches for all four): per stage point the median and max over programs of its %globaltimer minus the
+    earliest start, in us (points a program skips: none)."""
     trace = torch.full((gm.sm_count("cuda"), 16), -1, dtype=torch.int64, device="cuda")
     for w in layers[:3]:
-        ring(a, x, w, cfg, counters)
+        ring(a, x, w, cfg, counters, diag)
     mr.mlp_ring(a, x, layers[3]["w_o"], layers[3]["gate_up"], layers[3]["down"], *layers[3]["lns"], EPS, cfg,
-                counters, _trace=trace)
+                counters, _diag=diag, _trace=trace)
     torch.cuda.synchronize()
     t = trace[:, :len(TRACE_POINTS)].double()
     t0 = t[:, 0].min()
@@ -165,15 +166,17 @@ def measure(m: int, layers: list, ceiling: float, paths: tuple[str, ...] = ("fiv
         rows.append(dict(m=m, path=f"ring:{label}", us_per_layer=us, stage_us="",
                          bitwise_staged=f"repeat bitwise {all(torch.equal(o, b) for o, b in zip(got, again))}",
                          max_abs_diff=max((o.float() - b.float()).abs().max().item() for o, b in zip(got, base))))
-        if label == "s8x4":
+        if label == "s8x4":      # where the ring's time goes: the stage trace, lean barriers, without barriers and
+            # norms, without the norms alone (barriers kept), without MMAs, neither
             print(f"M={m} {label}: " + trace_summary(a, x, layers, cfg, counters), flush=True)
-        if label == "s8x4":      # where the ring's time goes: without barriers and norms, without MMAs, neither
+            print(f"M={m} {label} lean barriers: " + trace_summary(a, x, layers, cfg, counters, 4), flush=True)
             lean = ring(a, x, layers[0], cfg, counters, 4)
             us = graph_ms_per_call([lambda w=w: ring(a, x, w, cfg, counters, 4) for w in layers]) * 1e3
             rows.append(dict(m=m, path=f"ring:{label}:lean_barriers", us_per_layer=us, stage_us="",
                              bitwise_staged=f"bitwise the measured barriers' {all(torch.equal(o, b) for o, b in zip(lean, got))}",
                              max_abs_diff=max((o.float() - b.float()).abs().max().item() for o, b in zip(lean, base))))
-            for diag, what in ((1, "no_sync"), (2, "no_mma"), (3, "stream_only")):
+            for diag, what in ((1, "no_sync"), (8, "barriers_no_norms"), (12, "lean_barriers_no_norms"),
+                               (2, "no_mma"), (3, "stream_only")):
                 us = graph_ms_per_call([lambda w=w: ring(a, x, w, cfg, counters, diag) for w in layers]) * 1e3
                 rows.append(dict(m=m, path=f"ring:{label}:{what}", us_per_layer=us, stage_us="",
                                  bitwise_staged="timing only", max_abs_diff=float("nan")))
