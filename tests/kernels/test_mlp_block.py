@@ -13,7 +13,7 @@ import torch
 from loopbench.kernels import fused_ops as fo
 from loopbench.kernels import gemm as gm
 from loopbench.kernels import mlp_block as mb
-from tests.kernels.child import run_in_child
+from tests.kernels.child import first_half_launch_counts
 from tests.kernels.test_gemm_norm import close_ulps
 
 SMALL = mb.MlpBlockConfig(o_bn=16, o_split=2, u_bn=16, d_bn=16, d_split=2, block_k=32, pre_o=64, pre_u=64,
@@ -161,21 +161,7 @@ def test_mlp_block_names_what_it_cannot_run():
 @pytest.mark.gpu
 def test_first_cuda_launch_finishes_in_a_child_process():
     """The barriers, once, where a hang costs a time limit and not the suite."""
-    proc = run_in_child("""
-        import torch
-        from loopbench.kernels import mlp_block as mb
-        torch.manual_seed(0)
-        h, i = 2048, 5632
-        r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16) / 50
-        a, x = r(16, h), r(16, h)
-        ln = torch.ones(h, device="cuda", dtype=torch.bfloat16)
-        c = mb.new_counters("cuda")
-        mb.mlp_block(a, x, r(h, h), r(2 * i, h), r(h, i), ln, ln, ln, ln, 1e-6, mb.CONFIGS[(h, i)], c)
-        torch.cuda.synchronize()
-        print("counters", c.tolist())
-    """)
-    g = torch.cuda.get_device_properties(0).multi_processor_count
-    assert proc.returncode == 0 and f"counters {[g] * mb.BARRIERS}" in proc.stdout, proc.stdout + proc.stderr
+    first_half_launch_counts("mlp_block", "k.CONFIGS[(h, i)]", mb.BARRIERS)
 
 
 @pytest.mark.gpu
