@@ -7,7 +7,7 @@ NEEDS := import torch, triton, hydra, omegaconf, submitit, pandas, pyarrow, scip
 PYTHON := $(shell if $(PY) -c "$(NEEDS)" >/dev/null 2>&1; then echo $(PY); else echo $(VENV)/bin/python; fi)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: setup test test-gpu bench plan audit finish clean
+.PHONY: setup test test-slow test-gpu bench plan audit finish clean
 
 setup:
 ifeq ($(PYTHON),$(VENV)/bin/python)
@@ -22,9 +22,14 @@ else
 	@echo "using $(PYTHON): packages already importable, installing nothing"
 endif
 
+# `make test` leaves out the `slow`-marked tests (each more than about 10 s on 2 cores: whole bundles, SLURM jobs,
+# engines under the Triton interpreter); `make test-slow` runs only those; CI (.ci/run) runs both.
 # pytest exits 5 when it collects no tests; that is not a failure here.
 test: setup
-	@$(PYTHON) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	@$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+test-slow: setup
+	@$(PYTHON) -m pytest -q -m slow $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 test-gpu: setup
 	@$(PYTHON) -m pytest -q -m gpu $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc

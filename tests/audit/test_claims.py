@@ -6,6 +6,8 @@ import pytest
 from loopbench.harness import evidence
 from tests.audit.tamper import edit_json, edit_report, every_leaf_named, failed, rewrite_manifest
 
+pytestmark = pytest.mark.slow      # about 45 s on 2 cores
+
 
 def test_every_summary_field_is_rederived(bundle):
     """Each leaf of summary.json changed in turn (manifest rewritten): the auditor names its path."""

@@ -16,6 +16,8 @@ from loopbench.audit.auditor import audit
 from loopbench.harness import evidence
 from tests.audit.tamper import REPO, edit_json, edit_report, every_leaf_named, failed, rewrite_manifest
 
+pytestmark = pytest.mark.slow      # its bundles take about 2 min together on 2 cores
+
 
 @pytest.fixture(scope="session")
 def evidence_run(tmp_path_factory):

@@ -16,6 +16,8 @@ from loopbench.audit.context import MAX_PER_KIND
 from loopbench.harness import conf, controller, evidence
 from tests.audit.tamper import edit_json, edit_report, edit_table, failed, leaves, rewrite_manifest, set_leaf, tampered
 
+pytestmark = pytest.mark.slow      # its natural-track bundles take about 20 s on 2 cores
+
 NAT = ["name=nat", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=17", "workload.prompt_lens=null",
        "workload.output_len=6", "pairs=2", "executor.poll_s=0.1"]
 COMP = "native_vs_alias_prefix_natural"

@@ -171,6 +171,7 @@ def test_verdict_reason_is_worded_as_the_bundles_version_wrote_it(n_pairs, versi
         assert stats.verdict(1.05, None, 0.01, n_pairs, 6)[1] == reason
 
 
+@pytest.mark.slow      # 5-20 s a committed bundle
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "results").glob("2026-*")))
 def test_every_committed_bundle_still_audits_pass(name):
     verdict = audit(REPO / "results" / name)

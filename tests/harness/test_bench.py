@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 MINI = ["--config-name", "cpu-smoke", "name=cli", "points=[{max_num_seqs:2,num_requests:2}]", "workload.prompt_len=5",
         "workload.prompt_lens=null", "workload.output_len=2", "pairs=1",
@@ -19,6 +21,7 @@ def bench(tmp_path, *args, flags=()):
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
 
 
+@pytest.mark.slow      # about 18 s on 2 cores (a whole make bench)
 def test_bench_runs_checks_audits_and_prints_the_table(tmp_path):
     proc = bench(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -145,6 +145,7 @@ def two_bundles(tmp_path_factory):
     return proc, work, sorted((tmp / "r").iterdir())
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_multirun_makes_two_audited_bundles_with_progress_and_no_hydra_folders(two_bundles):
     proc, work, bundles = two_bundles
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -157,6 +158,7 @@ def test_multirun_makes_two_audited_bundles_with_progress_and_no_hydra_folders(t
         assert line in proc.stderr, line
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_resuming_a_complete_bundle_is_bad_usage_named_in_one_line(two_bundles, tmp_path, monkeypatch, capsys):
     _, work, (a, _) = two_bundles
     before = sorted((p.relative_to(a), p.stat().st_mtime_ns) for p in a.rglob("*"))
@@ -175,6 +177,7 @@ def test_resuming_a_complete_bundle_is_bad_usage_named_in_one_line(two_bundles, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_plan_estimates_from_the_latest_created_bundle_whatever_the_folder_times(two_bundles, tmp_path, monkeypatch,
                                                                                  capsys):
     """A copy or a checkout reorders folder mtimes; the bundle the estimate comes from follows plan.json."""
@@ -203,6 +206,7 @@ def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_compare_of_two_cpu_bundles_prints_a_table(two_bundles):
     _, work, (a, b) = two_bundles
     proc = loopbench(work, "compare", str(a), str(b))
@@ -221,6 +225,7 @@ def test_compare_of_two_cpu_bundles_prints_a_table(two_bundles):
     assert "2 intervals shown, each a 95% interval on its own with no multiplicity correction" in proc.stdout
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_compare_of_different_workloads_is_not_comparable_and_says_why(two_bundles, tmp_path):
     _, work, (a, b) = two_bundles
     other = tmp_path / b.name
@@ -236,6 +241,7 @@ def test_compare_of_different_workloads_is_not_comparable_and_says_why(two_bundl
     assert "| 2 / 2 |" not in proc.stdout
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_show_a_bundle_and_show_all(two_bundles, tmp_path):
     _, work, (a, b) = two_bundles
     proc = loopbench(work, "show", str(a))
@@ -543,6 +549,7 @@ def test_a_published_bundle_without_its_summary_is_damaged_not_unpublished(tmp_p
                                        f"summary.json; `loopbench audit {bundle}` names what is wrong\n")
 
 
+@pytest.mark.slow      # two_bundles: a sweep of two bundles, about 25 s on 2 cores
 def test_plan_estimates_past_a_damaged_bundle_and_does_not_blame_the_configuration(two_bundles, tmp_path,
                                                                                    monkeypatch, capsys):
     """A damaged bundle created last in results_dir once failed `plan` as "bad configuration: list indices must be

@@ -58,6 +58,7 @@ def test_measurement_order_is_balanced_interleaved_and_seeded(pairs):
     assert order != [o.to_dict() for o in plan_mod.measurement_order(reseeded)] or pairs == 1
 
 
+@pytest.mark.slow      # about 28 s on 2 cores
 def test_plan_is_frozen_with_hashes(tmp_path, cache, monkeypatch):
     # Fix the code identity: in a shared checkout another engineer's edit would (rightly) change the key.
     ident = identity.code_identity()
@@ -81,6 +82,7 @@ def test_plan_is_frozen_with_hashes(tmp_path, cache, monkeypatch):
     assert json.loads((fresh.bundle / "references/B2C3.meta.json").read_text())["reused"] is False
 
 
+@pytest.mark.slow      # about 13 s on 2 cores
 def test_longest_request_that_fits_the_model_runs(tmp_path, cache):
     """P + D - 1 = max_position_embeddings (1024 for the tiny preset) passes validation and measures."""
     result = run(tmp_path, cache, "workload.prompt_len=1022", "pairs=1")

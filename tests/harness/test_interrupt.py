@@ -15,6 +15,8 @@ import pytest
 from loopbench.audit.auditor import audit
 from loopbench.harness import cli, conf, controller, executors, identity, inputs
 
+pytestmark = pytest.mark.slow      # its stopped and resumed runs take about 1 min together on 2 cores
+
 REPO = Path(__file__).resolve().parents[2]
 # 12 arms of a tiny model: long enough that a signal after the second record finds the session measuring
 OVERRIDES = ["name=stop", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_len=9",

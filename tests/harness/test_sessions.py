@@ -54,6 +54,7 @@ def test_detectable_effect_is_planned_with_its_noise_source():
     assert unknown["noise"]["source"] == "unknown" and unknown["mde_relative"] is None
 
 
+@pytest.mark.slow      # about 22 s on 2 cores
 def test_killed_sessions_are_resumed_restart_by_restart_and_audit_pass(tmp_path):
     """sessions=2, pairs=2, one comparison: 4 arms per restart; every session kills itself after 3 arms.
     Run 1: cpu0 killed after seqs 0-2, restart 1 not started. Resume 1: cpu0.r1 measures 2-3 (the lone

@@ -17,6 +17,8 @@ from loopbench.audit.auditor import audit
 from loopbench.harness import conf, controller, slurm
 from tests.audit.tamper import edit_json, failed, rewrite_manifest
 
+pytestmark = pytest.mark.slow      # a SLURM job each, 3-4 min together on 2 cores
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -17,6 +17,8 @@ import pytest
 from loopbench.audit.auditor import audit
 from tests.audit.tamper import REPO, edit_json, failed, rewrite_manifest
 
+pytestmark = pytest.mark.slow      # its two-session bundle takes about 40 s on 2 cores
+
 SMALL = ["pairs=2", "points=[{max_num_seqs:2,num_requests:3}]", "workload.output_len=8", "executor.poll_s=0.1"]
 
 

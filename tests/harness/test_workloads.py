@@ -15,6 +15,8 @@ from loopbench.audit.auditor import audit
 from loopbench.harness import conf, inputs, plan as plan_mod, workloads
 from tests.audit.tamper import REPO, edit_json, failed, raw, rewrite_manifest
 
+pytestmark = pytest.mark.slow      # its bundles take about 35 s on 2 cores
+
 
 def _spec(name="cpu-context", overrides=()):
     return conf.validate(conf.compose(name, list(overrides)))

@@ -169,6 +169,7 @@ LONG_CONTEXTS = [97, 130, 161, 200, 256]
 LATE_BOUNDARIES = [96, 100, 127, 128, 129, 160, 199, 255]
 
 
+@pytest.mark.slow      # about 12 s a case on 2 cores (the interpreter)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("exit_ahead", [True, False])
 def test_long_direct_prefix(device, exit_ahead):
@@ -304,6 +305,7 @@ def test_prefix_tiles_skip_the_exit_map(device, contexts, boundaries, tile_size,
     assert not torch.equal(before, plain), "the tampered exit map should change the per-key reader"
 
 
+@pytest.mark.slow      # about 18 s on 2 cores (the interpreter)
 @pytest.mark.parametrize("device", DEVICES)
 def test_early_kv_changes_no_bit(device):
     # Loading the first K/V tile before the PDL wait (without the key at the row's position, reloaded after it

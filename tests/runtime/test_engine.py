@@ -270,6 +270,7 @@ def test_reset_run_repeats_the_same_workload_identically(model64):
     assert eng.run() == first and eng.trace_sha256 == trace
 
 
+@pytest.mark.slow      # about 100 s a layout on 2 cores (the interpreter)
 @pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
 def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckpt, naive, layout):
     """The GPU path (Triton attention, KV kernels and fused elementwise ops) on the CPU interpreter."""
@@ -283,6 +284,7 @@ def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckp
             reference(naive, r, "ouro_delayed")
 
 
+@pytest.mark.slow      # about 85 s on 2 cores (the interpreter)
 def test_the_exit_rule_kernel_is_each_policys_device_step_in_the_engine(tiny_ckpt, monkeypatch):
     """Runner._exit_rule on the Triton path (kernels/exit_rule.py, the interpreter here) against the policy's torch
     device_step at every decode step of fixed, ouro and a replay of the ouro run (ouro_delayed: the reference test

@@ -267,6 +267,7 @@ def test_poison_kv_marks_never_written_and_freed_cells():
         "a closed slot's table entries must point at the reserved block 0 again"
 
 
+@pytest.mark.slow      # about 56 s on 2 cores with the Triton backend
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_poisoned_engine_with_slot_reuse_matches_reference(model64, model32, naive, backend):
     """Mixed prompt lengths in one batch, slots and blocks reused by later requests: with every free
