@@ -29,8 +29,10 @@ a barrier, so a tensor used only with one grid size needs no reset (kernels/mlp_
 
 Each output element is one fp32 dot product over its K range in a fixed tile order, so rows are batch invariant;
 they are not bitwise the five kernels' (the norm steps' sums reduce in another order; kernels/results/README.md).
-Measured slower than those five launches (kernels/results/README.md, ``mlp_ring``). Gluon has no interpreter: this
-is exercised by an sm_90 compile test on the CPU and by GPU runs of the bench.
+Measured slower than those five launches (kernels/results/README.md, ``mlp_ring``): its weight stream runs at the
+read floor, but its barriers (1.3 us each after the last arrival) and its norm steps (2.3 us chains on M programs)
+sit on the critical path, and gate_up runs on 88 of the SMs. Gluon has no interpreter: this is exercised by an
+sm_90 compile test on the CPU and by GPU runs of the bench and tests.
 """
 from __future__ import annotations
 
@@ -106,8 +108,8 @@ def _arrive(cnt_ptr, G, LEAN: gl.constexpr = False):
     """Every thread passes a CTA barrier (the program's stores come first), then one thread adds one to the counter
     (release, GPU scope) and returns, in that thread, the count :func:`_wait` must see: the next multiple of ``G``.
     As measured: thread 0 (the thread that issues the TMA copies), after a proxy fence and an acq_rel fence.
-    ``LEAN`` (a timing switch, ``_diag`` 4, never run on a GPU yet): thread 32 (warp 1), no fences, in case those
-    wait for the ring's copies in flight."""
+    ``LEAN`` (a timing switch, ``_diag`` 4; on an H100 bitwise the measured barriers and 1.4 us a launch faster, not
+    under the GPU tests): thread 32 (warp 1), no fences."""
     if LEAN:
         return gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .u64 old; .reg .u32 t; mov.u64 $0, 0; barrier.sync 0; mov.u32 t, %tid.x; "
@@ -425,8 +427,8 @@ def mlp_ring(a: torch.Tensor, x: torch.Tensor, w_o: torch.Tensor, gate_up: torch
         with this device's grid (one program an SM). gate: the exit gate's (weight ``[1, hidden]``, bias ``[1]``):
         also return the hazard of h2 (``fused_ops.add_rms_norm_gate``). _diag: timing diagnostics only (wrong
         results): 1 skips the barriers and norm steps, 2 the MMAs (kernels/bench/mlp_block.py's ``ring:diag*``), 8
-        the norm steps only (the barriers stay); 4 runs the barriers lean (:func:`_arrive`; not yet run on a GPU:
-        the bench checks its bits).
+        the norm steps only (the barriers stay); 4 runs the barriers lean (:func:`_arrive`; the bench checks its
+        bits).
         _trace: int64 ``[G, 16]``: each program's %globaltimer (ns) at its stage points (timing diagnostics).
 
     Returns:

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran on 2026-12-07 on an H100 at ff05565 (the bench first, then the tests, with the timeouts 280 and 100 s);
+# results: mlp_ring_lean_h100_ff05565.md, mlp_ring_trace_h100_ff05565.log, ring_gpu_tests_h100_ff05565.log.
 # The next GPU measurement of kernels/mlp_ring.py (kernels/results/README.md, the mlp_ring entry): whether the grid
 # barriers get cheap when the arrival and spin leave the TMA-issuing thread and its fences (``_diag`` 4, "lean";
 # never run on a GPU yet), and where the rest of the 11 us between the ring (42.9 us at M16 on an H100) and its bare
