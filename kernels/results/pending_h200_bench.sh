@@ -9,7 +9,7 @@
 set -uo pipefail
 [[ -n "${OUT:-}" ]] || { echo "usage: OUT=DIR bash kernels/results/pending_h200_bench.sh" >&2; exit 2; }
 nvidia-smi -L
-if ! nvidia-smi -L | grep -q H200; then
+if [[ $(nvidia-smi -L) != *H200* ]]; then
     echo "not an H200: nothing measured"
     exit 0
 fi

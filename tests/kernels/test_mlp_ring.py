@@ -27,7 +27,8 @@ H, I = 2048, 5632
 def test_compiles_for_sm90_and_fits_shared_memory():
     """Compiled in a child without TRITON_INTERPRET (the suite sets it, and Gluon's reductions are jit functions that
     the interpreter would take over): at every row bucket the program fits an SM, holds its whole pipeline, and
-    has the four grid barriers and the PDL wait; the lean barriers (``_diag`` 4) compile too."""
+    has the four grid barriers and the PDL wait; the lean barriers (``_diag`` 4) compile too, and with them the
+    timing form without norm steps (``_diag`` 12)."""
     pytest.importorskip("triton.experimental.gluon")
     code = textwrap.dedent("""
         import json
@@ -39,6 +40,8 @@ def test_compiles_for_sm90_and_fits_shared_memory():
             out[bm] = [k.metadata.shared, ptx.count("atom.add.release.gpu.u64"), ptx.count("griddepcontrol.wait")]
         lean = mr.compile_sm90(mr.RingConfig(), 16, diag=4).asm["ptx"]
         out["lean"] = [lean.count("setp.eq.u32 p, t, 32"), lean.count("fence.acq_rel.gpu")]
+        bare = mr.compile_sm90(mr.RingConfig(), 16, diag=12).asm["ptx"]     # lean barriers without the norm steps
+        out["lean_no_norms"] = [bare.count("setp.eq.u32 p, t, 32"), bare.count("atom.add.release.gpu.u64")]
         print(json.dumps(out))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -52,6 +55,7 @@ def test_compiles_for_sm90_and_fits_shared_memory():
         assert cfg.smem_bytes(bm, cfg.stages_for(bm)) <= shared <= wg.SHARED_LIMIT, (bm, shared)
         assert barriers == mr.BARRIERS and waits >= 1, (bm, barriers, waits)
     assert got["lean"] == [2 * mr.BARRIERS, 0], got["lean"]        # _diag 4: thread 32 arrives and spins, no fences
+    assert got["lean_no_norms"] == [2 * mr.BARRIERS, mr.BARRIERS], got["lean_no_norms"]    # _diag 12 keeps the barriers
 
 
 def test_bad_configurations_are_named():
