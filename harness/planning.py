@@ -4,8 +4,9 @@ nothing created (no bundle, no cache entry, no Hydra folder).
 The estimated duration comes from the wall times of the most recent earlier bundle in ``results_dir`` (by
 its ``plan.json`` ``created_utc``, then folder name; never folder times, which a copy or checkout changes)
 that measured the same thing (``compare.differences``) on the same kind of devices: its reference
-child's wall time, and per point the median of an arm run's warmup + measured seconds plus each
-session's fixed cost (model load, engine builds: its wall time minus those runs). Without such a
+child's wall time, and per point the median of an arm run's warmup + measured seconds plus one
+session's fixed cost (model load, engine builds: the median over its sessions of a session's wall time minus the
+runs it measured, so a resumed bundle counts each session once). Without such a
 bundle the estimate is unknown, and the plan says so rather than guess.
 
 With ``resume=<bundle>`` the plan runs every check the resume would make before changing anything
@@ -99,20 +100,22 @@ def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None
 
 
 def estimate_s(earlier: compare.Bundle, order: list) -> tuple[float, float]:
-    """(reference capture s, one device's sessions s) for ``order`` from ``earlier``'s wall times."""
+    """(reference capture s, one device's sessions s) for ``order`` from ``earlier``'s wall times: each arm run of
+    ``order`` at its point's median warmup + measured seconds in ``earlier``, plus one session's fixed cost (model
+    load, engine builds). That cost is, per session of ``earlier`` whose wall time is known, its wall time less the
+    arm runs it measured (``tables/arms.parquet`` names each run's session), and the median of those: a resumed
+    bundle has several sessions per device, and one whose controller died has lost the first one's wall time."""
     arms = earlier.arms
     run_s = arms["warmup_elapsed_s"].fillna(0) + arms["elapsed_s"]
     per_point = run_s.groupby(arms["point"]).median()
     fallback = float(run_s.median())
     children = earlier.summary["children"]
-    sessions = [c for c in children if c["name"] != "reference" and c.get("wall_s")]
-    fixed = 0.0
-    if sessions:
-        rows = arms[arms["job"] == sessions[0]["name"]]
-        fixed = max(0.0, sum(c["wall_s"] for c in sessions if c["name"] == sessions[0]["name"])
-                    - float((rows["warmup_elapsed_s"].fillna(0) + rows["elapsed_s"]).sum()))
+    measured_in = arms["session"] if "session" in arms else arms["job"]   # bundles before sessions were named
+    fixed = [max(0.0, c["wall_s"] - float(run_s[measured_in == c.get("session", c["name"])].sum()))
+             for c in children if c["name"] != "reference" and c.get("wall_s")]
     ref = sum(c["wall_s"] or 0.0 for c in children if c["name"] == "reference")
-    return ref, fixed + sum(float(per_point.get(item.point, fallback)) for item in order)
+    return ref, (float(pd.Series(fixed).median()) if fixed else 0.0) + sum(
+        float(per_point.get(item.point, fallback)) for item in order)
 
 
 def _n(count: int, noun: str) -> str:

@@ -201,6 +201,30 @@ def test_plan_estimates_from_the_latest_created_bundle_whatever_the_folder_times
     assert "audit; from z-created-first" in capsys.readouterr().out
 
 
+def test_plan_estimate_counts_each_session_of_a_resumed_bundle_once():
+    """A bundle stopped by a dead controller and resumed: its first session's wall time is lost (null) and the
+    second measured only the arms left. Each session's fixed cost is its own wall time less its own runs."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from loopbench.harness import planning
+
+    # 4 arms in the lost session cpu0, 32 in cpu0.r1; every run 1.5 s (1 s warmup + 0.5 s measured)
+    arms = pd.DataFrame({"point": ["B2C2"] * 36, "job": ["cpu0"] * 36, "session": ["cpu0"] * 4 + ["cpu0.r1"] * 32,
+                         "warmup_elapsed_s": [1.0] * 36, "elapsed_s": [0.5] * 36})
+    children = [{"name": "reference", "session": "reference", "wall_s": 4.0},
+                {"name": "cpu0", "session": "cpu0", "wall_s": None},
+                {"name": "cpu0", "session": "cpu0.r1", "wall_s": 32 * 1.5 + 10.0}]   # 10 s of fixed cost
+    earlier = SimpleNamespace(arms=arms, summary={"children": children})
+    order = [SimpleNamespace(point="B2C2")] * 36
+    assert planning.estimate_s(earlier, order) == (4.0, 36 * 1.5 + 10.0)
+    # an uninterrupted bundle: one session, its fixed cost once; older bundles name no session (job only)
+    whole = SimpleNamespace(arms=arms.drop(columns="session"),
+                            summary={"children": [children[0], {"name": "cpu0", "wall_s": 36 * 1.5 + 8.0}]})
+    assert planning.estimate_s(whole, order) == (4.0, 36 * 1.5 + 8.0)
+
+
 def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):
     assert cli.main(["show", "--all", "--results", str(tmp_path / "none")]) == 2
     assert "is not a folder" in capsys.readouterr().err
@@ -359,6 +383,14 @@ def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and
     assert cli.main(["compare", str(tmp_path), str(tmp_path / "none")]) == 2
     assert f"no bundle folder at {tmp_path / 'none'}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_show_all_words_an_unpublished_unaudited_bundle_once(tmp_path, capsys):
+    (tmp_path / "b").mkdir()
+    shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "b" / "plan.json")
+    assert cli.main(["show", "--all", "--results", str(tmp_path)]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("b  ")]
+    assert len(line) == 1 and " unpublished (not audited) " in line[0], line
 
 
 def test_an_unpublished_bundle_a_controller_holds_is_named_as_being_measured_not_as_finishable(tmp_path, capsys):
