@@ -96,9 +96,9 @@ def task(cfg) -> int:
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
-    except controller.Interrupted as exc:   # stopped before anything was measured: one line, nothing left behind
+    except controller.Interrupted as exc:   # stopped before any arm was measured: one line, nothing left behind
         print(f"\nloopbench: {exc}", file=sys.stderr)
-        _stop_the_sweep("a stop before anything was measured")
+        _stop_the_sweep("a stop before any arm was measured")
         _EXIT_CODES.append(3)
         return 3
     for reason in result.summary["incomplete_reasons"]:

@@ -26,7 +26,9 @@ SIGKILL after ``executor.stop_grace_s``), marks them ``interrupted`` and the con
 was recorded. ``children.json`` is kept current as children start and end, so the bundle of a controller
 that died without publishing can be finished (:func:`resume.finish`) or resumed (:func:`resume.resume`).
 Before any child runs (gathering inputs, writing the checkpoint, calibration) nothing is measured: there
-SIGTERM and Ctrl-C end the run at once with :class:`Interrupted`, and the new bundle folder is removed.
+SIGTERM and Ctrl-C end the run at once with :class:`Interrupted`, and the new bundle folder is removed. A stop
+that ends the reference child before every point's reference is frozen removes the folder too (no resume could
+use it, and the references captured so far are in the cache), then raises :class:`Interrupted`.
 """
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ REFERENCE_FAILED = "reference_failed"   # a status code of loopbench/bundle_form
 
 
 class Interrupted(Exception):
-    """SIGTERM or Ctrl-C before a run measured anything (:func:`run`), or before a resume changed its bundle
-    (``resume.resume``); the message says what was removed, or that nothing changed."""
+    """SIGTERM or Ctrl-C before a run measured anything, or before every point's reference was frozen (:func:`run`),
+    or before a resume changed its bundle (``resume.resume``); the message says what was removed, or that nothing
+    changed."""
 
 
 @contextmanager
@@ -337,7 +340,8 @@ def open_bundle(spec: BenchSpec, code: dict) -> Path:
 def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:
     """Run one benchmark end to end, or resume one (``resume``); returns the bundle and its summary (never a
     verdict for a partial run). SIGTERM or Ctrl-C while children run stops them and publishes an incomplete bundle;
-    before the first child it raises :class:`Interrupted` at once, the new bundle folder removed.
+    before the first child it raises :class:`Interrupted` at once, the new bundle folder removed, and after a reference
+    child it stopped before every point's reference was frozen, also with the folder removed.
     ``cfg`` is a composed config (validated here) or the ``BenchSpec`` a caller already validated."""
     spec = cfg if isinstance(cfg, BenchSpec) else conf.validate(cfg)
     if spec.resume is not None:
@@ -370,6 +374,13 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
             executor = make_executor(spec, bundle, got.cache, got.devices)
         stop.before_children = False
         points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
+        if stop() is not None and not all("reference" in pt for pt in points):
+            # A resume refuses a bundle without every point's frozen reference and no arm has run, so the folder
+            # holds nothing a new run would not redo; the child cached each reference it captured.
+            shutil.rmtree(bundle, ignore_errors=True)
+            raise Interrupted(f"interrupted during the reference capture, before every point's reference was frozen: "
+                              f"removed the new bundle folder {bundle}, which no resume could use; the references "
+                              "captured so far are in the cache, and a new run reuses them")
         plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
         # no sessions after a failed or stopped reference capture
         if children[0]["state"] == "completed" and all("reference" in pt for pt in points):

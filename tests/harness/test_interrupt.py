@@ -352,6 +352,27 @@ def test_a_stop_before_any_child_removes_the_new_bundle_folder(tmp_path, monkeyp
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_stop_during_the_reference_capture_removes_the_bundle_no_resume_could_use(tmp_path, monkeypatch, capsys):
+    """A stop that ends the reference child before every point's reference is frozen: no arm has run and a resume
+    would refuse the bundle, so the folder is removed (the child cached each reference it captured)."""
+    def capture_references(spec, got, ckpt, bundle, executor, stop):
+        os.kill(os.getpid(), signal.SIGTERM)   # recorded by the run's StopSignals, as while a child runs
+        for _ in range(50):
+            if stop() is not None:
+                break
+            time.sleep(0.1)
+        (bundle / "references").mkdir()
+        (bundle / "references" / "B3C5.schedule.json").write_text("{}")   # one point's file, no meta: not frozen
+        return controller.point_entries(spec), [{"name": "reference", "state": "interrupted"}]
+
+    monkeypatch.setattr(controller, "capture_references", capture_references)
+    cfg = conf.compose("cpu-smoke", [f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
+    with pytest.raises(controller.Interrupted, match="during the reference capture, before every point's reference "
+                                                     "was frozen: removed the new bundle folder "):
+        controller.run(cfg)
+    assert list((tmp_path / "r").iterdir()) == []
+
+
 @pytest.mark.parametrize("stop", ["before anything was measured", "while measuring"])
 def test_a_stopped_sweep_job_stops_the_sweep(tmp_path, monkeypatch, capsys, stop):
     """Ctrl-C in job 1 of a three-job multirun: Hydra would run jobs 2 and 3; they are named as not run, exit 3."""
@@ -372,7 +393,7 @@ def test_a_stopped_sweep_job_stops_the_sweep(tmp_path, monkeypatch, capsys, stop
     assert cli.main(["bench", "-m", "pairs=1,2,3", f"results_dir={tmp_path / 'r'}",
                      f"hydra.sweep.dir={tmp_path / 'h'}"]) == 3
     assert ran == [1]
-    why = "a stop before anything was measured" if stop == "before anything was measured" else "SIGINT"
+    why = "a stop before any arm was measured" if stop == "before anything was measured" else "SIGINT"
     err = capsys.readouterr().err
     for job in (2, 3):
         assert f"loopbench: sweep: job {job} of 3 not run: the sweep was stopped ({why} in job 1)" in err, err
