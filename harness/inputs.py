@@ -172,22 +172,38 @@ def prepare_checkpoint(spec: BenchSpec, cache: Path) -> dict:
 
 def read_prompts_file(path: Path) -> list[list[int]]:
     """Token-id prompts from parquet (a ``prompt_token_ids`` list column) or JSONL (a list, or an object
-    with ``prompt_token_ids``, per line)."""
+    with ``prompt_token_ids``, per line). ValueError names ``workload.prompts_file``, the file and, in JSONL, the
+    line: a file that is not parquet, a line that is not JSON, an item that is not a non-empty list of int ids."""
     if path.suffix == ".parquet":
         import pandas as pd
+        import pyarrow
 
-        df = pd.read_parquet(path)
+        try:
+            df = pd.read_parquet(path)
+        except (OSError, pyarrow.ArrowException) as exc:
+            raise ValueError(f"workload.prompts_file {path}: not a readable parquet file ({exc})") from None
         if "prompt_token_ids" not in df.columns:
-            raise ValueError(f"{path}: no 'prompt_token_ids' column (columns: {list(df.columns)})")
+            raise ValueError(f"workload.prompts_file {path}: no 'prompt_token_ids' column (columns: "
+                             f"{list(df.columns)})")
         return [[int(t) for t in row] for row in df["prompt_token_ids"]]
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"workload.prompts_file {path}: not a text file (JSONL, one prompt a line) and not named "
+                         "*.parquet") from None
+    for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"workload.prompts_file {path}:{n}: not JSON ({exc.msg} at column {exc.colno}); each "
+                             "line holds a list of token ids or an object with prompt_token_ids") from None
         ids = item.get("prompt_token_ids") if isinstance(item, dict) else item
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"{path}:{n}: expected a non-empty list of token ids, got {str(item)[:80]!r}")
+            raise ValueError(f"workload.prompts_file {path}:{n}: expected a non-empty list of token ids, got "
+                             f"{str(item)[:80]!r}")
         prompts.append(ids)
     return prompts
 

@@ -88,6 +88,8 @@ def planned_devices(executor) -> list[dict]:
     if kind == "cuda" and n_gpus == 0:
         raise ValueError("executor.device = cuda, but no CUDA device is visible")
     if n_gpus == 0:
+        if executor.gpus is not None:   # device auto without CUDA: a CPU run would ignore the GPUs asked for
+            raise ValueError(f"executor.gpus = {list(executor.gpus)} names GPUs, but no CUDA device is visible")
         return cpu_devices(executor.cpu_devices, threads)
     physical = physical_gpus(n_gpus)
     gpus = list(executor.gpus) if executor.gpus is not None else physical

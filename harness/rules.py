@@ -218,8 +218,10 @@ def check_prompt_lengths(wl: dict) -> None:
             raise ValueError(f"workload.prompts_file={wl['prompts_file']!r} and workload.prompt_lens="
                              f"{wl['prompt_lens']} are both set; a file's prompts keep their own lengths, so set "
                              "workload.prompt_lens=null")
-        if not Path(wl["prompts_file"]).expanduser().is_file():
-            raise ValueError(f"workload.prompts_file {wl['prompts_file']!r} does not exist")
+        path = Path(wl["prompts_file"]).expanduser()
+        if not path.is_file():
+            raise ValueError(f"workload.prompts_file {wl['prompts_file']!r} "
+                             + ("is a folder, not a file" if path.is_dir() else "does not exist"))
         return
     if wl["prompt_lens"] is None:
         if wl["prompt_len"] is None:
@@ -338,10 +340,16 @@ def check_evidence(ev: dict) -> None:
 
 def check_executor(exe: dict) -> None:
     for key in ("session_timeout_s", "reference_timeout_s", "poll_s", "stop_grace_s"):
-        if not exe[key] > 0:
-            raise ValueError(f"executor.{key} must be > 0, got {exe[key]!r}")
-    if exe["gpus"] is not None and len(set(exe["gpus"])) != len(exe["gpus"]):
-        raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
+        if not (math.isfinite(exe[key]) and exe[key] > 0):    # an infinite wait overflows time.sleep
+            raise ValueError(f"executor.{key} must be a finite number > 0, got {exe[key]!r}")
+    if exe["gpus"] is not None:
+        if len(set(exe["gpus"])) != len(exe["gpus"]):
+            raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")
+        if any(g < 0 for g in exe["gpus"]):
+            raise ValueError(f"executor.gpus lists a negative GPU index: {exe['gpus']}")
+        if exe["device"] == "cpu":
+            raise ValueError(f"executor.gpus = {exe['gpus']} names GPUs, but executor.device = cpu runs on the CPU; "
+                             "leave executor.gpus null there")
     check_slurm(exe["slurm"])
     positive_int("executor.cpu_threads", exe["cpu_threads"])
     positive_int("executor.cpu_devices", exe["cpu_devices"])

@@ -7,6 +7,7 @@ balanced pairs of open-loop runs of ``baseline`` and ``candidate`` on one frozen
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -62,9 +63,10 @@ class OnlineSpec:
 
 
 def _positive(key: str, value, integer: bool = False) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not value > 0
+    bad = (isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not value > 0
+           or not math.isfinite(value))
     if bad:
-        raise ValueError(f"{key} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+        raise ValueError(f"{key} must be a positive {'integer' if integer else 'finite number'}, got {value!r}")
 
 
 def check(plain: dict) -> None:
@@ -88,6 +90,8 @@ def check(plain: dict) -> None:
         raise ValueError("online.rates must list at least one multiple of the measured capacity")
     for i, rate in enumerate(on["rates"]):
         _positive(f"online.rates[{i}]", rate)
+        if rate in on["rates"][:i]:     # one rate's runs would be summarised under both entries
+            raise ValueError(f"online.rates[{i}] = {rate!r} is listed twice: {list(on['rates'])}")
     first = plain["comparisons"][0]
     on["baseline"] = on["baseline"] or first["baseline"]
     on["candidate"] = on["candidate"] or first["candidate"]

@@ -207,11 +207,17 @@ def test_overrides_and_list_replacement():
     ("arms.alias.cuda_graphs=true", "arms.alias.cuda_graphs = true needs a CUDA device"),
     ("workload.prompt_lens=[4,0]", r"workload.prompt_lens\[1\] must be a positive integer, got 0"),
     ("arms.alias.engine=nomodule_xyz:make_engine", r"arms.alias.engine = 'nomodule_xyz:make_engine' names no engine"),
+    ("executor.poll_s=inf", "executor.poll_s must be a finite number > 0, got inf"),
+    ("executor.stop_grace_s=nan", "executor.stop_grace_s must be a finite number > 0, got nan"),
+    ("executor.gpus=[-1]", r"executor.gpus lists a negative GPU index: \[-1\]"),
+    ("executor.gpus=[0,1]", r"executor.gpus = \[0, 1\] names GPUs, but "),
+    ("workload.prompts_file=/", "workload.prompts_file '/' is a folder, not a file"),
 ])
 def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, override, match):
     from loopbench.harness import controller
 
-    one_len = ["workload.prompt_lens=null"] if override.startswith("workload.prompt_len=") else []
+    own_lens = override.startswith(("workload.prompt_len=", "workload.prompts_file="))
+    one_len = ["workload.prompt_lens=null"] if own_lens else []
     cfg = conf.compose("cpu-smoke", [override, *one_len, f"results_dir={tmp_path / 'results'}",
                                      f"cache_dir={tmp_path / 'cache'}"])
     with pytest.raises(ValueError, match=match):

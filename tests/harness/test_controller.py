@@ -169,8 +169,17 @@ def test_prompt_files(tmp_path):
     with pytest.raises(ValueError, match="prompt 1 has token id 10 outside"):
         inputs.make_prompts(reading(pq), 10)
     jsonl.write_text('[1, "a"]\n')
-    with pytest.raises(ValueError, match="p.jsonl:1"):
+    with pytest.raises(ValueError, match="workload.prompts_file .*p.jsonl:1: expected a non-empty list"):
         inputs.make_prompts(reading(jsonl), 256)
+    jsonl.write_text('[1, 2, 3]\nnot json\n')     # the line that is not JSON, not json's line 1 of it
+    with pytest.raises(ValueError, match=r"prompts_file .*p.jsonl:2: not JSON \(Expecting value at column 1\)"):
+        inputs.make_prompts(reading(jsonl), 256)
+    jsonl.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="p.jsonl: not a text file"):
+        inputs.make_prompts(reading(jsonl), 256)
+    pq.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="p.parquet: not a readable parquet file"):
+        inputs.make_prompts(reading(pq), 256)
     seeded = conf.validate(conf.compose("cpu-smoke", ["workload.prompt_len=33", "workload.prompt_lens=null"]))
     a = inputs.make_prompts(seeded, 256)
     assert len(a) == 8 and {len(p) for p in a} == {33} and a == inputs.make_prompts(seeded, 256)

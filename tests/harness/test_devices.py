@@ -118,6 +118,15 @@ def test_executor_gpus_pick_among_the_masks_cards(cuda, monkeypatch):
     assert [d["gpu_index"] for d in machine.planned_devices(_executor("executor.device=cuda", "executor.gpus=[0,2]"))] == [0, 2]
 
 
+def test_executor_gpus_without_a_visible_gpu_are_refused_not_run_on_the_cpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match=r"executor.gpus = \[0, 1\] names GPUs, but no CUDA device is visible"):
+        machine.planned_devices(_executor("executor.device=auto", "executor.gpus=[0,1]"))
+    assert [d["name"] for d in machine.planned_devices(_executor("executor.device=auto"))] == ["cpu0"]
+
+
 def test_a_mask_of_full_uuids_is_resolved_through_nvml(cuda, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{cuda.uuid_of(2)},{cuda.uuid_of(0)}")
     devices = machine.planned_devices(_executor("executor.device=cuda"))

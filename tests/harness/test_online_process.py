@@ -60,7 +60,9 @@ def test_the_online_order_is_balanced_and_the_auditor_derives_the_same():
     ("online.slo_ttft_s=0.5", "online.slo_ttft_s and online.slo_tpot_s are set together"),
     ("online.candidate=alias", "online.candidate = 'alias' is not an arm"),
     ("online.rates=[]", "online.rates must list at least one multiple"),
-    ("online.rates=[0.5,-1.0]", "online.rates[1] must be a positive number, got -1.0"),
+    ("online.rates=[0.5,-1.0]", "online.rates[1] must be a positive finite number, got -1.0"),
+    ("online.rates=[1.0,0.5,1.0]", "online.rates[2] = 1.0 is listed twice: [1.0, 0.5, 1.0]"),
+    ("online.max_duration_s=inf", "online.max_duration_s must be a positive finite number, got inf"),
     ("online.point=B9C9", "online.point = 'B9C9' is not a point of this run"),
 ])
 def test_bad_online_config_is_named(override, words):
