@@ -53,6 +53,9 @@ def balanced_first(n_pairs: int, seed: int | Sequence[int]) -> tuple[str, ...]:
     """
     if isinstance(n_pairs, bool) or not isinstance(n_pairs, int) or n_pairs < 1:
         raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
+    for part in ([seed] if isinstance(seed, int) else list(seed)):
+        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+            raise ValueError(f"seed must be a non-negative integer or a sequence of them, got {seed!r}")
     firsts = [FIRST_BASELINE] * math.ceil(n_pairs / 2) + [FIRST_CANDIDATE] * (n_pairs // 2)
     order = np.random.default_rng(seed).permutation(n_pairs)
     return tuple(firsts[i] for i in order)
@@ -73,6 +76,19 @@ def pair_ratios(baseline_s: Sequence[float], candidate_s: Sequence[float]) -> np
     if not (np.all(b > 0) and np.all(c > 0)):
         raise ValueError(f"elapsed seconds must be > 0, got baseline {b.tolist()} candidate {c.tolist()}")
     return b / c
+
+
+def _log_ratios(ratios: Sequence[float]) -> np.ndarray:
+    """log of ``ratios``, a 1-D series of finite ratios > 0; ValueError naming the series otherwise."""
+    x = np.asarray(ratios, dtype=float)
+    if x.ndim != 1 or not np.all(np.isfinite(x)) or not np.all(x > 0):
+        raise ValueError(f"ratios must be a 1-D series of finite ratios > 0, got {ratios!r}")
+    return np.log(x)
+
+
+def _level(key: str, value: float) -> None:
+    if not 0 < value < 1:
+        raise ValueError(f"{key} must be in (0, 1), got {value!r}")
 
 
 def distinct_resamples(n: int) -> int:
@@ -100,8 +116,7 @@ def bootstrap_median_ci(ratios: Sequence[float], confidence: float = 0.95, n_res
     x = np.asarray(ratios, dtype=float)
     if x.ndim != 1 or not np.all(np.isfinite(x)):
         raise ValueError(f"ratios must be a finite 1-D series, got {ratios!r}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    _level("confidence", confidence)
     if x.size < 2:
         return None
     with warnings.catch_warnings():  # degenerate data: scipy warns and returns NaN, handled below
@@ -120,10 +135,13 @@ def wilcoxon_p(ratios: Sequence[float]) -> tuple[float | None, str]:
     Tested on log ratios so that a pair 10% faster and one 10% slower weigh alike. Without ties or zero
     differences, the exact null distribution (``scipy.stats.wilcoxon(method="exact")``). With ties or
     zeros, zeros are dropped (Wilcoxon's convention) and the p is exact conditional on the mid-ranks:
-    all 2^m sign assignments are enumerated (m <= 16; beyond, the normal approximation, so named), as ``scipy.stats.permutation_test`` does for
-    paired samples. Returns (None, reason) when there is nothing to test.
+    all 2^m sign assignments are enumerated (m <= 16; beyond, the normal approximation, so named), as
+    ``scipy.stats.permutation_test`` does for paired samples. Where every ratio equals 1 there is no difference
+    to test: (1.0, "all ratios equal 1"). ValueError for an empty series or a ratio that is not finite and > 0.
     """
-    d = np.log(np.asarray(ratios, dtype=float))
+    d = _log_ratios(ratios)
+    if d.size == 0:
+        raise ValueError("ratios is empty: no pair to test")
     nonzero = d[d != 0]
     m = nonzero.size
     if m == 0:
@@ -242,7 +260,10 @@ def compare(baseline_s: Sequence[float], candidate_s: Sequence[float], *, confid
 
 def restart_of(pair: int, pairs_per_session: int) -> int:
     """The session (restart of a device, 0-based) of pair index ``pair``: the plan numbers pairs on over
-    restarts, ``pairs_per_session`` to each (harness/plan.py)."""
+    restarts, ``pairs_per_session`` to each (harness/plan.py). ValueError unless ``pair`` >= 0 and
+    ``pairs_per_session`` >= 1."""
+    if pair < 0 or pairs_per_session < 1:
+        raise ValueError(f"need pair >= 0 and pairs_per_session >= 1, got {pair!r} and {pairs_per_session!r}")
     return pair // pairs_per_session
 
 
@@ -282,8 +303,7 @@ def hierarchical_median_ci(groups: Sequence[Sequence[float]], confidence: float 
     """
     if len(groups) == 1:
         return bootstrap_median_ci(groups[0], confidence, n_resamples, seed, "percentile")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    _level("confidence", confidence)
     if sum(len(g) for g in groups) < 2:
         return None
     medians = hierarchical_medians(groups, n_resamples, seed)
@@ -307,7 +327,8 @@ def session_spread(groups: Sequence[Sequence[float]]) -> dict:
 def trend_test(values: Sequence[float], alpha: float) -> dict:
     """Monotone trend of ``values`` over their index: Spearman's rank correlation and its two-sided p
     (``scipy.stats.spearmanr``; Spearman 1904), flagged when p < ``alpha``. rho and p are None (no
-    test) below 3 values or for constant values."""
+    test) below 3 values or for constant values. ValueError for ``alpha`` outside (0, 1)."""
+    _level("alpha", alpha)
     x = np.asarray(values, dtype=float)
     if x.size < 3 or np.all(x == x[0]):
         return {"method": "spearman", "n": int(x.size), "statistic": None, "p": None, "flag": False}
@@ -319,7 +340,9 @@ def trend_test(values: Sequence[float], alpha: float) -> dict:
 def order_test(ratios: Sequence[float], firsts: Sequence[str], alpha: float) -> dict:
     """Order effect: pair ratios of baseline-first pairs against candidate-first pairs, two-sided
     Mann-Whitney U (``scipy.stats.mannwhitneyu``, method "auto": exact for small samples without ties;
-    Mann & Whitney 1947), flagged when p < ``alpha``. None when either group is empty."""
+    Mann & Whitney 1947), flagged when p < ``alpha``. None when either group is empty. ValueError for ``alpha``
+    outside (0, 1) or ``firsts`` that do not name one of the two arms per ratio."""
+    _level("alpha", alpha)
     x = np.asarray(ratios, dtype=float)
     f = np.asarray(firsts)
     if x.shape != f.shape or not set(f.tolist()) <= {FIRST_BASELINE, FIRST_CANDIDATE}:
@@ -344,8 +367,9 @@ def creep_test(peaks: Sequence[float | None], alpha: float) -> dict:
 
 
 def log_ratio_sd(ratios: Sequence[float]) -> float | None:
-    """Sample SD (ddof 1) of log pair ratios, the noise of one pair; None below 2 ratios."""
-    d = np.log(np.asarray(ratios, dtype=float))
+    """Sample SD (ddof 1) of log pair ratios, the noise of one pair; None below 2 ratios. ValueError for a ratio
+    that is not finite and > 0."""
+    d = _log_ratios(ratios)
     return float(np.std(d, ddof=1)) if d.size > 1 else None
 
 
@@ -359,11 +383,14 @@ def detectable_effect(sigma: float | None, n_pairs: int, alpha: float, power: fl
     Clinical Research", 3.1, the one-sample / paired case). ``relative`` = exp(MDE) - 1, the speedup
     the design would detect with probability ``power`` at two-sided level ``alpha``. A normal
     approximation: with few pairs the t quantiles are larger, so it flatters small designs.
-    ``sigma`` None: the effect is unknown.
+    ``sigma`` None: the effect is unknown. ValueError for ``sigma`` not finite and >= 0, ``n_pairs`` < 1 or a level
+    outside (0, 1).
     """
     bad_n = isinstance(n_pairs, bool) or not isinstance(n_pairs, int) or n_pairs < 1
     if bad_n or not 0 < alpha < 1 or not 0 < power < 1:
         raise ValueError(f"need n_pairs >= 1, alpha and power in (0, 1); got {n_pairs!r}, {alpha!r}, {power!r}")
+    if sigma is not None and not (math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"sigma must be a finite SD >= 0 or None, got {sigma!r}")
     if sigma is None:
         return {"n_pairs": n_pairs, "mde_log_ratio": None, "mde_relative": None}
     z = float(scipy.stats.norm.ppf(1 - alpha / 2) + scipy.stats.norm.ppf(power))

@@ -219,3 +219,22 @@ def test_detectable_effect_is_the_paired_normal_formula():
     with pytest.raises(ValueError, match="n_pairs"):
         stats.detectable_effect(0.02, 0, 0.05, 0.8)
     assert stats.log_ratio_sd([1.0, math.e]) == pytest.approx(math.sqrt(0.5))
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: stats.wilcoxon_p([float("nan"), 1.0]), "ratios must be a 1-D series of finite ratios > 0"),
+    (lambda: stats.wilcoxon_p([1.1, -1.0]), "ratios must be a 1-D series of finite ratios > 0"),
+    (lambda: stats.wilcoxon_p([]), "ratios is empty"),
+    (lambda: stats.log_ratio_sd([-1.0, 1.0]), "ratios must be a 1-D series of finite ratios > 0"),
+    (lambda: stats.detectable_effect(-0.1, 5, 0.05, 0.8), "sigma must be a finite SD >= 0 or None, got -0.1"),
+    (lambda: stats.restart_of(0, 0), "pairs_per_session >= 1, got 0 and 0"),
+    (lambda: stats.trend_test([1.0, 2.0, 3.0], alpha=2.0), r"alpha must be in \(0, 1\), got 2.0"),
+    (lambda: stats.order_test([1.0], ["baseline"], alpha=0.0), r"alpha must be in \(0, 1\), got 0.0"),
+    (lambda: stats.balanced_first(3, -1), "seed must be a non-negative integer or a sequence of them, got -1"),
+    (lambda: stats.balanced_first(3, [1, -2]), r"seed must be .*, got \[1, -2\]"),
+])
+def test_bad_input_is_a_value_error_naming_it_not_a_number(call, named):
+    """Each of these once returned a figure (a 'significant' p from a NaN, a negative effect, a flag at alpha 2)
+    or failed deep inside numpy."""
+    with pytest.raises(ValueError, match=named):
+        call()
