@@ -15,7 +15,9 @@ A bundle that ``bench`` itself would not give verdicts from still has its median
 every row it is part of reads "withheld" instead of faster / slower / not significant, after a warning
 line before the table that names the bundle and why (:func:`withheld`): the bundle is incomplete (an
 interrupted run; its recorded ``incomplete_reasons`` are named), its verdicts are barred for another
-reason (checks failed), or its comparisons have fewer pairs than its verdict rule's ``min_pairs``. A
+reason (checks failed), its comparisons have fewer pairs than its verdict rule's ``min_pairs``, or its files
+no longer match its ``manifest.json`` (edited since it was published; its ``audit.json`` speaks for the files as they
+were). A
 change between two bundles is no more trustworthy than the weaker one: an incomplete run may have lost
 exactly the slow (or fast) runs, and a percentile bootstrap of a median from a handful of runs excludes 1
 far too easily (``stats.verdict`` gives the reason for the minimum). The decision is the one ``bench``
@@ -40,7 +42,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from .fileio import canonical_json, sha256_bytes, try_lock
+from .fileio import canonical_json, sha256_bytes, sha256_file, try_lock
 
 # plan.json fields that decide what a run measured; any difference makes two bundles not comparable
 SAME_FIELDS = ("config.model", "checkpoint.sha256", "config.workload", "prompts.sha256", "config.exit",
@@ -68,6 +70,27 @@ class Bundle:
             raise ValueError(f"{path}: not a published bundle (no {', '.join(missing)})" + unpublished_hint(path))
         return cls(path, read_object(path / "plan.json"), read_object(path / "summary.json"),
                    pd.read_parquet(path / "tables" / "arms.parquet"))
+
+    @functools.cached_property
+    def changed_since_published(self) -> str | None:
+        """:func:`unlike_manifest` of the bundle, hashed once (reading it costs a sha256 of every file)."""
+        return unlike_manifest(self.path)
+
+
+def unlike_manifest(bundle: Path) -> str | None:
+    """For a published bundle: the first manifested file that is missing or whose sha256 changed, as words;
+    None when all match or when there is no manifest (a lost controller's bundle was never signed)."""
+    path = bundle / "manifest.json"
+    if not path.is_file():
+        return None
+    files = read_object(path).get("files", {})
+    for rel, entry in sorted(files.items()):
+        f = bundle / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if sha256_file(f) != entry.get("sha256"):
+            return f"{rel} changed"
+    return None
 
 
 # what reading a bundle whose JSON documents parse but lack a field (or hold one of another type) raises
@@ -179,6 +202,10 @@ def withheld(bundle: Bundle) -> list[tuple[str, str]]:
     calls a comparison inconclusive.
     """
     s, out = bundle.summary, []
+    if bundle.changed_since_published:
+        out.append(("changed since published", f"no longer matches its manifest.json ({bundle.changed_since_published})"
+                    f", so its figures may not be the ones published; `loopbench audit {bundle.path}` names what is "
+                    "wrong"))
     if s["status"] != "complete":
         out.append(("incomplete", f"is incomplete ({_reasons_text(s) or 'no reason recorded'})"))
     elif not s.get("verdicts_published", True):          # bundle formats before 2 have no such key
@@ -301,6 +328,9 @@ def show_text(bundle: Bundle) -> str:
         audit = read_object(audit_file).get("status", "?") if audit_file.is_file() else "not audited"
     except ValueError:
         audit = "unreadable (audit.json is damaged; loopbench audit writes it again)"
+    if bundle.changed_since_published:   # audit.json is the verdict on the files as published, not as they are
+        audit += (f", but its files changed since ({bundle.changed_since_published}): `loopbench audit {bundle.path}`"
+                  " checks them again")
     status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
     verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
     online = status_line(bundle.path)      # the online track's line, as bench prints it (None without a track)

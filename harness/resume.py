@@ -33,6 +33,7 @@ from . import cards, evidence, identity, inputs, machine
 from .controller import (RunResult, make_executor, prepare_checkpoint, publish, run_restarts, unless_stopped,
                          write_children)
 from .executors import StopSignals
+from .compare import unlike_manifest
 from .fileio import sha256_file, try_lock
 from .plan import make_plan, point_entries
 from .spec import BenchSpec
@@ -228,22 +229,6 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
     return todo, discard
 
 
-def _unlike_manifest(bundle: Path) -> str | None:
-    """For a published bundle: the first manifested file that is missing or whose sha256 changed, as words;
-    None when all match or when there is no manifest (a lost controller's bundle was never signed)."""
-    path = bundle / "manifest.json"
-    if not path.is_file():
-        return None
-    files = json.loads(path.read_text()).get("files", {})
-    for rel, entry in sorted(files.items()):
-        f = bundle / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if sha256_file(f) != entry.get("sha256"):
-            return f"{rel} changed"
-    return None
-
-
 def _checkpoint_at_hand(spec: BenchSpec, cache: Path) -> bool:
     """Whether the checkpoint can be hashed without writing: a real one, or the synthetic one already cached."""
     path = inputs.checkpoint_path(spec) or inputs.synthetic_checkpoint_path(spec, cache)
@@ -290,7 +275,7 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
         for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
             if not (bundle / rel).is_file() or sha256_file(bundle / rel) != want:
                 raise ResumeRefused(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
-    changed = _unlike_manifest(bundle)
+    changed = unlike_manifest(bundle)
     if changed:
         raise ResumeRefused(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
                          "resume would publish them again as measured")

@@ -385,6 +385,25 @@ def test_an_unpublished_bundle_is_incomplete_to_audit_show_and_compare_alike_and
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+def test_show_and_compare_name_a_bundle_whose_files_changed_since_it_was_published(tmp_path, capsys):
+    """audit.json is the verdict on the files as published; an edited table must not pass as audited evidence."""
+    committed = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"
+    edited = tmp_path / "edited"
+    shutil.copytree(committed, edited)
+    with open(edited / "report.md", "a") as f:
+        f.write("\nfaster\n")
+    assert cli.main(["show", str(edited)]) == 0
+    out = capsys.readouterr().out
+    assert f"audit pass, but its files changed since (report.md changed): `loopbench audit {edited}`" in out, out
+    cli.main(["compare", str(committed), str(edited)])
+    out = capsys.readouterr().out
+    assert "warning: B no longer matches its manifest.json (report.md changed), so its figures may not be the " \
+           "ones published" in out, out
+    assert "; B changed since published;" in out, out
+    cli.main(["show", str(committed)])
+    assert "changed since" not in capsys.readouterr().out
+
+
 def test_show_all_words_an_unpublished_unaudited_bundle_once(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "b" / "plan.json")
