@@ -42,7 +42,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from .fileio import canonical_json, sha256_bytes, sha256_file, try_lock
+from . import evidence
+from .fileio import canonical_json, sha256_bytes, try_lock
 
 # plan.json fields that decide what a run measured; any difference makes two bundles not comparable
 SAME_FIELDS = ("config.model", "checkpoint.sha256", "config.workload", "prompts.sha256", "config.exit",
@@ -73,24 +74,8 @@ class Bundle:
 
     @functools.cached_property
     def changed_since_published(self) -> str | None:
-        """:func:`unlike_manifest` of the bundle, hashed once (reading it costs a sha256 of every file)."""
-        return unlike_manifest(self.path)
-
-
-def unlike_manifest(bundle: Path) -> str | None:
-    """For a published bundle: the first manifested file that is missing or whose sha256 changed, as words;
-    None when all match or when there is no manifest (a lost controller's bundle was never signed)."""
-    path = bundle / "manifest.json"
-    if not path.is_file():
-        return None
-    files = read_object(path).get("files", {})
-    for rel, entry in sorted(files.items()):
-        f = bundle / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if sha256_file(f) != entry.get("sha256"):
-            return f"{rel} changed"
-    return None
+        """:func:`evidence.unlike_manifest` of the bundle, hashed once (it costs a sha256 of every file)."""
+        return evidence.unlike_manifest(self.path)
 
 
 # what reading a bundle whose JSON documents parse but lack a field (or hold one of another type) raises
@@ -325,16 +310,16 @@ def show_text(bundle: Bundle) -> str:
     s = bundle.summary
     audit_file = bundle.path / "audit.json"
     try:
-        audit = read_object(audit_file).get("status", "?") if audit_file.is_file() else "not audited"
+        audit = f"audit {read_object(audit_file).get('status', '?')}" if audit_file.is_file() else "not audited"
     except ValueError:
-        audit = "unreadable (audit.json is damaged; loopbench audit writes it again)"
+        audit = "audit unreadable (audit.json is damaged; loopbench audit writes it again)"
     if bundle.changed_since_published:   # audit.json is the verdict on the files as published, not as they are
         audit += (f", but its files changed since ({bundle.changed_since_published}): `loopbench audit {bundle.path}`"
                   " checks them again")
     status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
     verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
     online = status_line(bundle.path)      # the online track's line, as bench prints it (None without a track)
-    return "\n".join([f"{_identity(bundle)}; audit {audit}", "", report.result_tables(s, bundle.plan),
+    return "\n".join([f"{_identity(bundle)}; {audit}", "", report.result_tables(s, bundle.plan),
                       f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts {verdicts}",
                       *([online] if online else []), f"report: {bundle.path / 'report.md'}"])
 

@@ -380,7 +380,8 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
             shutil.rmtree(bundle, ignore_errors=True)
             raise Interrupted(f"interrupted during the reference capture, before every point's reference was frozen: "
                               f"removed the new bundle folder {bundle}, which no resume could use; the references "
-                              "captured so far are in the cache, and a new run reuses them")
+                              "captured so far are in the cache, and a new run reuses them (unless "
+                              "reuse_references=false)")
         plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
         # no sessions after a failed or stopped reference capture
         if children[0]["state"] == "completed" and all("reference" in pt for pt in points):

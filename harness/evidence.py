@@ -377,6 +377,30 @@ def write_manifest(bundle: Path) -> dict:
     return manifest
 
 
+def unlike_manifest(bundle: Path) -> str | None:
+    """For a published bundle, in words, the first way its files differ from its ``manifest.json``: the manifest
+    damaged, an entry outside the bundle, a manifested file missing or whose sha256 changed; None when all match or
+    when there is no manifest (a lost controller's bundle was never signed). Never raises for a damaged bundle."""
+    bundle = Path(bundle)
+    try:
+        files = json.loads((bundle / "manifest.json").read_text())["files"]
+        entries = sorted((str(rel), entry["sha256"]) for rel, entry in files.items())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "manifest.json is damaged"
+    root = bundle.resolve()
+    for rel, sha in entries:
+        f = bundle / rel
+        if root not in f.resolve().parents:
+            return f"manifest.json lists {rel}, outside the bundle"
+        if not f.is_file():
+            return f"{rel} is missing"
+        if sha256_file(f) != sha:
+            return f"{rel} changed"
+    return None
+
+
 def unpublish(bundle: Path) -> None:
     """Back to *in progress* before a resume measures more: the manifest goes first, so a resume that dies
     leaves a bundle that reads as unpublished (``finish`` publishes it again), never a stale published one."""

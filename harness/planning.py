@@ -4,9 +4,9 @@ nothing created (no bundle, no cache entry, no Hydra folder).
 The estimated duration comes from the wall times of the most recent earlier bundle in ``results_dir`` (by
 its ``plan.json`` ``created_utc``, then folder name; never folder times, which a copy or checkout changes)
 that measured the same thing (``compare.differences``) on the same kind of devices: its reference
-child's wall time, and per point the median of an arm run's warmup + measured seconds plus one
-session's fixed cost (model load, engine builds: the median over its sessions of a session's wall time minus the
-runs it measured, so a resumed bundle counts each session once). Without such a
+child's wall time, and per point the median of an arm run's warmup + measured seconds, plus a session's fixed cost
+(model load, engine builds: the median over its sessions of a session's wall time minus the runs it measured) for
+each session (restart) the plan runs on a device. Without such a
 bundle the estimate is unknown, and the plan says so rather than guess.
 
 With ``resume=<bundle>`` the plan runs every check the resume would make before changing anything
@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import compare, conf, inputs, natural, progress
 from .plan import detectable_effect, measurement_order
+from .stats import restart_of
 
 CONFIG_ERRORS = (ValueError, TypeError, HydraException, OmegaConfBaseException)
 
@@ -99,12 +100,14 @@ def _earlier_bundle(results_dir: Path, plan_like: dict) -> compare.Bundle | None
     return None
 
 
-def estimate_s(earlier: compare.Bundle, order: list) -> tuple[float, float]:
-    """(reference capture s, one device's sessions s) for ``order`` from ``earlier``'s wall times: each arm run of
-    ``order`` at its point's median warmup + measured seconds in ``earlier``, plus one session's fixed cost (model
-    load, engine builds). That cost is, per session of ``earlier`` whose wall time is known, its wall time less the
-    arm runs it measured (``tables/arms.parquet`` names each run's session), and the median of those: a resumed
-    bundle has several sessions per device, and one whose controller died has lost the first one's wall time."""
+def estimate_s(earlier: compare.Bundle, order: list, sessions: int = 1) -> tuple[float, float]:
+    """(reference capture s, one device's sessions s) for ``order``, which one device measures in ``sessions``
+    session processes (restarts), from ``earlier``'s wall times: each arm run of ``order`` at its point's median
+    warmup + measured seconds in ``earlier``, plus ``sessions`` times one session's fixed cost (model load, engine
+    builds). That cost is, per session of ``earlier`` whose wall time is known, its wall time less the arm runs it
+    measured (``tables/arms.parquet`` names each run's session), and the median of those: a bundle has several
+    sessions per device where it planned restarts or was resumed, and one whose controller died has lost the
+    first one's wall time."""
     arms = earlier.arms
     run_s = arms["warmup_elapsed_s"].fillna(0) + arms["elapsed_s"]
     per_point = run_s.groupby(arms["point"]).median()
@@ -114,7 +117,7 @@ def estimate_s(earlier: compare.Bundle, order: list) -> tuple[float, float]:
     fixed = [max(0.0, c["wall_s"] - float(run_s[measured_in == c.get("session", c["name"])].sum()))
              for c in children if c["name"] != "reference" and c.get("wall_s")]
     ref = sum(c["wall_s"] or 0.0 for c in children if c["name"] == "reference")
-    return ref, (float(pd.Series(fixed).median()) if fixed else 0.0) + sum(
+    return ref, sessions * (float(pd.Series(fixed).median()) if fixed else 0.0) + sum(
         float(per_point.get(item.point, fallback)) for item in order)
 
 
@@ -244,7 +247,8 @@ def _estimate_line(spec, got, order, plain, resuming: bool = False) -> str:
     if earlier is None:
         return (f"  estimated duration: unknown (no complete earlier bundle of this model, workload and devices in "
                 f"{results}; one run gives the figures)")
-    ref_s, sessions_s = estimate_s(earlier, order)
+    restarts = len({restart_of(item.pair, spec.pairs) for item in order}) or 1   # each a fresh process
+    ref_s, sessions_s = estimate_s(earlier, order, restarts)
     if resuming:   # the bundle's references are frozen: no capture
         return (f"  estimated duration: about {progress.duration(sessions_s)} of measuring the arms left, plus "
                 f"set-up and audit; from {earlier.path.name}")

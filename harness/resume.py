@@ -33,7 +33,6 @@ from . import cards, evidence, identity, inputs, machine
 from .controller import (RunResult, make_executor, prepare_checkpoint, publish, run_restarts, unless_stopped,
                          write_children)
 from .executors import StopSignals
-from .compare import unlike_manifest
 from .fileio import sha256_file, try_lock
 from .plan import make_plan, point_entries
 from .spec import BenchSpec
@@ -275,7 +274,7 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
         for rel, want in ((ref["file"], ref["sha256"]), (ref["meta_file"], ref["meta_sha256"])):
             if not (bundle / rel).is_file() or sha256_file(bundle / rel) != want:
                 raise ResumeRefused(f"cannot resume {bundle}: {rel} does not match the sha256 in plan.json")
-    changed = unlike_manifest(bundle)
+    changed = evidence.unlike_manifest(bundle)
     if changed:
         raise ResumeRefused(f"cannot resume {bundle}: its files no longer match its manifest.json ({changed}); a "
                          "resume would publish them again as measured")

@@ -350,6 +350,9 @@ def check_executor(exe: dict) -> None:
         if exe["device"] == "cpu":
             raise ValueError(f"executor.gpus = {exe['gpus']} names GPUs, but executor.device = cpu runs on the CPU; "
                              "leave executor.gpus null there")
+        if exe["kind"] == "slurm":     # SLURM allocates a job's GPUs itself
+            raise ValueError(f"executor.gpus = {exe['gpus']} picks local GPUs, but executor.kind = slurm; leave it "
+                             "null and set executor.slurm.gpus_per_task")
     check_slurm(exe["slurm"])
     positive_int("executor.cpu_threads", exe["cpu_threads"])
     positive_int("executor.cpu_devices", exe["cpu_devices"])

@@ -53,9 +53,9 @@ def balanced_first(n_pairs: int, seed: int | Sequence[int]) -> tuple[str, ...]:
     """
     if isinstance(n_pairs, bool) or not isinstance(n_pairs, int) or n_pairs < 1:
         raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
-    for part in ([seed] if isinstance(seed, int) else list(seed)):
-        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
-            raise ValueError(f"seed must be a non-negative integer or a sequence of them, got {seed!r}")
+    parts = [seed] if isinstance(seed, (int, np.integer)) else list(seed) if isinstance(seed, Sequence) else [None]
+    if any(isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0 for p in parts):
+        raise ValueError(f"seed must be a non-negative integer or a sequence of them, got {seed!r}")
     firsts = [FIRST_BASELINE] * math.ceil(n_pairs / 2) + [FIRST_CANDIDATE] * (n_pairs // 2)
     order = np.random.default_rng(seed).permutation(n_pairs)
     return tuple(firsts[i] for i in order)
@@ -129,7 +129,7 @@ def bootstrap_median_ci(ratios: Sequence[float], confidence: float = 0.95, n_res
     return low, high
 
 
-def wilcoxon_p(ratios: Sequence[float]) -> tuple[float | None, str]:
+def wilcoxon_p(ratios: Sequence[float]) -> tuple[float, str]:
     """Two-sided Wilcoxon signed-rank p of H0 "median log-ratio = 0" (Wilcoxon 1945), and the method.
 
     Tested on log ratios so that a pair 10% faster and one 10% slower weigh alike. Without ties or zero

@@ -13,6 +13,7 @@ if [[ $(nvidia-smi -L) == *H200* ]]; then
 fi
 nvidia-smi -L | tee "$OUT/gpu_tests.log"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-timeout 560 python3 -m pytest -q -m gpu -rfE --durations=25 -p no:cacheprovider 2>&1 | tail -n 400 >> "$OUT/gpu_tests.log"
+timeout 560 python3 -m pytest -q -m gpu -rfE --durations=25 -p no:cacheprovider 2>&1 \
+    | tail -n 400 >> "$OUT/gpu_tests.log"
 echo "pytest exit ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
 tail -n 40 "$OUT/gpu_tests.log"

@@ -223,6 +223,11 @@ def test_plan_estimate_counts_each_session_of_a_resumed_bundle_once():
     whole = SimpleNamespace(arms=arms.drop(columns="session"),
                             summary={"children": [children[0], {"name": "cpu0", "wall_s": 36 * 1.5 + 8.0}]})
     assert planning.estimate_s(whole, order) == (4.0, 36 * 1.5 + 8.0)
+    # a plan of two sessions a device (sessions=2): two processes, each loading the model, so the fixed cost twice
+    restarted = SimpleNamespace(arms=arms.assign(session=["cpu0"] * 18 + ["cpu0.s1"] * 18), summary={"children": [
+        children[0], {"name": "cpu0", "session": "cpu0", "wall_s": 18 * 1.5 + 10.0},
+        {"name": "cpu0", "session": "cpu0.s1", "wall_s": 18 * 1.5 + 10.0}]})
+    assert planning.estimate_s(restarted, order, sessions=2) == (4.0, 36 * 1.5 + 20.0)
 
 
 def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):
@@ -395,13 +400,22 @@ def test_show_and_compare_name_a_bundle_whose_files_changed_since_it_was_publish
     assert cli.main(["show", str(edited)]) == 0
     out = capsys.readouterr().out
     assert f"audit pass, but its files changed since (report.md changed): `loopbench audit {edited}`" in out, out
-    cli.main(["compare", str(committed), str(edited)])
+    assert cli.main(["compare", str(committed), str(edited)]) == 0     # comparable; its rows withheld
     out = capsys.readouterr().out
     assert "warning: B no longer matches its manifest.json (report.md changed), so its figures may not be the " \
            "ones published" in out, out
     assert "; B changed since published;" in out, out
     cli.main(["show", str(committed)])
     assert "changed since" not in capsys.readouterr().out
+    manifest = json.loads((edited / "manifest.json").read_text())
+    (edited / "manifest.json").write_text(json.dumps({**manifest, "files": {"../outside": {"sha256": "0"}}}))
+    (edited / "audit.json").unlink()
+    assert cli.main(["show", str(edited)]) == 0
+    assert "; not audited, but its files changed since (manifest.json lists ../outside, outside the bundle)" in \
+        capsys.readouterr().out
+    (edited / "manifest.json").write_text("{")      # damaged: still shown, named, never a traceback
+    assert cli.main(["show", str(edited)]) == 0
+    assert "but its files changed since (manifest.json is damaged)" in capsys.readouterr().out
 
 
 def test_show_all_words_an_unpublished_unaudited_bundle_once(tmp_path, capsys):
@@ -516,10 +530,8 @@ def test_show_all_marks_the_speedups_of_a_bundle_whose_verdicts_are_barred(tmp_p
 
 
 def _copy_bundle(dst: Path, src: Path = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c") -> Path:
-    """What show and compare read of a committed bundle, copied to ``dst``."""
-    (dst / "tables").mkdir(parents=True)
-    for name in ("plan.json", "summary.json", "manifest.json", "audit.json", "tables/arms.parquet"):
-        shutil.copy(src / name, dst / name)
+    """A committed bundle copied to ``dst`` whole (show and compare check its files against its manifest)."""
+    shutil.copytree(src, dst)
     return dst
 
 

@@ -225,6 +225,12 @@ def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, overr
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
 
 
+def test_executor_gpus_of_a_slurm_run_are_refused_since_slurm_allocates_them():
+    with pytest.raises(ValueError, match=r"executor.gpus = \[0\] picks local GPUs, but executor.kind = slurm; leave it "
+                                         "null and set executor.slurm.gpus_per_task"):
+        conf.validate(conf.compose("cpu-smoke", ["executor.kind=slurm", "executor.device=auto", "executor.gpus=[0]"]))
+
+
 def test_validate_returns_a_frozen_spec_and_leaves_its_input_alone():
     import copy
     import dataclasses

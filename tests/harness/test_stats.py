@@ -232,9 +232,15 @@ def test_detectable_effect_is_the_paired_normal_formula():
     (lambda: stats.order_test([1.0], ["baseline"], alpha=0.0), r"alpha must be in \(0, 1\), got 0.0"),
     (lambda: stats.balanced_first(3, -1), "seed must be a non-negative integer or a sequence of them, got -1"),
     (lambda: stats.balanced_first(3, [1, -2]), r"seed must be .*, got \[1, -2\]"),
+    (lambda: stats.balanced_first(3, 0.5), r"seed must be .*, got 0.5"),
+    (lambda: stats.balanced_first(3, None), r"seed must be .*, got None"),
 ])
 def test_bad_input_is_a_value_error_naming_it_not_a_number(call, named):
     """Each of these once returned a figure (a 'significant' p from a NaN, a negative effect, a flag at alpha 2)
     or failed deep inside numpy."""
     with pytest.raises(ValueError, match=named):
         call()
+
+
+def test_a_numpy_integer_seed_is_a_seed():
+    assert stats.balanced_first(5, np.int64(3)) == stats.balanced_first(5, 3)
