@@ -37,6 +37,8 @@ def _coverage_problem(rec: dict, closed: bool) -> str | None:
     schema = rec.get("schema", 1)
     if not contract.is_kind(schema, "int"):
         return f"schema is {schema!r}"
+    if schema > RECORD["latest_schema"]:
+        return f"schema is {schema}, later than the contract's latest record schema {RECORD['latest_schema']}"
     if schema < RECORD["coverage_since_schema"]:
         return "coverage is in a schema-1 record" if "coverage" in rec else None
     cov = rec.get("coverage")

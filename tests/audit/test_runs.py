@@ -94,3 +94,14 @@ def test_record_without_a_wall_clock_span_is_named(bundle):
     assert verdict["status"] == "fail"
     assert verdict["discrepancies"] == [f"timing: record cpu0 seq 3 ({rec['arm']}): no wall-clock span to bound "
                                         "its measured elapsed_s: wall_clock is None"]
+
+
+def test_a_record_claiming_a_later_schema_than_the_contract_knows_is_named(bundle):
+    """A forged schema would select rules the auditor cannot know; the contract's latest_schema is the writer's."""
+    from loopbench.harness.evidence import FORMAT
+    from loopbench.harness.records import RECORD_SCHEMA
+
+    assert RECORD_SCHEMA == FORMAT["documents"]["record"]["latest_schema"]
+    edit_json(raw(bundle, 5), lambda rec: rec.update(schema=99))
+    rewrite_manifest(bundle)
+    assert f"schema is 99, later than the contract's latest record schema {RECORD_SCHEMA}" in failed(bundle)
