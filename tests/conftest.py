@@ -37,10 +37,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def release_cuda_memory(request):
-    """After each ``gpu`` test: collect garbage and return the allocator's free blocks. Engines and their CUDA
-    graphs form reference cycles that Python's collector (counting objects, not bytes) reaches late, so GPU
-    memory piled up over a whole ``make test-gpu``: on an 80 GB H100 test_batch_invariance's B128 engines ran
-    out of memory there (75 GiB allocated), though the module alone passes."""
+    """After each ``gpu`` test: collect garbage and return the allocator's free blocks. GPU memory piled up over a
+    whole ``make test-gpu`` (kernels/results/gpu_suite_h100_077e1d9.log: on an 80 GB H100 test_batch_invariance's
+    B128 engines ran out of memory with 75 GiB allocated; the module passed alone before). The likely cause, not
+    yet confirmed on a GPU: engines in reference cycles, which Python's collector (counting objects, not bytes)
+    frees late."""
     yield
     if "gpu" in request.keywords and torch.cuda.is_available() and torch.cuda.is_initialized():
         import gc
