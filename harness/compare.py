@@ -349,7 +349,7 @@ def bundle_line(path: Path) -> str:
 
 def _line(path: Path, plan: dict, summary: dict | None, audit_doc: dict | None) -> str:
     """:func:`bundle_line` of a bundle whose documents were read."""
-    audit = audit_doc.get("status", "?") if audit_doc is not None else None
+    audited = f"audit {audit_doc.get('status', '?')}" if audit_doc is not None else "not audited"
     status = summary["status"] if summary else ("unpublished" if not is_published(path) else "?")
     code = plan.get("code", {})
     sha = (code.get("git_sha") or "unknown")[:8] + ("+dirty" if code.get("git_dirty") else "")
@@ -358,7 +358,6 @@ def _line(path: Path, plan: dict, summary: dict | None, audit_doc: dict | None) 
     if summary and not summary.get("verdicts_published", True):     # bundle formats before 2 have no such key
         barred = summary.get("verdicts_barred_by") or "see its report"     # a string (bundle_format.json)
         results = f"no verdicts ({barred}); measured, not evidence: {results}"
-    audited = "not audited" if audit_doc is None else f"audit {audit}"
     return f"{path.name}  {plan.get('name')}  model {preset}  {status} ({audited})  code {sha}  {results}"
 
 

@@ -374,7 +374,8 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
             executor = make_executor(spec, bundle, got.cache, got.devices)
         stop.before_children = False
         points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
-        if stop() is not None and not all("reference" in pt for pt in points):
+        frozen = all("reference" in pt for pt in points)
+        if stop() is not None and not frozen:
             # A resume refuses a bundle without every point's frozen reference and no arm has run, so the folder
             # holds nothing a new run would not redo; the child cached each reference it captured.
             shutil.rmtree(bundle, ignore_errors=True)
@@ -384,7 +385,7 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
                               "reuse_references=false)")
         plan = freeze_plan(spec, got, prepared.checkpoint, points, bundle)
         # no sessions after a failed or stopped reference capture
-        if children[0]["state"] == "completed" and all("reference" in pt for pt in points):
+        if children[0]["state"] == "completed" and frozen:
             children += run_restarts(spec.executor, executor, bundle, plan, got.devices, children, stop)
         return publish(bundle, plan, children, prepared.environment)
     finally:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +32,8 @@ import pyarrow.parquet as pq
 
 from . import diagnostics, graph_coverage, natural, roofline, telemetry
 from . import stats as _stats
-from .fileio import (atomic_write_bytes, atomic_write_json, atomic_write_text, canonical_json,  # noqa: F401
-                     sha256_bytes, sha256_file, try_lock)
-
-
-def bundle_format() -> dict:
-    """The bundle format contract, ``loopbench/bundle_format.json`` (shared with the auditor, STYLE rule 10)."""
-    return json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text())
-
+from .fileio import (atomic_write_bytes, atomic_write_json, atomic_write_text, bundle_format,  # noqa: F401
+                     canonical_json, sha256_bytes, sha256_file, try_lock)
 
 FORMAT = bundle_format()
 FORMAT_VERSION = FORMAT["version"]

@@ -8,17 +8,16 @@ exit status is shown (report.md's children table and ``child_failed`` text, the 
 re-derives the words with its own code from the same contract (audit/render.py ``exit_status``; it
 imports nothing of the harness), and a test holds the two equal.
 
-This module reads the contract itself, not through evidence.py: the session child, whose online server
+This module reads the contract through fileio.py, not evidence.py: the session child, whose online server
 reports its exit through it, loads no dataframe library.
 """
 from __future__ import annotations
 
-import json
-from importlib import resources
 from typing import Any, Mapping
 
-WORDS: dict[str, Any] = json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text()
-                                   )["documents"]["children"]["exit_status"]
+from .fileio import bundle_format
+
+WORDS: dict[str, Any] = bundle_format()["documents"]["children"]["exit_status"]
 
 
 def exit_status_text(child: Mapping[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""Small file helpers every harness process shares: atomic writes, the canonical JSON, sha256s, locks.
+"""Small file helpers every harness process shares: atomic writes, the canonical JSON, sha256s, locks, and the
+bundle format contract read once.
 
 Atomic means: a temporary dot-named ``*.tmp`` file in the same folder, fsync, rename; a crash leaves
 either the old file or the new one, and at worst that temporary file (``evidence.remove_stale_temp_files``
@@ -7,6 +8,7 @@ without loading the bundle writer (pandas, pyarrow) that :mod:`evidence` needs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -74,3 +76,12 @@ def try_lock(path: Path, *, shared: bool = False, wait_s: float = 0.0) -> int | 
                 os.close(fd)
                 return None
             time.sleep(0.1)
+
+
+@functools.cache
+def bundle_format() -> dict:
+    """The bundle format contract, ``loopbench/bundle_format.json`` (shared with the auditor, STYLE rule 10), read
+    once per process; every module of the harness reads its part of this one dict, which nobody changes."""
+    from importlib import resources
+
+    return json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text())

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from importlib import resources
 from pathlib import Path
 
-# the plan document of the bundle contract, read as data (importing evidence.py would load pandas here,
+from .fileio import bundle_format
+
+# the plan document of the bundle contract, read through fileio (importing evidence.py would load pandas here,
 # in the session child)
-_PLAN_DOC = json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text())["documents"]["plan"]
+_PLAN_DOC = bundle_format()["documents"]["plan"]
 NATURAL = "natural"
 POSITIONS = ("baseline", "candidate")
 VERDICTS = ("equivalent", "not_equivalent", "inconclusive")

@@ -9,10 +9,10 @@ The runtime's types are imported where they are used, so importing this module l
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from importlib import resources
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from .fileio import bundle_format
 
 if TYPE_CHECKING:
     from loopbench.runtime.api import EngineConfig, EngineStats, RequestOutput
@@ -22,8 +22,7 @@ DEFAULT_ENGINE = "loopbench.runtime.engine:LoopEngine"
 # The raw record's schema, the format contract's record.latest_schema (the auditor refuses a later one; STYLE rule
 # 10): 2: records carry ``coverage`` (harness/coverage.py); 3: its ``padding_rows`` pads every decode step to
 # max_num_seqs rows (the batch-invariant runtime, runtime/api.py EngineConfig.batch_invariant).
-RECORD_SCHEMA = json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text()
-                           )["documents"]["record"]["latest_schema"]
+RECORD_SCHEMA = bundle_format()["documents"]["record"]["latest_schema"]
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,12 @@ import shlex
 import signal
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
-# read here, not through harness/evidence.py: the job's interpreter (a session) loads no dataframe library
-_CHILDREN = json.loads(resources.files("loopbench").joinpath("bundle_format.json").read_text())["documents"]["children"]
+from .fileio import bundle_format
+
+# read through fileio, not harness/evidence.py: the job's interpreter (a session) loads no dataframe library
+_CHILDREN = bundle_format()["documents"]["children"]
 STATES: dict[str, str] = _CHILDREN["slurm_job_states"]
 FIELDS = ("JobState", "Reason", "NodeList", "ExitCode", "Partition", "Account", "TimeLimit")
 
