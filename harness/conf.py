@@ -348,6 +348,30 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
             raise ValueError(f"preset {config_name} does not compose with {' '.join(overrides)}") from exc
 
 
+def preset_files(name: str) -> list[str]:
+    """Preset ``name`` and every preset its ``defaults`` list extends, each once, a preset after the ones it extends
+    (``cpu-context`` -> ``['cpu-smoke', 'cpu-context']``); a file that does not read as YAML extends nothing."""
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def walk(preset: str) -> None:
+        seen.add(preset)
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{preset}.yaml"))
+        except (OSError, yaml.YAMLError, OmegaConfBaseException):
+            data = None
+        for entry in (data.get("defaults") or []) if isinstance(data, dict) else []:
+            if isinstance(entry, str) and entry not in seen and (CONFIG_DIR / f"{entry}.yaml").is_file():
+                walk(entry)
+        out.append(preset)
+
+    walk(name)
+    return out
+
+
 def _check_preset_keys(name: str, seen: set[str]) -> None:
     """The keys of preset ``name``'s YAML and of the presets its defaults list extends, each file on its
     own (``rules.check_keys``: ValueError naming the file); Hydra's ``defaults`` and ``hydra`` nodes aside."""

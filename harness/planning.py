@@ -54,6 +54,28 @@ def check(config_name: str, overrides: list[str]):
     return spec, inputs.gather(spec)
 
 
+def preset_holding(config_name: str, exc: Exception) -> str:
+    """`` in configs/<preset>.yaml`` when the bad value that ``exc`` (raised by :func:`check` for ``config_name`` and
+    some overrides) names is a preset's own: the first of ``conf.preset_files(config_name)`` (a preset after the
+    ones it extends) that, composed alone without overrides, is refused with the same message. "" when none is:
+    the value came from an override (whose text the user has in front of them), or from an override meeting a
+    preset's value; and for an error of composition (a misspelt key or a wrong type, whose messages name the file
+    already). Composes and checks each preset again, so it is for the error path only."""
+    if not isinstance(exc, (ValueError, TypeError)) or isinstance(exc, (HydraException, OmegaConfBaseException)):
+        return ""
+    for preset in conf.preset_files(config_name):
+        try:
+            cfg = conf.compose(preset, [])
+        except CONFIG_ERRORS:
+            continue    # a key or a type that composition refuses: conf.compose and Hydra name the file themselves
+        try:
+            conf.validate(cfg)
+        except CONFIG_ERRORS as own:
+            if str(own) == str(exc):
+                return f" in {conf.CONFIG_DIR.name}/{preset}.yaml"
+    return ""
+
+
 def check_sweep(config_name: str, overrides: list[str]) -> list[list[str]]:
     """Every job's overrides of a multirun, each checked (:func:`check`); SweepError names the first bad one
     (numbered from 1, as the sweep's progress lines number them)."""

@@ -16,6 +16,7 @@ from loopbench.harness import cli, conf
 
 REPO = Path(__file__).resolve().parents[2]
 BAD = "loopbench: bad configuration: "
+IN_SMOKE = "loopbench: bad configuration in configs/cpu-smoke.yaml: "
 ONLINE_NULL = ("online is null in preset cpu-smoke; an override cannot fill a null section, not online={...} either; "
                "use a preset that sets online (--config-name cpu-online or ouro-1.4b-online) or one of your own in "
                "configs/")
@@ -106,6 +107,41 @@ def test_a_misspelt_key_in_a_preset_names_its_file(tmp_path, monkeypatch, capsys
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [BAD + line], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
+@pytest.mark.parametrize("preset, overrides, line", [
+    ("cpu-smoke", [], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),
+    ("cpu-smoke", ["pairs=4"], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),
+    # the value lies in the preset cpu-context extends
+    ("cpu-context", [], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),
+    # an override's own bad value: the user has it in front of them, and no preset holds it
+    ("cpu-smoke", ["exit.threshold=2"], BAD + "exit.threshold must be in (0, 1], got 2.0"),
+    ("cpu-smoke", ["-m", "pairs=4,5"], "loopbench: bad configuration in sweep job 1 of 2 (pairs=4) in "
+                                       "configs/cpu-smoke.yaml: exit.threshold must be in (0, 1], got 1.5"),
+])
+def test_a_bad_value_in_a_preset_names_its_file(tmp_path, monkeypatch, capsys, preset, overrides, line):
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    text = (configs / "cpu-smoke.yaml").read_text()
+    assert text.count("threshold: 0.55") == 1
+    (configs / "cpu-smoke.yaml").write_text(text.replace("threshold: 0.55", "threshold: 1.5"))
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", "--config-name", preset, *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [line], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
+def test_preset_files_lists_a_preset_after_those_it_extends_and_survives_a_cycle(tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    assert conf.preset_files("cpu-context") == ["cpu-smoke", "cpu-context"]
+    assert conf.preset_files("cpu-smoke") == ["cpu-smoke"]
+    (configs / "a.yaml").write_text("defaults:\n  - b\n  - _self_\n")
+    (configs / "b.yaml").write_text("defaults:\n  - a\n  - _self_\n")
+    assert conf.preset_files("a") == ["b", "a"]
 
 
 def _loopbench(cwd: Path, *args: str):
