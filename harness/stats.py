@@ -14,6 +14,14 @@ With n pairs a bootstrap can draw only C(2n-1, n) distinct resamples (multisets 
 items; Feller 1968, vol. 1, II.5), 1,716 for n = 7, so 10,000 resamples cannot make a 7-pair CI finer
 than that; :func:`distinct_resamples` reports the count beside every CI.
 
+The level is nominal, not the coverage. With few pairs the percentile interval of the median is a pair
+of order statistics: for n = 7 it is [x_(2), x_(6)] (tests/harness/test_stats.py derives it), and for
+continuous ratios P(x_(2) <= true median <= x_(6)) = 1 - 2 P(Binomial(7, 1/2) <= 1) = 1 - 16/128 =
+0.875 (the order-statistic interval of a median; Conover 1999, "Practical Nonparametric Statistics",
+3.2), so the "95%" interval of the seed's 7 pairs covers 87.5%. It excludes 1 as soon as 6 of 7 ratios
+lie above it, where the exact two-sided sign test gives p = 16/128 = 0.125. By n the coverage is 0.94 at
+5, 0.875 at 7, 0.96 at 9, 0.93 at 11 and 0.91 at 13 (exact, odd n), about 0.93 at 6 and 8 (simulated).
+
 Independent restarts (``sessions: k``, issue 12): each device runs k fresh session processes one after
 another, each with its own balanced pairs. Pairs of one session share its process state (allocator,
 caches, clocks at load time), so they are not independent draws; :func:`hierarchical_median_ci`
@@ -167,10 +175,12 @@ def verdict(speedup: float, ci: tuple[float, float] | None, min_effect: float, n
     and 1 - speedup >= min_effect; anything else (CI touching 1, an effect below the minimum, an
     undefined CI, fewer than ``min_pairs`` pairs) is inconclusive. The CI says whether the direction is
     credible, the minimum effect whether it is worth reporting; pyperf's "not significant" plays the
-    same role. ``min_pairs`` guards the small-sample case in which a percentile bootstrap of the median
-    is overconfident: with n pairs all on one side, the exact two-sided sign test gives p = 2 / 2^n,
+    same role. ``min_pairs`` rules out the smallest samples, in which a percentile bootstrap of the median
+    is most overconfident: with n pairs all on one side, the exact two-sided sign test gives p = 2 / 2^n,
     below 0.05 only from n = 6 (Conover 1999, "Practical Nonparametric Statistics", 3.4), while the
-    bootstrap CI already excludes 1 at n = 2.
+    bootstrap CI already excludes 1 at n = 2. It does not make the interval exact: at n = 7 the 95%
+    interval covers 87.5% and excludes 1 once 6 of 7 ratios lie above it (sign-test p = 0.125; module
+    docstring), so a verdict from 7 pairs is a two-sided decision at the 12.5% level, not the 5% one.
     """
     if n_pairs is not None and n_pairs < min_pairs:
         noun = "pair" if n_pairs == 1 else "pairs"
@@ -315,7 +325,8 @@ def hierarchical_median_ci(groups: Sequence[Sequence[float]], confidence: float 
 def session_spread(groups: Sequence[Sequence[float]]) -> dict:
     """Within- and between-session spread of pair ratios: each session's median and n, the SD of the
     session medians (between; None below 2 sessions) and the pooled within-session SD, sqrt of the
-    pair-weighted mean of the sessions' variances (ddof 1; None when no session has 2 pairs)."""
+    sessions' variances (ddof 1) averaged with weights n_i - 1, their degrees of freedom (the one-way
+    ANOVA within-group mean square; a one-pair session adds nothing); None when no session has 2 pairs."""
     xs = [np.asarray(g, dtype=float) for g in groups]
     medians = [float(np.median(x)) for x in xs]
     dof = sum(x.size - 1 for x in xs)
@@ -382,7 +393,11 @@ def detectable_effect(sigma: float | None, n_pairs: int, alpha: float, power: fl
     Analysis for the Behavioral Sciences", 2.3; Chow, Shao & Wang 2008, "Sample Size Calculations in
     Clinical Research", 3.1, the one-sample / paired case). ``relative`` = exp(MDE) - 1, the speedup
     the design would detect with probability ``power`` at two-sided level ``alpha``. A normal
-    approximation: with few pairs the t quantiles are larger, so it flatters small designs.
+    approximation: with few pairs the t quantiles are larger, so it flatters small designs. It is the
+    MDE of a test of the mean log ratio, while the verdict tests the median (whose asymptotic variance
+    is pi / 2 times the mean's under normal noise) and also needs ``min_effect``; so the predeclared
+    rule detects this effect less often than ``power`` says (simulated with normal noise, sigma 0.02
+    to 0.05, power 0.8: about 0.7 at n = 7 and 0.65 at n = 14).
     ``sigma`` None: the effect is unknown. ValueError for ``sigma`` not finite and >= 0, ``n_pairs`` < 1 or a level
     outside (0, 1).
     """

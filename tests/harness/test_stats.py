@@ -48,6 +48,26 @@ def test_bootstrap_matches_hand_computed_case():
     assert res.distinct_resamples == 1716 == math.comb(13, 7)
 
 
+
+def test_seven_pair_interval_is_nominally_95_but_covers_87_5_percent():
+    """The module docstring's coverage: [x_(2), x_(6)] holds a continuous median with probability
+    P(2 <= Binomial(7, 1/2) <= 5) = 112/128; the code's own intervals, on normal log ratios around a
+    known median of 1, cover about that, far from 0.95; and 6 of 7 ratios above 1 already give a
+    "faster" verdict where the exact sign test has p = 0.125."""
+    exact = sum(math.comb(7, j) for j in range(2, 6)) / 2**7
+    assert exact == 0.875
+    rng = np.random.default_rng(12)
+    trials = 400
+    hits = 0
+    for i in range(trials):
+        low, high = stats.bootstrap_median_ci(np.exp(rng.normal(0.0, 0.02, 7)), 0.95, 2_000, seed=i)
+        hits += low <= 1.0 <= high
+    assert 0.82 < hits / trials < 0.92           # binomial SE of 400 trials at 0.875: 0.017
+    six_of_seven = [1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 0.5]
+    res = stats.compare(six_of_seven, [1.0] * 7, min_pairs=6)
+    assert res.verdict == "faster" and res.ci == (1.02, 1.06)
+    assert scipy.stats.binomtest(6, 7).pvalue == pytest.approx(0.125)
+
 def test_bootstrap_is_scipy_percentile_with_the_seed():
     ratios = np.array([0.98, 0.97, 0.99, 0.985, 0.975, 0.99, 0.96, 0.995])
     res = scipy.stats.bootstrap((ratios,), np.median, n_resamples=10_000, method="percentile",
@@ -170,6 +190,9 @@ def test_session_spread_within_and_between():
     assert spread["between_sd"] == pytest.approx(np.std([1.1, 2.2], ddof=1))
     # pooled within: variances 0.02 and 0.08 with one degree of freedom each
     assert spread["within_sd"] == pytest.approx(math.sqrt((0.02 + 0.08) / 2))
+    # unequal sessions: weights are degrees of freedom (2 and 1), not pairs (3 and 2)
+    uneven = stats.session_spread([[1.0, 1.2, 1.4], [2.0, 2.4]])
+    assert uneven["within_sd"] == pytest.approx(math.sqrt((2 * 0.04 + 1 * 0.08) / 3))
     one = stats.session_spread([[1.0]])
     assert one["between_sd"] is None and one["within_sd"] is None
 
