@@ -10,8 +10,11 @@ Per run: ``duration_s`` = the last request's end (the trace starts at 0); percen
 inter-token gap of the completed requests (``numpy.percentile``, method linear, Hyndman & Fan type 7),
 ``throughput_tokens_per_s`` = completed requests' tokens / duration, ``request_rate_rps`` = completed
 requests / duration, and ``goodput_rps`` = requests that met the SLO / duration, where a request meets
-the SLO when it completed with ``ttft_s <= slo.ttft_s`` and ``tpot_s <= slo.tpot_s`` (DistServe's
-goodput, Zhong et al. 2024; a one-token request has no TPOT and is held to TTFT only).
+the SLO when it completed with ``ttft_s <= slo.ttft_s`` and ``tpot_s <= slo.tpot_s`` (a one-token request
+has no TPOT and is held to TTFT only). This is one run's rate of SLO-meeting requests at its offered load,
+the per-request TTFT / TPOT attainment of DistServe (Zhong et al. 2024) counted per second; DistServe's own
+"goodput" is another figure, the highest request rate at which a set share of requests (e.g. 90%) meets
+the SLO, which one run at one rate does not measure.
 
 The SLO is the plan's, or derived from the native calibration run (the seed's rule):
 ``SLO_FACTOR`` x that run's p99 TTFT and p99 TPOT.
