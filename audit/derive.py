@@ -186,10 +186,10 @@ def wilcoxon(ratios: np.ndarray) -> tuple[float, str]:
 
 
 def verdict(speedup: float, ci: list | None, min_effect: float, n_pairs: int, min_pairs: int,
-            version: int = contract.VERSION) -> tuple[str, str]:
-    """The predeclared rule: faster / slower only when the whole CI is past 1 and the effect is big enough;
-    the reason as a bundle of format ``version`` words it (one pair in the singular from
-    ``singular_count_since``)."""
+            version: int = contract.VERSION, p: float | None = None, confidence: float = 0.95) -> tuple[str, str]:
+    """The predeclared rule: faster / slower only when the whole CI is past 1 and the effect is big enough, and
+    from format ``verdict_test_since`` (11) only when the signed-rank ``p`` is below 1 - ``confidence`` too; the
+    reason as a bundle of format ``version`` words it (one pair in the singular from ``singular_count_since``)."""
     if n_pairs < min_pairs:
         singular = n_pairs == 1 and version >= contract.DOCS["summary"]["singular_count_since"]
         noun = "pair" if singular else "pairs"
@@ -198,13 +198,19 @@ def verdict(speedup: float, ci: list | None, min_effect: float, n_pairs: int, mi
         return "inconclusive", "confidence interval undefined (fewer than 2 pairs or degenerate data)"
     low, high = ci
     span = f"CI [{low:.4f}, {high:.4f}]"
-    if low > 1 and speedup - 1 >= min_effect:
-        return "faster", f"{span} above 1 and effect {speedup - 1:+.2%} >= {min_effect:.2%}"
-    if high < 1 and 1 - speedup >= min_effect:
-        return "slower", f"{span} below 1 and effect {speedup - 1:+.2%} <= -{min_effect:.2%}"
     if low <= 1 <= high:
         return "inconclusive", f"{span} contains 1"
-    return "inconclusive", f"effect {speedup - 1:+.2%} smaller than the minimum {min_effect:.2%}"
+    faster = low > 1
+    if (speedup - 1 if faster else 1 - speedup) < min_effect:
+        return "inconclusive", f"effect {speedup - 1:+.2%} smaller than the minimum {min_effect:.2%}"
+    side, word = ("above", "faster") if faster else ("below", "slower")
+    bound = f">= {min_effect:.2%}" if faster else f"<= -{min_effect:.2%}"
+    if version < contract.DOCS["summary"]["verdict_test_since"]:
+        return word, f"{span} {side} 1 and effect {speedup - 1:+.2%} {bound}"
+    alpha = 1 - confidence
+    if p is None or not p < alpha:
+        return "inconclusive", f"{span} {side} 1 but signed-rank p " + ("undefined" if p is None else f"{p:.4g} >= {alpha:g}")
+    return word, f"{span} {side} 1, signed-rank p {p:.4g} < {alpha:g} and effect {speedup - 1:+.2%} {bound}"
 
 
 def comparison_stats(ratios: list[float], vd: dict, groups: list[np.ndarray] | None = None,
@@ -222,7 +228,7 @@ def comparison_stats(ratios: list[float], vd: dict, groups: list[np.ndarray] | N
     ci = _evidence.interval(groups, vd, pair_ci)
     bca = bootstrap_ci(x, vd["confidence"], vd["n_resamples"], vd["bootstrap_seed"], "BCa") if len(groups) == 1 else None
     p, p_method = wilcoxon(x)
-    word, why = verdict(speedup, ci, vd["min_effect"], x.size, vd["min_pairs"], version)
+    word, why = verdict(speedup, ci, vd["min_effect"], x.size, vd["min_pairs"], version, p, vd["confidence"])
     return {"n_pairs": int(x.size), "ratios": [float(v) for v in x], "speedup": speedup, "ci": ci, "bca_ci": bca,
             "ci_method": "percentile" if len(groups) == 1 else _evidence.HIERARCHICAL, "confidence": vd["confidence"], "n_resamples": vd["n_resamples"],
             "bootstrap_seed": vd["bootstrap_seed"], "distinct_resamples": math.comb(2 * x.size - 1, x.size),

@@ -272,7 +272,7 @@ def _rule(w: dict, plan: dict, summary: dict) -> str:
     """The sentence under the result tables (before format 4 it names no sessions: no evidence_rule)."""
     vd = plan["config"]["verdict"]
     return fill(w["result"]["rule"], **vd, **summary.get("evidence_rule", {}),
-                level=w["level"].format(100 * vd["confidence"]))
+                level=w["level"].format(100 * vd["confidence"]), verdict_alpha=1 - vd["confidence"])
 
 
 def _sessions(w: dict, plan: dict, summary: dict) -> list[str]:

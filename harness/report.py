@@ -223,7 +223,8 @@ def _fmt(template: str, value) -> str:
 def rule_text(plan: dict, summary: dict) -> str:
     """The result section's sentence under the table: the verdict rule and how the interval was made."""
     vd = plan["config"]["verdict"]
-    return fill(R["result"]["rule"], **vd, **summary["evidence_rule"], level=level_text(vd["confidence"]))
+    return fill(R["result"]["rule"], **vd, **summary["evidence_rule"], level=level_text(vd["confidence"]),
+                verdict_alpha=1 - vd["confidence"])
 
 
 def mde_line(plan: dict) -> str:

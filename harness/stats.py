@@ -168,33 +168,45 @@ def wilcoxon_p(ratios: Sequence[float]) -> tuple[float, str]:
 
 
 def verdict(speedup: float, ci: tuple[float, float] | None, min_effect: float, n_pairs: int | None = None,
-            min_pairs: int = 1) -> tuple[str, str]:
+            min_pairs: int = 1, p: float | None = None, alpha: float | None = None) -> tuple[str, str]:
     """The predeclared rule: ("faster" | "slower" | "inconclusive", why).
 
-    faster: the whole CI lies above 1 and speedup - 1 >= min_effect; slower: the whole CI lies below 1
-    and 1 - speedup >= min_effect; anything else (CI touching 1, an effect below the minimum, an
-    undefined CI, fewer than ``min_pairs`` pairs) is inconclusive. The CI says whether the direction is
-    credible, the minimum effect whether it is worth reporting; pyperf's "not significant" plays the
-    same role. ``min_pairs`` rules out the smallest samples, in which a percentile bootstrap of the median
-    is most overconfident: with n pairs all on one side, the exact two-sided sign test gives p = 2 / 2^n,
-    below 0.05 only from n = 6 (Conover 1999, "Practical Nonparametric Statistics", 3.4), while the
-    bootstrap CI already excludes 1 at n = 2. It does not make the interval exact: at n = 7 the 95%
-    interval covers 87.5% and excludes 1 once 6 of 7 ratios lie above it (sign-test p = 0.125; module
-    docstring), so a verdict from 7 pairs is a two-sided decision at the 12.5% level, not the 5% one.
-    """
+    faster: the whole CI lies above 1, the signed-rank test rejects "no difference" (``p`` < ``alpha``) and
+    speedup - 1 >= min_effect; slower: the whole CI lies below 1, ``p`` < ``alpha`` and 1 - speedup >=
+    min_effect; anything else (CI touching 1, p >= alpha or undefined, an effect below the minimum, an
+    undefined CI, fewer than ``min_pairs`` pairs) is inconclusive. The CI says where the median lies, the
+    test whether the direction is credible at the stated level, the minimum effect whether it is worth
+    reporting; pyperf's "not significant" plays the same role. ``alpha`` None leaves the test out (bundle
+    formats up to 10 decided on the CI alone).
+
+    Why the test: with few pairs the percentile interval of the median is a pair of order statistics and
+    covers less than its level: at n = 7 the "95%" interval is [x_(2), x_(6)], which holds the median with
+    probability 87.5% and excludes 1 once 6 of 7 ratios lie above it, where the exact two-sided sign test
+    gives p = 0.125 (module docstring). The exact signed-rank test (:func:`wilcoxon_p`, p = 2 / 2^n at
+    best) holds the verdict's two-sided error to ``alpha`` = 1 - confidence; with ``alpha`` 0.05 it needs
+    n >= 6 pairs (Wilcoxon 1945, "Individual comparisons by ranking methods"). ``min_pairs`` still rules out
+    the smallest samples on its own."""
     if n_pairs is not None and n_pairs < min_pairs:
         noun = "pair" if n_pairs == 1 else "pairs"
         return "inconclusive", f"{n_pairs} {noun}, fewer than the minimum {min_pairs} for a verdict"
     if ci is None:
         return "inconclusive", "confidence interval undefined (fewer than 2 pairs or degenerate data)"
     low, high = ci
-    if low > 1 and speedup - 1 >= min_effect:
-        return "faster", f"CI [{low:.4f}, {high:.4f}] above 1 and effect {speedup - 1:+.2%} >= {min_effect:.2%}"
-    if high < 1 and 1 - speedup >= min_effect:
-        return "slower", f"CI [{low:.4f}, {high:.4f}] below 1 and effect {speedup - 1:+.2%} <= -{min_effect:.2%}"
-    if low <= 1 <= high:
-        return "inconclusive", f"CI [{low:.4f}, {high:.4f}] contains 1"
-    return "inconclusive", f"effect {speedup - 1:+.2%} smaller than the minimum {min_effect:.2%}"
+    span = f"CI [{low:.4f}, {high:.4f}]"
+    side = "above" if low > 1 else "below" if high < 1 else None
+    if side is None:
+        return "inconclusive", f"{span} contains 1"
+    effect = speedup - 1 if side == "above" else 1 - speedup
+    if effect < min_effect:
+        return "inconclusive", f"effect {speedup - 1:+.2%} smaller than the minimum {min_effect:.2%}"
+    bound = f">= {min_effect:.2%}" if side == "above" else f"<= -{min_effect:.2%}"
+    word = "faster" if side == "above" else "slower"
+    if alpha is None:
+        return word, f"{span} {side} 1 and effect {speedup - 1:+.2%} {bound}"
+    if p is None or not p < alpha:
+        shown = "undefined" if p is None else f"{p:.4g} >= {alpha:g}"
+        return "inconclusive", f"{span} {side} 1 but signed-rank p {shown}"
+    return word, f"{span} {side} 1, signed-rank p {p:.4g} < {alpha:g} and effect {speedup - 1:+.2%} {bound}"
 
 
 @dataclass(frozen=True)
@@ -258,7 +270,7 @@ def compare(baseline_s: Sequence[float], candidate_s: Sequence[float], *, confid
     else:
         ci, bca = hierarchical_median_ci(groups, confidence, n_resamples, seed), None
     p, p_method = wilcoxon_p(ratios)
-    word, why = verdict(speedup, ci, min_effect, int(ratios.size), min_pairs)
+    word, why = verdict(speedup, ci, min_effect, int(ratios.size), min_pairs, p, 1 - confidence)
     return ComparisonStats(
         n_pairs=int(ratios.size), ratios=tuple(float(r) for r in ratios), speedup=speedup, ci=ci, bca_ci=bca,
         confidence=confidence, n_resamples=n_resamples, bootstrap_seed=seed,

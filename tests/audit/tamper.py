@@ -194,10 +194,35 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
     (bundle / "report.md").write_text("\n".join(out))
 
 
+def strip_version_11(bundle: Path) -> None:
+    """What format 11 changed taken back: each result's verdict reason by format 10's rule (the interval and the
+    effect alone; a verdict word that rule would change is refused, as this bundle's report would need it too)
+    and report.md's rule sentence in format 10's words; the manifest's ``format_version`` is the caller's to set."""
+    from loopbench.audit import derive, render
+
+    plan = json.loads((bundle / "plan.json").read_text())
+    vd = plan["config"]["verdict"]
+
+    def reword(summary):
+        for r in summary["results"]:
+            st = r["stats"]
+            word, st["verdict_reason"] = derive.verdict(st["speedup"], st["ci"], vd["min_effect"], st["n_pairs"],
+                                                        vd["min_pairs"], 10, st["wilcoxon_p"], vd["confidence"])
+            assert word == st["verdict"], f"format 10's rule gives {r['comparison']} another verdict: {word}"
+    edit_json(bundle / "summary.json", reword)
+    summary = json.loads((bundle / "summary.json").read_text())
+    if "evidence_rule" not in summary:
+        return    # stripped to format 3 already, its rule sentence with it (strip_version_3)
+    section = evidence.FORMAT["report"]
+    new, old = (render._rule(render.wording(section, v), plan, summary) for v in (11, 10))
+    edit_report(bundle, lambda lines: [old if line == new else line for line in lines])
+
+
 def strip_version_10(bundle: Path) -> None:
     """What format 10 added taken out: the raw online records' ``engine_settings`` and the Online section's
-    settings of the online runs (from its heading to the plot line's blank one); the manifest's
-    ``format_version`` is the caller's to set."""
+    settings of the online runs (from its heading to the plot line's blank one), and format 11's change
+    (``strip_version_11``); the manifest's ``format_version`` is the caller's to set."""
+    strip_version_11(bundle)
     for path in sorted((bundle / "online").glob("*/*.json")):
         edit_json(path, lambda r: r.pop("engine_settings", None))
     words = evidence.FORMAT["online"]["report"]

@@ -17,7 +17,7 @@ from loopbench.audit.auditor import audit
 from loopbench.harness import report, report_sections, stats
 from loopbench.harness.exit_status import exit_status_text
 from tests.audit.tamper import (REPO, _reword_as_version_6, edit_json, failed, passes_as_version, rewrite_manifest,
-                                strip_version_7, strip_version_8)
+                                strip_version_7, strip_version_8, strip_version_11)
 
 OLD = REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c"   # format 4, one session of 3 pairs, on a CPU
 FIRST_5 = REPO / "results" / "2026-12-01-ouro-1.4b-context-42d529f"   # format 5
@@ -58,7 +58,7 @@ def test_an_older_wording_is_reworded_as_its_writer_did(bundle, version, line):
 
 def test_format_7_wording_is_the_same_in_both_renderers(honest_bundle):
     docs, records, arms = _load(honest_bundle)
-    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == contract.VERSION == 10
+    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == contract.VERSION == 11
     mine, theirs = _both(docs, records, arms)
     # rendered here without the roofline rows (tests/audit/test_roofline.py checks that section)
     published = re.sub(r"\n## Roofline\n.*?(?=\n## )", "", (honest_bundle / "report.md").read_text(), flags=re.S)
@@ -87,6 +87,19 @@ def test_a_format_7_bundle_worded_as_format_6_audits_as_format_6(bundle):
     strip_version_7(bundle)
     passes_as_version(bundle, 6)
     edit_json(bundle / "manifest.json", lambda m: m.update(format_version=7))
+    rewrite_manifest(bundle)
+    assert "report.md" in failed(bundle)
+
+
+def test_a_format_11_bundle_worded_as_format_10_audits_as_format_10(bundle):
+    """Format 11 changed the verdict rule and its sentence only: with format 10's sentence and reasons the same
+    bundle is a format-10 bundle, and claiming 11 with them is named."""
+    rule = next(line for line in (bundle / "report.md").read_text().split("\n") if line.startswith("Tokens/s are"))
+    assert "the exact signed-rank test of the log ratios gives p < 0.05" in rule
+    strip_version_11(bundle)
+    assert rule not in (bundle / "report.md").read_text()
+    passes_as_version(bundle, 10)
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=11))
     rewrite_manifest(bundle)
     assert "report.md" in failed(bundle)
 
@@ -150,14 +163,16 @@ def test_wording_picks_each_versions_templates():
 
     def keys(d):
         return [k for key, v in d.items() for k in [key, *(keys(v) if isinstance(v, dict) else [])]]
+    assert [render.wording(section, v)["result"]["rule"] for v in (10, 11)] == [result["rule_since_7"],
+                                                                              result["rule_since_11"]]
     assert "rule_since_7" in keys(section) and not [k for k in keys(render.wording(section, 7)) if "_since_" in k]
-    assert report.wording(section, 9) == render.wording(section, 9) == report.R
+    assert report.wording(section, contract.VERSION) == render.wording(section, contract.VERSION) == report.R
     children = section["children"]
     assert [render.wording(section, v)["children"]["row"] for v in (7, 8)] == [children["row"], children["row_since_8"]]
     codes = contract.FORMAT["status_codes"]
     assert [render.wording(codes, v)["codes"]["child_failed"]["text"] for v in (1, 7, 8)] == [
         "child {child} ended {state} with exit code {exit_code}"] * 2 + ["child {child} ended {state}, {exit_status}"]
-    assert report.CODES == render.wording(codes, 9)["codes"]
+    assert report.CODES == render.wording(codes, contract.VERSION)["codes"]
 
 
 @pytest.mark.parametrize("n_pairs, version, reason", [
@@ -169,6 +184,23 @@ def test_verdict_reason_is_worded_as_the_bundles_version_wrote_it(n_pairs, versi
     assert derive.verdict(1.05, None, 0.01, n_pairs, 6, version)[1] == reason
     if version == contract.VERSION:
         assert stats.verdict(1.05, None, 0.01, n_pairs, 6)[1] == reason
+
+
+@pytest.mark.parametrize("version, p, word, reason", [
+    # format 11: the signed-rank p must be below 1 - confidence too
+    (11, 38 / 128, "inconclusive", "CI [1.0200, 1.0600] above 1 but signed-rank p 0.2969 >= 0.05"),
+    (11, 2 / 128, "faster", "CI [1.0200, 1.0600] above 1, signed-rank p 0.01562 < 0.05 and effect +4.00% >= 1.00%"),
+    (11, None, "inconclusive", "CI [1.0200, 1.0600] above 1 but signed-rank p undefined"),
+    # formats up to 10: the interval and the effect alone, whatever the p
+    (10, 38 / 128, "faster", "CI [1.0200, 1.0600] above 1 and effect +4.00% >= 1.00%"),
+    (7, 2 / 128, "faster", "CI [1.0200, 1.0600] above 1 and effect +4.00% >= 1.00%")])
+def test_the_verdict_rule_is_the_bundles_versions(version, p, word, reason):
+    """The writer (harness/stats.py, current format) and the auditor (audit/derive.py, every format) agree."""
+    assert derive.verdict(1.04, [1.02, 1.06], 0.01, 7, 6, version, p, 0.95) == (word, reason)
+    if version == contract.VERSION:
+        assert stats.verdict(1.04, (1.02, 1.06), 0.01, 7, 6, p, 1 - 0.95) == (word, reason)
+    for slower in (derive.verdict(1 / 1.04, [1 / 1.06, 1 / 1.02], 0.01, 7, 6, version, p, 0.95),):
+        assert slower[0] == {"faster": "slower"}.get(word, word)
 
 
 @pytest.mark.slow      # 5-20 s a committed bundle

@@ -65,8 +65,39 @@ def test_seven_pair_interval_is_nominally_95_but_covers_87_5_percent():
     assert 0.82 < hits / trials < 0.92           # binomial SE of 400 trials at 0.875: 0.017
     six_of_seven = [1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 0.5]
     res = stats.compare(six_of_seven, [1.0] * 7, min_pairs=6)
-    assert res.verdict == "faster" and res.ci == (1.02, 1.06)
+    assert res.ci == (1.02, 1.06)                 # the interval alone would say faster ...
     assert scipy.stats.binomtest(6, 7).pvalue == pytest.approx(0.125)
+    # ... where neither the sign test nor the signed-rank test is near 0.05: the verdict rule's test holds it back
+    assert res.wilcoxon_p == pytest.approx(38 / 128)
+    assert (res.verdict, res.verdict_reason) == ("inconclusive", "CI [1.0200, 1.0600] above 1 but signed-rank p "
+                                                                 "0.2969 >= 0.05")
+
+
+@pytest.mark.parametrize("ratios, word, reason", [
+    # every pair one way: the exact two-sided p is 2 / 2^7
+    ([1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08], "faster",
+     "CI [1.0300, 1.0700] above 1, signed-rank p 0.01562 < 0.05 and effect +5.00% >= 1.00%"),
+    ([1 / r for r in (1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08)], "slower",
+     "CI [0.9346, 0.9709] below 1, signed-rank p 0.01562 < 0.05 and effect -4.76% <= -1.00%"),
+    # one small pair the other way: W- = 1, p = 2 * 2 / 128
+    ([1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 0.999], "faster",
+     "CI [1.0200, 1.0600] above 1, signed-rank p 0.03125 < 0.05 and effect +4.00% >= 1.00%"),
+    # the test passes but the effect is below the minimum: the effect's reason, as before the test
+    ([1.001, 1.002, 1.003, 1.004, 1.005, 1.006, 1.007], "inconclusive", "effect +0.40% smaller than the minimum 1.00%"),
+])
+def test_the_verdict_needs_the_interval_the_signed_rank_test_and_the_effect(ratios, word, reason):
+    res = stats.compare(ratios, [1.0] * len(ratios), min_pairs=6)
+    assert (res.verdict, res.verdict_reason) == (word, reason)
+
+
+def test_the_verdict_without_a_test_level_is_the_interval_and_the_effect_alone():
+    """``alpha`` None: formats up to 10 decided so, in these words."""
+    assert stats.verdict(1.04, (1.02, 1.06), 0.01, 7, 6) == (
+        "faster", "CI [1.0200, 1.0600] above 1 and effect +4.00% >= 1.00%")
+    assert stats.verdict(1.04, (1.02, 1.06), 0.01, 7, 6, p=0.5) == (
+        "faster", "CI [1.0200, 1.0600] above 1 and effect +4.00% >= 1.00%")
+    assert stats.verdict(1.04, (1.02, 1.06), 0.01, 7, 6, p=None, alpha=0.05) == (
+        "inconclusive", "CI [1.0200, 1.0600] above 1 but signed-rank p undefined")
 
 def test_bootstrap_is_scipy_percentile_with_the_seed():
     ratios = np.array([0.98, 0.97, 0.99, 0.985, 0.975, 0.99, 0.96, 0.995])
