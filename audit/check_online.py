@@ -251,17 +251,23 @@ def token_check(ctx: Audit, on: dict, records: list[dict]) -> dict:
     return {"ok": not mismatches, "requests_checked": checked, "requests_failed": failed, "mismatches": mismatches}
 
 
+def _slo(declared: dict, calib_figs: dict | None) -> dict | None:
+    """The SLO of plan.json ``online.slo``: declared, or the factor x the calibration run's p99 TTFT and TPOT;
+    None without a calibration run or where it has neither p99 (no request, or none of two tokens, completed)."""
+    if declared["source"] == "declared":
+        return {"ttft_s": declared["ttft_s"], "tpot_s": declared["tpot_s"]}
+    if calib_figs is None or calib_figs["p99_ttft_s"] is None or calib_figs["p99_tpot_s"] is None:
+        return None
+    return {"ttft_s": declared["factor"] * calib_figs["p99_ttft_s"], "tpot_s": declared["factor"] * calib_figs["p99_tpot_s"]}
+
+
 def derived(ctx: Audit, plan: dict, records: list[dict]) -> tuple[dict, dict | None]:
     """(the re-derived online/summary.json, the SLO its figures use)."""
     on = plan["online"]
     method = on["percentile_method"]
     calib = next((r for r in records if r["kind"] == "calibration"), None)
     calib_figs = run_figures(calib, None, method) if calib else None
-    if on["slo"]["source"] == "declared":
-        slo = {"ttft_s": on["slo"]["ttft_s"], "tpot_s": on["slo"]["tpot_s"]}
-    else:
-        slo = None if calib_figs is None else {"ttft_s": on["slo"]["factor"] * calib_figs["p99_ttft_s"],
-                                               "tpot_s": on["slo"]["factor"] * calib_figs["p99_tpot_s"]}
+    slo = _slo(on["slo"], calib_figs)
     capacity = calib_figs["request_rate_rps"] if calib_figs else None
     check_arrivals(ctx, plan, records, capacity)
     runs = [run_figures(r, slo, method) for r in records]

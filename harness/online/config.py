@@ -104,6 +104,10 @@ def check(plain: dict) -> None:
     for key in ("slo_ttft_s", "slo_tpot_s"):
         if on[key] is not None:
             _positive(f"online.{key}", on[key])
+    if on["slo_ttft_s"] is None and plain["workload"]["output_len"] < 2:
+        raise ValueError(f"workload.output_len = {plain['workload']['output_len']} gives requests of one token, which "
+                         "have no TPOT, so the calibration run derives no SLO: declare online.slo_ttft_s and "
+                         "online.slo_tpot_s")
     if isinstance(on["warmup_requests"], bool) or not isinstance(on["warmup_requests"], int) or on["warmup_requests"] < 0:
         raise ValueError(f"online.warmup_requests must be an integer >= 0, got {on['warmup_requests']!r}")
     for key in ("max_duration_s", "health_timeout_s"):

@@ -29,7 +29,8 @@ def load_online_records(bundle: Path) -> list[dict]:
 
 def slo_of(online: dict, records: list[dict]) -> dict | None:
     """The SLO the figures use: the plan's declared one, or the factor x the calibration run's p99s
-    (None while no calibration run is recorded)."""
+    (None while no calibration run is recorded, or when it has no p99 TTFT or TPOT: it completed no
+    request, or none of two tokens; its session failed, so the bundle is incomplete)."""
     slo = online["slo"]
     if slo["source"] == "declared":
         return {"ttft_s": slo["ttft_s"], "tpot_s": slo["tpot_s"]}
@@ -37,6 +38,8 @@ def slo_of(online: dict, records: list[dict]) -> dict | None:
     if calib is None:
         return None
     figs = metrics.run_figures(calib["requests"], None)
+    if figs["p99_ttft_s"] is None or figs["p99_tpot_s"] is None:
+        return None
     return {"ttft_s": slo["factor"] * figs["p99_ttft_s"], "tpot_s": slo["factor"] * figs["p99_tpot_s"]}
 
 

@@ -97,7 +97,7 @@ def plot_latency(records: list[dict], summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(records), 1) + 1.6), sharey=True)
-    labels = []
+    labels, positive = [], {ax_t: False, ax_i: False}
     for y, rec in enumerate(records):
         lats = [metrics.request_latencies(r) for r in rec["requests"]]
         ttft = [lat["ttft_s"] for lat in lats if lat["ttft_s"] is not None]
@@ -105,14 +105,17 @@ def plot_latency(records: list[dict], summary: dict, path: Path) -> None:
         ax_t.scatter(ttft, np.full(len(ttft), y), s=10, color="C0" if rec["position"] != "candidate" else "C1")
         ax_i.scatter(itl, np.full(len(itl), y) + np.random.default_rng(y).uniform(-0.2, 0.2, len(itl)), s=2,
                      color="0.4")
+        positive[ax_t] |= any(t > 0 for t in ttft)
+        positive[ax_i] |= any(g > 0 for g in itl)
         rate = "closed" if rec["rate_multiple"] is None else f"{rec['rate_multiple']:.2f}x"
         labels.append(f"{rec['seq']} {rec['arm']} {rate}")
     slo = summary["slo"]
     for ax, key in ((ax_t, "ttft_s"), (ax_i, "tpot_s")):
         if slo.get(key) is not None:
             ax.axvline(slo[key], color="C3", lw=0.8)
-        ax.set_xscale("log", nonpositive="clip")   # gaps of tokens that came in one chunk are 0
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if positive[ax] or slo.get(key):   # log of nothing (no request completed) cannot be drawn
+            ax.set_xscale("log", nonpositive="clip")   # gaps of tokens that came in one chunk are 0
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_t.set_yticks(range(len(records)))
     ax_t.set_yticklabels(labels, fontsize=7)
     ax_t.invert_yaxis()

@@ -11,6 +11,7 @@ import pytest
 from loopbench.audit import contract
 from loopbench.harness import conf, controller, evidence
 from loopbench.harness.online import evidence as online_evidence, metrics
+from loopbench.harness.online.loadgen import TIMEOUT_ERROR
 
 from .tamper import (REPO, audit, edit_json, edit_report, failed, forge_settings, passes_as_version, rewrite_manifest,
                      strip_version_10)
@@ -139,6 +140,30 @@ def test_a_format_4_claim_with_an_online_track_is_a_downgrade(bundle):
     edit_json(bundle / "manifest.json", lambda m: m.update(format_version=4))
     edit_json(bundle / "plan.json", lambda p: p.pop("natural"))     # format 6's field, named first otherwise
     assert "plan: plan.json: online is a field that" in failed(bundle)
+
+
+def test_a_calibration_run_that_completed_no_request_publishes_an_incomplete_bundle_without_an_slo(bundle):
+    """A calibration run whose every request failed (a server too slow for max_duration_s) fails its session; the
+    bundle must still publish, incomplete, with no derived SLO (publishing crashed on factor x None), and the
+    auditor must re-derive the same rather than crash."""
+    for path in sorted((bundle / "online" / "cpu0").glob("*.json"))[1:]:
+        path.unlink()
+
+    def all_failed(rec):
+        for q in rec["requests"]:
+            q.update(token_times_s=[], token_ids=[], finish_reason=None, error=TIMEOUT_ERROR)
+    edit_json(_raw(bundle, 0), all_failed)
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    children[-1].update(state="failed", exit_code=1)
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    summary = json.loads((bundle / "online" / "summary.json").read_text())
+    assert summary["status"] == "incomplete" and summary["capacity_rps"] == 0.0
+    assert (summary["slo"]["ttft_s"], summary["slo"]["tpot_s"]) == (None, None)
+    assert [r["goodput_rps"] for r in summary["runs"]] == [None]
+    verdict = audit(bundle)
+    assert verdict["status"] == "incomplete", verdict["discrepancies"]
+    assert not verdict["discrepancies"]
 
 
 # ------------------------------------------------------------------ what each online run ran with (format 10)

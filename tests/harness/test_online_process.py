@@ -71,6 +71,18 @@ def test_bad_online_config_is_named(override, words):
     assert words in str(err.value)
 
 
+def test_one_token_requests_need_a_declared_slo():
+    """A request of one token has no TPOT, so a calibration run of them derives no SLO: refused before anything
+    runs (it crashed the publish after every online run had been measured); a declared SLO serves them."""
+    with pytest.raises(ValueError) as err:
+        conf.validate(conf.compose("cpu-online", ["workload.output_len=1"]))
+    assert "workload.output_len = 1 gives requests of one token, which have no TPOT" in str(err.value)
+    assert "online.slo_ttft_s and online.slo_tpot_s" in str(err.value)
+    spec = conf.validate(conf.compose("cpu-online", ["workload.output_len=1", "online.slo_ttft_s=0.5",
+                                                     "online.slo_tpot_s=0.1"]))
+    assert spec.online.slo_ttft_s == 0.5
+
+
 def test_the_online_defaults_fill_in_from_the_first_point_and_comparison():
     spec = conf.validate(conf.compose("cpu-online"))
     assert (spec.online.point, spec.online.baseline, spec.online.candidate) == ("B4C16", "native", "alias_prefix")
