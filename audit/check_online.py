@@ -50,6 +50,13 @@ def expected_order(on: dict, order_seed: int) -> list[dict]:
     return order
 
 
+def expected_requests(on: dict, point: dict) -> list[dict]:
+    """plan.json ``online.requests``: request i is the plan point's i-th request (its id and prompt), for the first
+    ``num_requests`` of them."""
+    return [{"index": i, "prompt_index": r["prompt_index"], "reference_request_id": r["request_id"]}
+            for i, r in enumerate(point["requests"][:on["num_requests"]])]
+
+
 def check_plan(ctx: Audit, plan: dict) -> None:
     """plan.json online: its fields, the trace and its sha256, the point, the requests and the order."""
     on = plan["online"]
@@ -68,9 +75,12 @@ def check_plan(ctx: Audit, plan: dict) -> None:
     if point is None or point["max_num_seqs"] != on["max_num_seqs"] or on["num_requests"] > point["num_requests"]:
         ctx.fail("online", f"plan.json online.point {on['point']!r} is not a plan point of B{on['max_num_seqs']} "
                            f"with at least {on['num_requests']} requests")
-    want_reqs = [{"index": i, "prompt_index": i, "reference_request_id": f"r{i:04d}"} for i in range(on["num_requests"])]
-    if on["requests"] != want_reqs:
-        ctx.fail("online", "plan.json online.requests are not request i = prompt i, reference r<i:04d>")
+    if point is not None and on["requests"] != expected_requests(on, point):
+        ctx.fail("online", "plan.json online.requests are not the point's first requests (request i = the point's "
+                           "request r<i:04d> on its prompt)")
+    if point is not None and on["max_tokens"] != point["output_len"]:
+        ctx.fail("online", f"plan.json online.max_tokens is {on['max_tokens']}, point {on['point']} has "
+                           f"output_len {point['output_len']}")
     if on["device"] != plan["devices"][0]["name"]:
         ctx.fail("online", f"plan.json online.device is {on['device']!r}, not the first device")
     if not same(on["order"], expected_order(on, plan["config"]["order_seed"])):

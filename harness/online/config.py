@@ -16,9 +16,10 @@ from typing import List, Optional
 class OnlineConf:
     """Online serving track (issue 13): an HTTP server per run, a seeded open-loop Poisson trace.
 
-    ``point``: the plan point (``B<max_num_seqs>C<num_requests>``) whose batch capacity, prompts and
-    frozen natural reference the trace uses (None: the first); ``num_requests`` requests (at most that
-    point's C, so every served request has a reference) of ``workload.output_len`` tokens each.
+    ``point``: the plan point (its key, ``B<max_num_seqs>C<num_requests>`` with ``P<prompt_len>`` /
+    ``D<output_len>`` where it sets its own) whose batch capacity, prompts and frozen natural reference the
+    trace uses (None: the first); ``num_requests`` requests (at most that point's C, so every served request
+    has a reference), its first requests on their prompts, of its D tokens each.
     ``rates`` are multiples of the native capacity that the calibration run measures (completed requests
     per s at concurrency B). The SLO is ``slo_ttft_s`` and ``slo_tpot_s`` when both are set, else 1.5 x
     the calibration run's p99 TTFT and p99 TPOT. ``baseline`` / ``candidate`` default to the first
@@ -69,13 +70,21 @@ def _positive(key: str, value, integer: bool = False) -> None:
         raise ValueError(f"{key} must be a positive {'integer' if integer else 'finite number'}, got {value!r}")
 
 
+def point_key(p: dict) -> str:
+    """A plain ``points`` item's key, as ``spec.PointSpec.key`` spells it: B<B>C<C>, then P<P> / D<D> where the
+    point sets its own prompt or output length."""
+    own = (f"P{p['prompt_len']}" if p.get("prompt_len") is not None else "") + \
+        (f"D{p['output_len']}" if p.get("output_len") is not None else "")
+    return f"B{p['max_num_seqs']}C{p['num_requests']}{own}"
+
+
 def check(plain: dict) -> None:
     """The online rules on the composed config's plain data; fills in the defaults of ``point``,
     ``baseline`` and ``candidate`` (in that private copy). ValueError names key and value."""
     on = plain.get("online")
     if on is None:
         return
-    points = {f"B{p['max_num_seqs']}C{p['num_requests']}": p for p in plain["points"]}
+    points = {point_key(p): p for p in plain["points"]}
     on["point"] = on["point"] or next(iter(points))
     if on["point"] not in points:
         raise ValueError(f"online.point = {on['point']!r} is not a point of this run; points are {sorted(points)}")
@@ -104,10 +113,12 @@ def check(plain: dict) -> None:
     for key in ("slo_ttft_s", "slo_tpot_s"):
         if on[key] is not None:
             _positive(f"online.{key}", on[key])
-    if on["slo_ttft_s"] is None and plain["workload"]["output_len"] < 2:
-        raise ValueError(f"workload.output_len = {plain['workload']['output_len']} gives requests of one token, which "
-                         "have no TPOT, so the calibration run derives no SLO: declare online.slo_ttft_s and "
-                         "online.slo_tpot_s")
+    own_d = points[on["point"]].get("output_len")
+    d_key, d = (f"points[{on['point']}].output_len", own_d) if own_d is not None else \
+        ("workload.output_len", plain["workload"]["output_len"])
+    if on["slo_ttft_s"] is None and d < 2:
+        raise ValueError(f"{d_key} = {d} gives requests of one token, which have no TPOT, so the calibration run "
+                         "derives no SLO: declare online.slo_ttft_s and online.slo_tpot_s")
     if isinstance(on["warmup_requests"], bool) or not isinstance(on["warmup_requests"], int) or on["warmup_requests"] < 0:
         raise ValueError(f"online.warmup_requests must be an integer >= 0, got {on['warmup_requests']!r}")
     for key in ("max_duration_s", "health_timeout_s"):

@@ -1,15 +1,15 @@
 """The online track's part of the frozen plan (``plan.json`` ``online``), written before anything is measured.
 
 It freezes the trace (the unit-rate Poisson arrivals of harness/online/loadgen.py, with its sha256), the
-point whose prompts and reference the trace uses (request i is the point's request i: prompt i, checked
-against reference request ``r<i:04d>``), the rates (multiples of the calibration run's capacity), the SLO
+point whose prompts and reference the trace uses (request i is the point's request i: its prompt, the i-th of
+the point's block of the pool, and its D tokens, checked against reference request ``r<i:04d>``), the rates (multiples of the calibration run's capacity), the SLO
 (declared, or null: derived from the calibration run) and the order: seq 0 is the calibration run of the
 baseline arm (closed loop at concurrency B), then per rate, ``pairs`` pairs whose first arm is
 ``stats.balanced_first`` seeded with (order_seed, rate index, 1).
 """
 from __future__ import annotations
 
-from .. import stats
+from .. import stats, workloads
 from ..spec import BenchSpec
 from . import loadgen, metrics
 
@@ -37,12 +37,14 @@ def online_plan(spec: BenchSpec, devices: list[dict]) -> dict | None:
     if on is None:
         return None
     point = next(p for p in spec.points if p.key == on.point)
+    first_prompt = workloads.prompt_offsets(spec)[point.prompt_len]   # the point's block of the prompt pool
     unit = loadgen.unit_trace(on.num_requests, on.trace_seed)
     declared = on.slo_ttft_s is not None
     return {
         "device": devices[0]["name"], "point": point.key, "max_num_seqs": point.max_num_seqs,
-        "num_requests": on.num_requests, "max_tokens": spec.workload.output_len,
-        "requests": [{"index": i, "prompt_index": i, "reference_request_id": f"r{i:04d}"} for i in range(on.num_requests)],
+        "num_requests": on.num_requests, "max_tokens": workloads.output_len(spec, point),
+        "requests": [{"index": i, "prompt_index": first_prompt + i, "reference_request_id": f"r{i:04d}"}
+                     for i in range(on.num_requests)],
         "trace": {"kind": "poisson", "rate_rps": 1.0, "seed": on.trace_seed, "unit_arrivals_s": unit,
                   "sha256": loadgen.trace_sha256(unit)},
         "rates": {"unit": "capacity", "multiples": [float(r) for r in on.rates]},

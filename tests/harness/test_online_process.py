@@ -6,7 +6,8 @@ import torch
 from loopbench.audit import check_online
 from loopbench.harness import conf
 from loopbench.harness.fixtures import write_synthetic_checkpoint
-from loopbench.harness.online.plan import online_order
+from loopbench.harness.online.plan import online_order, online_plan
+from loopbench.harness.plan import point_entries
 from loopbench.harness.online.process import ServerFailed, ServerProcess
 
 ARM = {"kv_layout": "native", "prefix_tiles": False, "attention_backend": "torch", "cuda_graphs": False,
@@ -81,6 +82,27 @@ def test_one_token_requests_need_a_declared_slo():
     spec = conf.validate(conf.compose("cpu-online", ["workload.output_len=1", "online.slo_ttft_s=0.5",
                                                      "online.slo_tpot_s=0.1"]))
     assert spec.online.slo_ttft_s == 0.5
+
+
+def test_an_online_point_with_its_own_prompt_and_output_length_serves_that_points_requests():
+    """A point that sets its own P and D is keyed B..C..P..D (as plan.json and `loopbench plan` key it): the online
+    track takes that key (it was refused as not a point, and the default key of a D-only first point crashed the
+    plan with StopIteration after the reference capture) and serves the point's own prompts and D tokens, those
+    its frozen reference holds; the auditor expects the same requests."""
+    points = "points=[{max_num_seqs:4,num_requests:16},{max_num_seqs:2,num_requests:8,prompt_len:20,output_len:8}]"
+    spec = conf.validate(conf.compose("cpu-online", [points, "online.point=B2C8P20D8", "online.num_requests=8"]))
+    devices = [{"name": "cpu0"}]
+    on = online_plan(spec, devices)
+    assert (on["point"], on["max_num_seqs"], on["max_tokens"]) == ("B2C8P20D8", 2, 8)
+    pt = next(p for p in point_entries(spec) if p["key"] == "B2C8P20D8")
+    assert [(r["prompt_index"], r["reference_request_id"]) for r in on["requests"]] == \
+        [(r["prompt_index"], r["request_id"]) for r in pt["requests"]]
+    assert on["requests"][0]["prompt_index"] == 16        # the point's block of the pool, after the workload's 16
+    assert check_online.expected_requests(on, pt) == on["requests"]
+    first_d = conf.validate(conf.compose("cpu-online", ["points=[{max_num_seqs:4,num_requests:16,output_len:8}]"]))
+    assert online_plan(first_d, devices)["point"] == "B4C16D8" and online_plan(first_d, devices)["max_tokens"] == 8
+    with pytest.raises(ValueError, match=r"points\[B4C16D1\].output_len = 1 gives requests of one token"):
+        conf.validate(conf.compose("cpu-online", ["points=[{max_num_seqs:4,num_requests:16,output_len:1}]"]))
 
 
 def test_the_online_defaults_fill_in_from_the_first_point_and_comparison():
