@@ -95,7 +95,14 @@ def record_stem(item: dict) -> str:
     return stem if item["kind"] == "calibration" else f"{stem}-r{item['rate_index']}-p{item['pair']}"
 
 
-def load_records(ctx: Audit, plan: dict) -> list[dict]:
+def device_sessions(plan: dict, children: list) -> list[str]:
+    """The ids of the online device's sessions in children.json, in order: its first (the device's name), then
+    any restart's or resume's, each of which runs the online runs its predecessors left unrecorded."""
+    device = plan["online"]["device"]
+    return [c.get("session", c.get("name")) for c in children if isinstance(c, dict) and c.get("name") == device]
+
+
+def load_records(ctx: Audit, plan: dict, sessions: list[str]) -> list[dict]:
     """Every online record that parses, has the contract's fields and sits at its order item's path."""
     on, out = plan["online"], []
     order = {o["seq"]: o for o in on["order"]}
@@ -115,7 +122,7 @@ def load_records(ctx: Audit, plan: dict) -> list[dict]:
         if problem is not None:
             ctx.fail("online", problem)
             continue
-        _check_as_planned(ctx, plan, rec, rel)
+        _check_as_planned(ctx, plan, rec, rel, sessions)
         out.append(rec)
     return sorted(out, key=lambda r: r["seq"])
 
@@ -131,14 +138,14 @@ def _record_problem(rec, rel: str) -> str | None:
     return problem
 
 
-def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str) -> None:
-    """A record at its place ran where and what the plan says: in its device's first session, the only one that
-    runs the track (its id the device's name), and its arm's planned config, as a raw arm record must
-    (check_plan); the engine_settings checks hold the settings to that config (check_settings.check_online)."""
+def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str, sessions: list[str]) -> None:
+    """A record at its place ran where and what the plan says: in a session of its device (children.json), and
+    its arm's planned config, as a raw arm record must (check_plan); the engine_settings checks hold the settings
+    to that config (check_settings.check_online)."""
     device, arm = plan["online"]["device"], rec["arm"]
-    if rec["session"] != device:
-        ctx.fail("online", f"{rel}: session is {rec['session']!r}, not {device!r}, the only session that runs the "
-                           "online track")
+    if rec["session"] not in sessions:
+        ctx.fail("online", f"{rel}: session is {rec['session']!r}, not a session of device {device!r} in "
+                           f"children.json ({', '.join(sessions) or 'none'}), the sessions that run the online track")
     for path, got, want in field_diffs(rec["arm_config"], plan["config"]["arms"].get(arm, {}), "arm_config"):
         ctx.fail("online", f"{rel}: {path} is {'missing' if got is contract.ABSENT else repr(got)}, plan.json "
                            f"config.arms.{arm} says {'nothing' if want is contract.ABSENT else repr(want)}")
@@ -328,7 +335,8 @@ def check(ctx: Audit, plan: dict, children: list) -> None:
     if not plan.get("online"):
         return
     check_plan(ctx, plan)
-    records = load_records(ctx, plan)
+    sessions = device_sessions(plan, children)
+    records = load_records(ctx, plan, sessions)
     ctx.online_records = records   # format 10: their engine_settings (check_settings.check_online, report_lines)
     ctx.count("online_records", len(records))
     summary, slo = derived(ctx, plan, records)
@@ -336,11 +344,11 @@ def check(ctx: Audit, plan: dict, children: list) -> None:
     got = json.loads((ctx.bundle / "online" / "summary.json").read_text())
     for path, g, w in field_diffs(got, summary, ""):
         ctx.fail("online/summary.json", f"{path} is {g!r}, re-derived from the raw timestamps {w!r}")
-    # the track runs in the device's first session (id = its name; a resume's sessions do not run it)
-    first = [c for c in children if isinstance(c, dict) and c.get("session", c.get("name")) == plan["online"]["device"]]
-    if first and first[-1].get("state") == "completed" and summary["status"] != "complete":
-        ctx.fail("online", f"session {plan['online']['device']} completed but recorded {len(records)} of "
-                           f"{len(plan['online']['order'])} online runs")
+    # each session of the device runs the online runs left unrecorded, so its last one completing leaves none
+    last = [c for c in children if isinstance(c, dict) and c.get("name") == plan["online"]["device"]][-1:]
+    if last and last[0].get("state") == "completed" and summary["status"] != "complete":
+        ctx.fail("online", f"session {sessions[-1]} completed but {len(records)} of {len(plan['online']['order'])} "
+                           "online runs are recorded")
     ctx.online_summary = summary   # for the report's Online section (report_lines)
 
 

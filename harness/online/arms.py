@@ -12,7 +12,8 @@ then stop the server and write one raw record ``online/<device>/<seq:05d>-<kind>
 (atomic) with every request's timestamps and tokens and what the server's engine ran with
 (``engine_settings``, read once it is healthy: bundle format 10); the server's log sits beside it (same stem, .log).
 A server that crashes or never gets healthy raises ``ServerFailed`` with its log tail: the session
-fails, and the bundle is incomplete. Only a device's first session runs the track (a resume does not).
+fails, and the bundle is incomplete. A device's first session runs the track; a resume's session of that
+device runs the runs it left unrecorded (a stop or failure in the middle of the track), so a resume completes it.
 """
 from __future__ import annotations
 
@@ -92,18 +93,27 @@ def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capaci
     return record
 
 
+def recorded_runs(out_dir: Path) -> dict[int, dict]:
+    """The online records a session of this device already wrote, by seq (a record is written whole, or not)."""
+    return {rec["seq"]: rec for rec in (json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("*.json")))}
+
+
 def measure_online(job: dict, log) -> None:
-    """The session's online track: every online run of the plan, in order (nothing without one, on
-    another device, or in a resumed or later session)."""
+    """The session's online track: every online run of the plan not yet recorded, in order (nothing without
+    one or on another device). The device's first session records them all; a later one (a resume's, after a
+    stop in the middle of the track) runs those left, at the capacity of the recorded calibration run."""
     bundle = Path(job["bundle"])
     plan = json.loads((bundle / "plan.json").read_text())
     online = plan.get("online")
-    if online is None or job["name"] != online["device"] or job.get("session", job["name"]) != job["name"]:
+    if online is None or job["name"] != online["device"]:
         return
     prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())
     out_dir = bundle / "online" / job["name"]
-    capacity = None
+    done = recorded_runs(out_dir)
+    capacity = calibration_figures(done[0])["request_rate_rps"] if 0 in done else None
     for item in online["order"]:
+        if item["seq"] in done:
+            continue
         rec = run_item(plan, job, item, prompts, capacity, out_dir)
         figs = metrics.run_figures(rec["requests"], None)
         if item["kind"] == "calibration":
