@@ -228,7 +228,7 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
     from .online.plan import describe as describe_online   # the online track's line, when there is one
 
     return "\n".join(lines + [_estimate_line(spec, got, order, plain, resuming is not None), _effect_line(spec)]
-                     + natural_lines(plain, spec) + describe_online(spec))
+                     + _verdict_line(spec) + natural_lines(plain, spec) + describe_online(spec))
 
 
 def _point_text(pt) -> str:
@@ -257,6 +257,22 @@ def _effect_line(spec) -> str:
     return (f"  detectable effect: {eff['mde_relative']:+.2%} speedup ({_n(n, 'pair')} per comparison, alpha "
             f"{alpha:.2g}, power {power:.0%}, noise sigma {eff['noise']['sigma_log_ratio']:.3g} "
             f"({eff['noise']['source']}))")
+
+
+def _verdict_line(spec) -> list[str]:
+    """A warning when the design cannot give a verdict whatever it measures (none when it can): fewer pairs per
+    comparison than ``verdict.min_pairs``, or so few that the exact two-sided signed-rank p, at least 2 / 2^n
+    (every pair one way), cannot fall below 1 - ``verdict.confidence`` (the verdict rule, ``stats.verdict``)."""
+    n, vd = detectable_effect(spec)["n_pairs"], spec.verdict
+    alpha, floor_p = 1 - vd.confidence, 2 / 2 ** n
+    if n < vd.min_pairs:
+        why = f"fewer than verdict.min_pairs = {vd.min_pairs}"
+    elif not floor_p < alpha:
+        why = (f"so the signed-rank p is at least 2 / 2^{n} = {floor_p:.3g}, never below 1 - verdict.confidence = "
+               f"{alpha:.3g}")
+    else:
+        return []
+    return [f"  verdicts: none possible: {_n(n, 'pair')} per comparison, {why}; every result will read inconclusive"]
 
 
 def _estimate_line(spec, got, order, plain, resuming: bool = False) -> str:

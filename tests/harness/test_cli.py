@@ -47,7 +47,23 @@ def test_plan_prints_the_order_and_creates_nothing(tmp_path, monkeypatch, capsys
     assert "B2C2 pair 0:  native_vs_alias_prefix [" in out and "B2C2 pair 1:" in out
     assert "to be synthesized once" in out and "estimated duration: unknown" in out
     assert "detectable effect: unknown (2 pairs per comparison; no noise estimate" in out
+    assert "verdicts: none possible: 2 pairs per comparison, fewer than verdict.min_pairs = 6; every result will " \
+           "read inconclusive" in out
     assert list(tmp_path.iterdir()) == []      # no bundle, no cache, no outputs/ of Hydra's
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["pairs=7", "verdict.confidence=0.99"], "  verdicts: none possible: 7 pairs per comparison, so the signed-rank p "
+     "is at least 2 / 2^7 = 0.0156, never below 1 - verdict.confidence = 0.01; every result will read inconclusive"),
+    (["pairs=4", "sessions=2", "verdict.confidence=0.99"], None),     # 8 pairs: 2 / 256 < 0.01
+    (["pairs=7"], None),
+])
+def test_plan_says_when_no_verdict_is_possible(tmp_path, monkeypatch, capsys, overrides, line):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", *TINY, *overrides, f"results_dir={tmp_path / 'r'}",
+                     f"cache_dir={tmp_path / 'c'}"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  verdicts:")]
+    assert lines == ([line] if line else [])
 
 
 def test_plan_prints_sessions_and_the_detectable_effect_of_the_plan(tmp_path, monkeypatch, capsys):
