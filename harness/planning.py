@@ -57,23 +57,35 @@ def check(config_name: str, overrides: list[str]):
 def preset_holding(config_name: str, exc: Exception) -> str:
     """`` in configs/<preset>.yaml`` when the bad value that ``exc`` (raised by :func:`check` for ``config_name`` and
     some overrides) names is a preset's own: the first of ``conf.preset_files(config_name)`` (a preset after the
-    ones it extends) that, composed alone without overrides, is refused with the same message. "" when none is:
-    the value came from an override (whose text the user has in front of them), or from an override meeting a
-    preset's value; and for an error of composition (a misspelt key or a wrong type, whose messages name the file
-    already). Composes and checks each preset again, so it is for the error path only."""
+    ones it extends) that, composed alone without overrides, is refused with the same message, provided
+    ``config_name`` alone is too. "" when none is: the value came from an override (whose text the user has in
+    front of them; also where a preset that ``config_name`` extends holds the same bad value, which
+    ``config_name`` overrides), or from an override meeting a preset's value; and for an error of composition (a
+    misspelt key or a wrong type, whose messages name the file already). Composes and checks each preset again, so it
+    is for the error path only."""
     if not isinstance(exc, (ValueError, TypeError)) or isinstance(exc, (HydraException, OmegaConfBaseException)):
         return ""
+    if not _refused_alike(config_name, exc):
+        return ""   # the run's preset alone is fine: an override set the value (a preset it extends may hold the
+        # same bad value, but the run's preset overrides that one, so fixing that file would change nothing)
     for preset in conf.preset_files(config_name):
-        try:
-            cfg = conf.compose(preset, [])
-        except CONFIG_ERRORS:
-            continue    # a key or a type that composition refuses: conf.compose and Hydra name the file themselves
-        try:
-            conf.validate(cfg)
-        except CONFIG_ERRORS as own:
-            if str(own) == str(exc):
-                return f" in {conf.CONFIG_DIR.name}/{preset}.yaml"
+        if _refused_alike(preset, exc):
+            return f" in {conf.CONFIG_DIR.name}/{preset}.yaml"
     return ""
+
+
+def _refused_alike(preset: str, exc: Exception) -> bool:
+    """Whether ``preset`` composed alone, without overrides, is refused by the checks with ``exc``'s message (not
+    one that composition refuses: a misspelt key or a wrong type, whose messages name the file themselves)."""
+    try:
+        cfg = conf.compose(preset, [])
+    except CONFIG_ERRORS:
+        return False
+    try:
+        conf.validate(cfg)
+    except CONFIG_ERRORS as own:
+        return str(own) == str(exc)
+    return False
 
 
 def check_sweep(config_name: str, overrides: list[str]) -> list[list[str]]:

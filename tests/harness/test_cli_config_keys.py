@@ -133,6 +133,28 @@ def test_a_bad_value_in_a_preset_names_its_file(tmp_path, monkeypatch, capsys, p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
 
 
+def test_an_overrides_value_is_not_blamed_on_a_preset_the_run_s_preset_overrides(tmp_path, monkeypatch, capsys):
+    """cpu-smoke holds exit.threshold 1.5, cpu-context (which extends it) sets 0.6 and plans fine alone: a bad
+    exit.threshold=1.5 then comes from the override (plain or swept), not from cpu-smoke.yaml, whose value
+    cpu-context overrides. (It was named 'in configs/cpu-smoke.yaml': that preset alone is refused alike.)"""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    text = (configs / "cpu-smoke.yaml").read_text()
+    (configs / "cpu-smoke.yaml").write_text(text.replace("threshold: 0.55", "threshold: 1.5"))
+    (configs / "cpu-context.yaml").write_text((configs / "cpu-context.yaml").read_text() + "exit:\n  threshold: 0.6\n")
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", "--config-name", "cpu-context"]) == 0
+    capsys.readouterr()
+    for overrides, line in (
+            (["exit.threshold=1.5"], BAD + "exit.threshold must be in (0, 1], got 1.5"),
+            (["-m", "exit.threshold=0.5,1.5"], "loopbench: bad configuration in sweep job 2 of 2 (exit.threshold=1.5): "
+                                               "exit.threshold must be in (0, 1], got 1.5")):
+        assert cli.main(["-q", "plan", "--config-name", "cpu-context", *overrides]) == 2
+        out, err = capsys.readouterr()
+        assert err.splitlines() == [line], err
+
+
 def test_preset_files_lists_a_preset_after_those_it_extends_and_survives_a_cycle(tmp_path, monkeypatch):
     configs = tmp_path / "configs"
     shutil.copytree(conf.CONFIG_DIR, configs)
