@@ -98,6 +98,16 @@ def recorded_runs(out_dir: Path) -> dict[int, dict]:
     return {rec["seq"]: rec for rec in (json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("*.json")))}
 
 
+def _capacity(calibration: dict, out_dir: Path) -> float:
+    """The capacity the rates multiply: the calibration run's completed requests per s; RuntimeError where it
+    completed none (in the session that ran it, and in a resume's, before any server starts)."""
+    figs = calibration_figures(calibration)
+    if not figs["request_rate_rps"]:
+        raise RuntimeError(f"the online calibration run completed no request ({figs['failed']} failed): "
+                           f"no capacity to scale the rates by; see {out_dir / calibration['server']['log']}")
+    return figs["request_rate_rps"]
+
+
 def measure_online(job: dict, log) -> None:
     """The session's online track: every online run of the plan not yet recorded, in order (nothing without
     one or on another device). The device's first session records them all; a later one (a resume's, after a
@@ -110,17 +120,16 @@ def measure_online(job: dict, log) -> None:
     prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())
     out_dir = bundle / "online" / job["name"]
     done = recorded_runs(out_dir)
-    capacity = calibration_figures(done[0])["request_rate_rps"] if 0 in done else None
+    capacity = None
+    if 0 in done and len(done) < len(online["order"]):   # a resume's session: the recorded calibration run's capacity
+        capacity = _capacity(done[0], out_dir)
     for item in online["order"]:
         if item["seq"] in done:
             continue
         rec = run_item(plan, job, item, prompts, capacity, out_dir)
         figs = metrics.run_figures(rec["requests"], None)
         if item["kind"] == "calibration":
-            capacity = calibration_figures(rec)["request_rate_rps"]
-            if not capacity:
-                raise RuntimeError(f"the online calibration run completed no request ({figs['failed']} failed): "
-                                   f"no capacity to scale the rates by; see {out_dir / rec['server']['log']}")
+            capacity = _capacity(rec, out_dir)
         ttft, rate = figs["p99_ttft_s"], figs["request_rate_rps"]
         log(f"online {item['seq']:3d} {item['kind']:11s} {item['arm']:>14s} rate "
             f"{'closed' if rec['rate_rps'] is None else format(rec['rate_rps'], '.3f') + '/s'}: "

@@ -198,6 +198,29 @@ def test_a_resumed_session_that_completed_with_the_online_track_incomplete_is_na
     assert "online: session cpu0.r1 completed but 2 of 3 online runs are recorded" in "\n".join(audit(bundle)["discrepancies"])
 
 
+def test_a_resume_after_a_calibration_run_that_completed_no_request_names_it_before_serving(bundle):
+    """The recorded calibration run completed no request (capacity 0): a resume's session names that, as the first
+    session did, before it starts a server (it started one, then failed on 'rate_rps must be > 0, got 0.0')."""
+    from loopbench.harness.online import arms
+
+    for path in sorted((bundle / "online" / "cpu0").glob("*.json"))[1:]:
+        path.unlink()
+
+    def all_failed(rec):
+        for q in rec["requests"]:
+            q.update(token_times_s=[], token_ids=[], finish_reason=None, error=TIMEOUT_ERROR)
+    edit_json(_raw(bundle, 0), all_failed)
+    started = []
+    job = {**json.loads((bundle / "jobs" / "session-cpu0.json").read_text()), "bundle": str(bundle), "session": "cpu0.r1",
+           "seqs": []}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(arms.ServerProcess, "start", lambda self: started.append(self) or (_ for _ in ()).throw(
+            AssertionError("a server started")))
+        with pytest.raises(RuntimeError, match="the online calibration run completed no request"):
+            arms.measure_online(job, lambda line: None)
+    assert not started and sorted(p.name for p in (bundle / "online" / "cpu0").glob("*.json")) == [_raw(bundle, 0).name]
+
+
 # ------------------------------------------------------------------ what each online run ran with (format 10)
 
 def _online_records(bundle: Path) -> list[dict]:
