@@ -330,6 +330,20 @@ def check_table(ctx: Audit, rows: list[dict]) -> None:
         ctx.count("online_request_rows")
 
 
+def check_pair_sessions(ctx: Audit, records: list[dict]) -> None:
+    """A pair's two online runs are measured back to back in one session (a resume discards a run whose pair's
+    other run was not recorded and measures the pair again), as a pair of arm runs is."""
+    pairs: dict[tuple, list[dict]] = {}
+    for rec in records:
+        if rec["kind"] == "arm":
+            pairs.setdefault((rec["rate_index"], rec["pair"]), []).append(rec)
+    for (ri, pair), recs in pairs.items():
+        if len({r["session"] for r in recs}) > 1:
+            where = ", ".join(f"{r['session']} (seq {r['seq']})" for r in recs)
+            ctx.fail("online", f"pair {pair} at rate index {ri} ran in sessions {where}; a pair's two runs are "
+                               "measured back to back in one session")
+
+
 def check(ctx: Audit, plan: dict, children: list) -> None:
     """Every check of the module docstring on a bundle with an online track (nothing without one)."""
     if not plan.get("online"):
@@ -337,6 +351,7 @@ def check(ctx: Audit, plan: dict, children: list) -> None:
     check_plan(ctx, plan)
     sessions = device_sessions(plan, children)
     records = load_records(ctx, plan, sessions)
+    check_pair_sessions(ctx, records)
     ctx.online_records = records   # format 10: their engine_settings (check_settings.check_online, report_lines)
     ctx.count("online_records", len(records))
     summary, slo = derived(ctx, plan, records)

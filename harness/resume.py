@@ -11,7 +11,7 @@
   bundle's frozen plan (every key but the creation time and the config's ``resume`` and ``results_dir``,
   which only say where bundles lie; the environment's library versions and devices too); any difference is refused, naming it, before anything is changed or
   measured. Completed pairs are kept; an arm whose partner was not recorded is discarded (a pair is
-  two back-to-back arms of one session), and the rest of each device's planned order is measured by a
+  two back-to-back arms of one session; so is an online run whose pair's other run was not recorded), and the rest of each device's planned order is measured by a
   new session child ``<name>.r<k>`` per restart left (``<name>.s<j>.r<k>``, controller.run_restarts), which reuses the bundle's frozen references (never recaptured)
   and continues the same seeded order. Every record names the session that measured it and
   ``children.json`` lists every session of every run. A complete bundle is never resumed.
@@ -225,7 +225,23 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
                              f"planned order (seq {gap} is missing before seq {kept[-1]}), so the rest cannot be "
                              "measured in order")
         todo[name] = [item["seq"] for item in order[len(kept):]]
-    return todo, discard
+    return todo, discard + _lone_online_runs(bundle, plan)
+
+
+def _lone_online_runs(bundle: Path, plan: dict) -> list[Path]:
+    """The online track's runs whose pair's other run was not recorded (a stop between the two): discarded as a
+    lone arm is, so that the resumed session measures the pair again, its two runs back to back in one session."""
+    online = plan.get("online")
+    if not online:
+        return []
+    from .online.arms import record_stem
+
+    pairs: dict[tuple, list[Path]] = {}
+    for item in online["order"]:
+        if item["kind"] == "arm":
+            pairs.setdefault((item["rate_index"], item["pair"]), []).append(
+                bundle / "online" / online["device"] / f"{record_stem(item)}.json")
+    return [path for paths in pairs.values() if not all(p.is_file() for p in paths) for path in paths if path.is_file()]
 
 
 def _checkpoint_at_hand(spec: BenchSpec, cache: Path) -> bool:

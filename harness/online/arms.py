@@ -13,7 +13,8 @@ then stop the server and write one raw record ``online/<device>/<seq:05d>-<kind>
 (``engine_settings``, read once it is healthy: bundle format 10); the server's log sits beside it (same stem, .log).
 A server that crashes or never gets healthy raises ``ServerFailed`` with its log tail: the session
 fails, and the bundle is incomplete. A device's first session runs the track; a resume's session of that
-device runs the runs it left unrecorded (a stop or failure in the middle of the track), so a resume completes it.
+device runs the runs it left unrecorded (a stop or failure in the middle of the track), so a resume completes it;
+the resume discards a pair's lone run first (harness/resume.py), so that a pair's two runs share one session.
 """
 from __future__ import annotations
 

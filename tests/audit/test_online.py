@@ -167,9 +167,11 @@ def test_a_calibration_run_that_completed_no_request_publishes_an_incomplete_bun
 
 
 def test_a_bundle_stopped_in_its_online_track_is_resumed_to_a_complete_track(honest_online, bundle):
-    """A stop in the middle of the online track (SIGTERM to the controller after two of its three runs): the resume
-    measures the run left in its own session, at the recorded calibration run's capacity. (A resume ran no online
-    run, then published the bundle complete with its online track incomplete for good, and the audit passed it.)"""
+    """A stop in the middle of the online track (SIGTERM to the controller after two of its three runs, between the
+    two runs of a pair): the resume discards the pair's lone run and measures the pair again in its own session, at
+    the recorded calibration run's capacity. (A resume ran no online run, then published the bundle complete with
+    its online track incomplete for good, and the audit passed it; then it ran only the run left, so the pair's two
+    runs came from two sessions, which a pair of arm runs never does.)"""
     _raw(bundle, 2).unlink()
     plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
     children[-1].update(state="interrupted", exit_code=-15, interrupted_by="SIGTERM")
@@ -181,8 +183,8 @@ def test_a_bundle_stopped_in_its_online_track_is_resumed_to_a_complete_track(hon
                                                                f"cache_dir={root / 'cache'}", f"resume={bundle}"]))
     summary = json.loads((bundle / "online" / "summary.json").read_text())
     assert (summary["status"], summary["runs_recorded"]) == ("complete", 3) and summary["checks"]["ok"]
-    assert [json.loads(_raw(bundle, s).read_text())["session"] for s in (0, 1, 2)] == ["cpu0", "cpu0", "cpu0.r1"]
-    assert json.loads(_raw(bundle, 2).read_text())["capacity_rps"] == summary["capacity_rps"]
+    assert [json.loads(_raw(bundle, s).read_text())["session"] for s in (0, 1, 2)] == ["cpu0", "cpu0.r1", "cpu0.r1"]
+    assert [json.loads(_raw(bundle, s).read_text())["capacity_rps"] for s in (1, 2)] == [summary["capacity_rps"]] * 2
     assert result.summary["status"] == "complete"
     verdict = audit(bundle)
     assert verdict["status"] == "pass", verdict["discrepancies"]
@@ -196,6 +198,26 @@ def test_a_resumed_session_that_completed_with_the_online_track_incomplete_is_na
     evidence.unpublish(bundle)
     controller.publish(bundle, plan, children, env)
     assert "online: session cpu0.r1 completed but 2 of 3 online runs are recorded" in "\n".join(audit(bundle)["discrepancies"])
+
+
+def test_an_online_pair_whose_two_runs_ran_in_two_sessions_is_named(bundle):
+    """What the resume of a stop between a pair's two runs published: the first run in the stopped session, the
+    second in the resume's (its session in children.json, with its ceiling and log); a pair is two runs back to back
+    in one session, so it is named (the auditor passed it)."""
+    edit_json(bundle / "children.json", lambda ch: ch.append({**ch[-1], "session": "cpu0.r1", "log": "cpu0.r1.log",
+                                                             "attempt": 1}))
+    edit_json(_raw(bundle, 2), lambda rec: rec.update(session="cpu0.r1"))
+    shutil.copy(bundle / "logs" / "cpu0.log", bundle / "logs" / "cpu0.r1.log")
+    job = json.loads((bundle / "jobs" / "session-cpu0.json").read_text())
+    (bundle / "jobs" / "session-cpu0.r1.json").write_text(json.dumps({**job, "session": "cpu0.r1", "seqs": []}))
+    ceiling = json.loads((bundle / "ceilings" / "cpu0.json").read_text())
+    (bundle / "ceilings" / "cpu0.r1.json").write_text(json.dumps({**ceiling, "session": "cpu0.r1"}))
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    problems = audit(bundle)["discrepancies"]
+    assert problems == ["online: pair 0 at rate index 0 ran in sessions cpu0 (seq 1), cpu0.r1 (seq 2); a pair's two "
+                        "runs are measured back to back in one session"], problems
 
 
 def test_a_resume_after_a_calibration_run_that_completed_no_request_names_it_before_serving(bundle):
