@@ -187,6 +187,9 @@ def _resume_lines(check) -> list[str]:
     lines = [f"  resume: {check.bundle} ({state}); this run's plan and environment are the bundle's",
              f"  resume keeps {check.kept} of {check.planned} arms, {check.left} to measure ({per_device}), on the "
              "bundle's frozen references, in its planned order"]
+    if check.online_planned:
+        lines.append(f"  resume runs {check.online_left} of the online track's {check.online_planned} runs (those "
+                     "not recorded, and a pair's lone run again with its partner)")
     if not check.checkpoint_compared:
         lines.append("  resume: checkpoint not compared yet (the synthetic checkpoint is not in the cache and plan "
                      "writes none; bench synthesizes it and refuses the resume if its sha256 differs)")

@@ -228,6 +228,19 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
     return todo, discard + _lone_online_runs(bundle, plan)
 
 
+def _online_left(bundle: Path, plan: dict, discard: list[Path]) -> tuple[int, int]:
+    """(runs of the online track, those a resume measures): every planned run whose record is not in the bundle or
+    is among ``discard`` (a lone run of a pair); (0, 0) without an online track."""
+    online = plan.get("online")
+    if not online:
+        return 0, 0
+    from .online.arms import record_stem
+
+    gone = set(discard)
+    paths = [bundle / "online" / online["device"] / f"{record_stem(item)}.json" for item in online["order"]]
+    return len(paths), sum(1 for p in paths if p in gone or not p.is_file())
+
+
 def _lone_online_runs(bundle: Path, plan: dict) -> list[Path]:
     """The online track's runs whose pair's other run was not recorded (a stop between the two): discarded as a
     lone arm is, so that the resumed session measures the pair again, its two runs back to back in one session."""
@@ -307,6 +320,8 @@ class ResumeCheck:
     todo: dict[str, tuple[int, ...]]    # per device, the planned seqs a resume measures (the rest of its order)
     discard: tuple[Path, ...]           # lone arms (their pair's other arm unrecorded): measured again with it
     checkpoint_compared: bool           # False: a synthetic checkpoint not yet cached (plan writes none)
+    online_planned: int = 0             # runs of the online track (plan.json online.order); 0 without one
+    online_left: int = 0                # of those, the runs a resume measures (unrecorded, or discarded lone ones)
 
     @property
     def left(self) -> int:
@@ -336,9 +351,10 @@ def _check(spec: BenchSpec, got: inputs.Inputs | None,
                          "resumed (start a new run instead)")
     ours, got, env, compared = _refuse_unlike_plan(spec, bundle, plan, got, synthesize)
     todo, discard = _kept_and_todo(bundle, plan)
+    online_planned, online_left = _online_left(bundle, plan, discard)
     check = ResumeCheck(bundle=bundle, status=status, planned=sum(len(v) for v in plan["order"].values()),
                         todo={name: tuple(seqs) for name, seqs in todo.items()}, discard=tuple(discard),
-                        checkpoint_compared=compared)
+                        checkpoint_compared=compared, online_planned=online_planned, online_left=online_left)
     return check, ours, got, env, plan
 
 
@@ -379,8 +395,10 @@ def resume(spec: BenchSpec) -> RunResult:
                       "resume measures the pair again)", flush=True)
                 path.unlink()
             attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
+            online = (f"; {check.online_left} of the online track's {check.online_planned} runs to run"
+                      if check.online_planned else "")
             print(f"loopbench: resuming {bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, "
-                  f"{check.left} to measure", flush=True)
+                  f"{check.left} to measure{online}", flush=True)
             write_children(bundle, children)
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from loopbench.audit import contract
-from loopbench.harness import conf, controller, evidence
+from loopbench.harness import conf, controller, evidence, planning
 from loopbench.harness.online import evidence as online_evidence, metrics
 from loopbench.harness.online.loadgen import TIMEOUT_ERROR
 
@@ -179,8 +179,12 @@ def test_a_bundle_stopped_in_its_online_track_is_resumed_to_a_complete_track(hon
     controller.publish(bundle, plan, children, env)
     assert json.loads((bundle / "online" / "summary.json").read_text())["status"] == "incomplete"
     root = honest_online.parent.parent
-    result = controller.run(conf.compose("cpu-online", SMALL + [f"results_dir={bundle.parent}",
-                                                               f"cache_dir={root / 'cache'}", f"resume={bundle}"]))
+    overrides = SMALL + [f"results_dir={bundle.parent}", f"cache_dir={root / 'cache'}", f"resume={bundle}"]
+    text = planning.plan_text("cpu-online", overrides)     # what `loopbench plan resume=` says first
+    assert "  resume runs 2 of the online track's 3 runs (those not recorded, and a pair's lone run again with its " \
+           "partner)" in text.split("\n"), text
+    assert f"online/cpu0/{_raw(bundle, 1).name}" in text
+    result = controller.run(conf.compose("cpu-online", overrides))
     summary = json.loads((bundle / "online" / "summary.json").read_text())
     assert (summary["status"], summary["runs_recorded"]) == ("complete", 3) and summary["checks"]["ok"]
     assert [json.loads(_raw(bundle, s).read_text())["session"] for s in (0, 1, 2)] == ["cpu0", "cpu0.r1", "cpu0.r1"]
