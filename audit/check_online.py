@@ -344,6 +344,22 @@ def check_pair_sessions(ctx: Audit, records: list[dict]) -> None:
                                "measured back to back in one session")
 
 
+def check_session_order(ctx: Audit, records: list[dict], sessions: list[str]) -> None:
+    """The online runs follow the plan's order through the device's sessions: a session runs only the runs its
+    predecessors left, so a run of a later seq never names an earlier session than a run before it (``records``
+    by seq, ``sessions`` in children.json order; a record naming none of them is named by its own check)."""
+    rank = {name: i for i, name in enumerate(sessions)}
+    latest = None
+    for rec in records:
+        if rec["session"] not in rank:
+            continue
+        if latest is not None and rank[rec["session"]] < rank[latest["session"]]:
+            ctx.fail("online", f"seq {rec['seq']} ran in session {rec['session']}, before seq {latest['seq']} in "
+                               f"{latest['session']}; a later session runs only the online runs an earlier one left")
+        if latest is None or rank[rec["session"]] >= rank[latest["session"]]:
+            latest = rec
+
+
 def check(ctx: Audit, plan: dict, children: list) -> None:
     """Every check of the module docstring on a bundle with an online track (nothing without one)."""
     if not plan.get("online"):
@@ -352,6 +368,7 @@ def check(ctx: Audit, plan: dict, children: list) -> None:
     sessions = device_sessions(plan, children)
     records = load_records(ctx, plan, sessions)
     check_pair_sessions(ctx, records)
+    check_session_order(ctx, records, sessions)
     ctx.online_records = records   # format 10: their engine_settings (check_settings.check_online, report_lines)
     ctx.count("online_records", len(records))
     summary, slo = derived(ctx, plan, records)

@@ -204,13 +204,13 @@ def test_a_resumed_session_that_completed_with_the_online_track_incomplete_is_na
     assert "online: session cpu0.r1 completed but 2 of 3 online runs are recorded" in "\n".join(audit(bundle)["discrepancies"])
 
 
-def test_an_online_pair_whose_two_runs_ran_in_two_sessions_is_named(bundle):
-    """What the resume of a stop between a pair's two runs published: the first run in the stopped session, the
-    second in the resume's (its session in children.json, with its ceiling and log); a pair is two runs back to back
-    in one session, so it is named (the auditor passed it)."""
+def _republished_with_a_resumed_session(bundle, seqs_in_resume: tuple[int, ...]) -> list[str]:
+    """The bundle republished as if a resume's session cpu0.r1 (in children.json, with its job, ceiling and log) had
+    measured the online runs ``seqs_in_resume``; the audit's discrepancies."""
     edit_json(bundle / "children.json", lambda ch: ch.append({**ch[-1], "session": "cpu0.r1", "log": "cpu0.r1.log",
                                                              "attempt": 1}))
-    edit_json(_raw(bundle, 2), lambda rec: rec.update(session="cpu0.r1"))
+    for seq in seqs_in_resume:
+        edit_json(_raw(bundle, seq), lambda rec: rec.update(session="cpu0.r1"))
     shutil.copy(bundle / "logs" / "cpu0.log", bundle / "logs" / "cpu0.r1.log")
     job = json.loads((bundle / "jobs" / "session-cpu0.json").read_text())
     (bundle / "jobs" / "session-cpu0.r1.json").write_text(json.dumps({**job, "session": "cpu0.r1", "seqs": []}))
@@ -219,9 +219,24 @@ def test_an_online_pair_whose_two_runs_ran_in_two_sessions_is_named(bundle):
     plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
     evidence.unpublish(bundle)
     controller.publish(bundle, plan, children, env)
-    problems = audit(bundle)["discrepancies"]
+    return audit(bundle)["discrepancies"]
+
+
+def test_an_online_pair_whose_two_runs_ran_in_two_sessions_is_named(bundle):
+    """What the resume of a stop between a pair's two runs published: the first run in the stopped session, the
+    second in the resume's (its session in children.json, with its ceiling and log); a pair is two runs back to back
+    in one session, so it is named (the auditor passed it)."""
+    problems = _republished_with_a_resumed_session(bundle, (2,))
     assert problems == ["online: pair 0 at rate index 0 ran in sessions cpu0 (seq 1), cpu0.r1 (seq 2); a pair's two "
                         "runs are measured back to back in one session"], problems
+
+
+def test_an_online_run_in_an_earlier_session_than_the_run_before_it_is_named(bundle):
+    """The calibration run (seq 0) claims the resume's session while the pair after it claims the first: a later
+    session runs only what an earlier one left, so the order is named (the auditor took any listed session)."""
+    problems = _republished_with_a_resumed_session(bundle, (0,))
+    assert problems == [f"online: seq {seq} ran in session cpu0, before seq 0 in cpu0.r1; a later session runs only "
+                        "the online runs an earlier one left" for seq in (1, 2)], problems
 
 
 def test_a_resume_after_a_calibration_run_that_completed_no_request_names_it_before_serving(bundle):
