@@ -248,7 +248,8 @@ def test_code_sha256_covers_the_contract_the_writer_reads(tmp_path):
     assert before == identity.code_identity(REPO)["code_sha256"]
     contract = proj / "loopbench" / "bundle_format.json"
     text = contract.read_text()
-    contract.write_text(text.replace('"version": 10', '"version": 11', 1))
+    version = json.loads(text)["version"]
+    contract.write_text(text.replace(f'"version": {version}', f'"version": {version + 1}', 1))
     assert contract.read_text() != text
     assert identity.code_identity(proj)["code_sha256"] != before
 
