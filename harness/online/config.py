@@ -85,7 +85,7 @@ def check(plain: dict) -> None:
     if on is None:
         return
     points = {point_key(p): p for p in plain["points"]}
-    on["point"] = on["point"] or next(iter(points))
+    on["point"] = next(iter(points)) if on["point"] is None else on["point"]   # '' is a (bad) point, not the default
     if on["point"] not in points:
         raise ValueError(f"online.point = {on['point']!r} is not a point of this run; points are {sorted(points)}")
     for key in ("num_requests", "pairs"):
@@ -102,8 +102,8 @@ def check(plain: dict) -> None:
         if rate in on["rates"][:i]:     # one rate's runs would be summarised under both entries
             raise ValueError(f"online.rates[{i}] = {rate!r} is listed twice: {list(on['rates'])}")
     first = plain["comparisons"][0]
-    on["baseline"] = on["baseline"] or first["baseline"]
-    on["candidate"] = on["candidate"] or first["candidate"]
+    on["baseline"] = first["baseline"] if on["baseline"] is None else on["baseline"]
+    on["candidate"] = first["candidate"] if on["candidate"] is None else on["candidate"]
     for key in ("baseline", "candidate"):
         if on[key] not in plain["arms"]:
             raise ValueError(f"online.{key} = {on[key]!r} is not an arm; arms are {sorted(plain['arms'])}")

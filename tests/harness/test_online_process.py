@@ -65,6 +65,10 @@ def test_the_online_order_is_balanced_and_the_auditor_derives_the_same():
     ("online.rates=[1.0,0.5,1.0]", "online.rates[2] = 1.0 is listed twice: [1.0, 0.5, 1.0]"),
     ("online.max_duration_s=inf", "online.max_duration_s must be a positive finite number, got inf"),
     ("online.point=B9C9", "online.point = 'B9C9' is not a point of this run"),
+    # an empty name is a bad one, not the default (it read as null)
+    ("online.point=''", "online.point = '' is not a point of this run"),
+    ("online.candidate=''", "online.candidate = '' is not an arm"),
+    ("online.baseline=''", "online.baseline = '' is not an arm"),
 ])
 def test_bad_online_config_is_named(override, words):
     with pytest.raises(ValueError, match=None) as err:
