@@ -65,13 +65,12 @@ def preset_holding(config_name: str, exc: Exception) -> str:
     is for the error path only."""
     if not isinstance(exc, (ValueError, TypeError)) or isinstance(exc, (HydraException, OmegaConfBaseException)):
         return ""
-    if not _refused_alike(config_name, exc):
+    *extended, own = conf.preset_files(config_name)     # ``config_name`` comes last
+    if not _refused_alike(own, exc):
         return ""   # the run's preset alone is fine: an override set the value (a preset it extends may hold the
         # same bad value, but the run's preset overrides that one, so fixing that file would change nothing)
-    for preset in conf.preset_files(config_name):
-        if _refused_alike(preset, exc):
-            return f" in {conf.CONFIG_DIR.name}/{preset}.yaml"
-    return ""
+    holder = next((preset for preset in extended if _refused_alike(preset, exc)), own)
+    return f" in {conf.CONFIG_DIR.name}/{holder}.yaml"
 
 
 def _refused_alike(preset: str, exc: Exception) -> bool:

@@ -228,32 +228,30 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
     return todo, discard + _lone_online_runs(bundle, plan)
 
 
+def _online_records(bundle: Path, plan: dict) -> list[tuple[dict, Path]]:
+    """Each online order item of ``plan`` with the path of its raw record (none without an online track)."""
+    online = plan.get("online")
+    if not online:
+        return []
+    from .online.arms import record_stem
+
+    return [(item, bundle / "online" / online["device"] / f"{record_stem(item)}.json") for item in online["order"]]
+
+
 def _online_left(bundle: Path, plan: dict, discard: list[Path]) -> tuple[int, int]:
     """(runs of the online track, those a resume measures): every planned run whose record is not in the bundle or
     is among ``discard`` (a lone run of a pair); (0, 0) without an online track."""
-    online = plan.get("online")
-    if not online:
-        return 0, 0
-    from .online.arms import record_stem
-
-    gone = set(discard)
-    paths = [bundle / "online" / online["device"] / f"{record_stem(item)}.json" for item in online["order"]]
+    gone, paths = set(discard), [path for _, path in _online_records(bundle, plan)]
     return len(paths), sum(1 for p in paths if p in gone or not p.is_file())
 
 
 def _lone_online_runs(bundle: Path, plan: dict) -> list[Path]:
     """The online track's runs whose pair's other run was not recorded (a stop between the two): discarded as a
     lone arm is, so that the resumed session measures the pair again, its two runs back to back in one session."""
-    online = plan.get("online")
-    if not online:
-        return []
-    from .online.arms import record_stem
-
     pairs: dict[tuple, list[Path]] = {}
-    for item in online["order"]:
+    for item, path in _online_records(bundle, plan):
         if item["kind"] == "arm":
-            pairs.setdefault((item["rate_index"], item["pair"]), []).append(
-                bundle / "online" / online["device"] / f"{record_stem(item)}.json")
+            pairs.setdefault((item["rate_index"], item["pair"]), []).append(path)
     return [path for paths in pairs.values() if not all(p.is_file() for p in paths) for path in paths if path.is_file()]
 
 

@@ -70,21 +70,15 @@ def _positive(key: str, value, integer: bool = False) -> None:
         raise ValueError(f"{key} must be a positive {'integer' if integer else 'finite number'}, got {value!r}")
 
 
-def point_key(p: dict) -> str:
-    """A plain ``points`` item's key, as ``spec.PointSpec.key`` spells it: B<B>C<C>, then P<P> / D<D> where the
-    point sets its own prompt or output length."""
-    own = (f"P{p['prompt_len']}" if p.get("prompt_len") is not None else "") + \
-        (f"D{p['output_len']}" if p.get("output_len") is not None else "")
-    return f"B{p['max_num_seqs']}C{p['num_requests']}{own}"
-
-
 def check(plain: dict) -> None:
     """The online rules on the composed config's plain data; fills in the defaults of ``point``,
     ``baseline`` and ``candidate`` (in that private copy). ValueError names key and value."""
     on = plain.get("online")
     if on is None:
         return
-    points = {point_key(p): p for p in plain["points"]}
+    from ..spec import PointSpec    # at call time: spec.py imports this module for OnlineSpec
+
+    points = {PointSpec(**p).key: p for p in plain["points"]}   # keyed as plan.json and `loopbench plan` key them
     on["point"] = next(iter(points)) if on["point"] is None else on["point"]   # '' is a (bad) point, not the default
     if on["point"] not in points:
         raise ValueError(f"online.point = {on['point']!r} is not a point of this run; points are {sorted(points)}")

@@ -142,10 +142,8 @@ def test_a_format_4_claim_with_an_online_track_is_a_downgrade(bundle):
     assert "plan: plan.json: online is a field that" in failed(bundle)
 
 
-def test_a_calibration_run_that_completed_no_request_publishes_an_incomplete_bundle_without_an_slo(bundle):
-    """A calibration run whose every request failed (a server too slow for max_duration_s) fails its session; the
-    bundle must still publish, incomplete, with no derived SLO (publishing crashed on factor x None), and the
-    auditor must re-derive the same rather than crash."""
+def _only_a_calibration_run_that_completed_no_request(bundle) -> None:
+    """The online track stopped after its calibration run (seq 0), every request of which timed out."""
     for path in sorted((bundle / "online" / "cpu0").glob("*.json"))[1:]:
         path.unlink()
 
@@ -153,6 +151,13 @@ def test_a_calibration_run_that_completed_no_request_publishes_an_incomplete_bun
         for q in rec["requests"]:
             q.update(token_times_s=[], token_ids=[], finish_reason=None, error=TIMEOUT_ERROR)
     edit_json(_raw(bundle, 0), all_failed)
+
+
+def test_a_calibration_run_that_completed_no_request_publishes_an_incomplete_bundle_without_an_slo(bundle):
+    """A calibration run whose every request failed (a server too slow for max_duration_s) fails its session; the
+    bundle must still publish, incomplete, with no derived SLO (publishing crashed on factor x None), and the
+    auditor must re-derive the same rather than crash."""
+    _only_a_calibration_run_that_completed_no_request(bundle)
     plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
     children[-1].update(state="failed", exit_code=1)
     evidence.unpublish(bundle)
@@ -244,13 +249,7 @@ def test_a_resume_after_a_calibration_run_that_completed_no_request_names_it_bef
     session did, before it starts a server (it started one, then failed on 'rate_rps must be > 0, got 0.0')."""
     from loopbench.harness.online import arms
 
-    for path in sorted((bundle / "online" / "cpu0").glob("*.json"))[1:]:
-        path.unlink()
-
-    def all_failed(rec):
-        for q in rec["requests"]:
-            q.update(token_times_s=[], token_ids=[], finish_reason=None, error=TIMEOUT_ERROR)
-    edit_json(_raw(bundle, 0), all_failed)
+    _only_a_calibration_run_that_completed_no_request(bundle)
     started = []
     job = {**json.loads((bundle / "jobs" / "session-cpu0.json").read_text()), "bundle": str(bundle), "session": "cpu0.r1",
            "seqs": []}
