@@ -348,6 +348,21 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
             raise ValueError(f"preset {config_name} does not compose with {' '.join(overrides)}") from exc
 
 
+def sweeper_params(config_name: str) -> list[str]:
+    """The sweep a preset declares under ``hydra.sweeper.params`` as ``KEY=VALUES`` overrides, in the order Hydra's
+    basic sweeper puts them before the command line's (``-m`` runs them: one job per combination). [] for a preset
+    that declares none, or that does not compose (the checks then name what is wrong with it)."""
+    from hydra import compose as _compose, initialize_config_dir
+
+    try:
+        with stops_held(), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = _compose(config_name=config_name, return_hydra_config=True)
+    except Exception:   # noqa: BLE001 - composition errors are reported by the checks of each job
+        return []
+    params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+    return [f"{key}={value}" for key, value in params.items()]
+
+
 def preset_files(name: str) -> list[str]:
     """Preset ``name`` and every preset its ``defaults`` list extends, each once, a preset after the ones it extends
     (``cpu-context`` -> ``['cpu-smoke', 'cpu-context']``); a file that does not read as YAML extends nothing."""

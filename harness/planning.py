@@ -39,7 +39,8 @@ class SweepError(Exception):
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """The override list of every job of a Hydra multirun (``KEY=A,B`` sweeps; Hydra's basic sweeper)."""
+    """The override list of every job of a Hydra multirun (``KEY=A,B`` sweeps; Hydra's basic sweeper). ``overrides``
+    hold the preset's own sweep first (:func:`conf.sweeper_params`), as the sweeper reads them."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -101,7 +102,8 @@ def sweep_arm_runs(config_name: str, overrides: list[str]) -> list[int]:
 def _checked_jobs(config_name: str, overrides: list[str]) -> list[tuple[list[str], object]]:
     try:
         try:
-            jobs = sweep_jobs(overrides)
+            # a preset's hydra.sweeper.params sweep too: Hydra puts them before the command line's (which win)
+            jobs = sweep_jobs([*conf.sweeper_params(config_name), *overrides])
         except HydraException:
             conf.check_override_syntax(overrides)   # a key Hydra's lexer refuses, in our words where we have them
             raise
