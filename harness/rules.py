@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import typing
 from pathlib import Path
@@ -202,9 +203,14 @@ def check(plain: dict) -> None:
 def check_folder(key: str, raw: str, path: Path) -> None:
     """ValueError naming ``key`` (written ``raw``) when folder ``path`` cannot be had: it, or the nearest part of it
     that exists, is a file (``results_dir=notes.txt``, ``cache_dir=notes.txt/cache``). Checked before anything is
-    written, where the first ``mkdir`` would otherwise fail with a traceback once a bundle folder exists."""
+    written, where the first ``mkdir`` would otherwise fail with a traceback once a bundle folder exists. So is a
+    folder that cannot be written: ``path``, or the nearest part of it that exists, without write permission."""
     for part in (path, *path.parents):
         if part.is_dir():
+            if not os.access(part, os.W_OK | os.X_OK):
+                where = "is a folder" if part == path else f"is below {part}, a folder"
+                raise ValueError(f"{key} = {raw!r} {where} this user cannot write; name a folder you can write "
+                                 "(it is made where missing)")
             return
         if part.exists():
             where = "is a file" if part == path else f"is below {part}, which is a file"

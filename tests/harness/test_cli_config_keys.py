@@ -239,6 +239,24 @@ def test_a_results_or_cache_folder_that_is_a_file_is_named_before_anything_is_wr
     assert err == BAD + f"{key} = '{path}' {where}, not a folder; name a folder (it is made where missing)\n", err
 
 
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("key", ["results_dir", "cache_dir"])
+@pytest.mark.parametrize("below", [False, True])
+def test_a_results_or_cache_folder_that_cannot_be_written_is_named_before_anything_is_written(
+        tmp_path, monkeypatch, capsys, command, key, below):
+    """Once a traceback with exit 1 from the first mkdir (cache_dir: after an empty bundle folder was made). The
+    folder is read-only to os.access only (the tests may run as root, whom permissions do not stop)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == locked else real(p, mode, **kw))
+    path = locked / "sub" if below else locked
+    err = _refusal(tmp_path, monkeypatch, capsys, command, f"{key}={path}")
+    where = f"is below {locked}, a folder" if below else "is a folder"
+    assert err == BAD + f"{key} = '{path}' {where} this user cannot write; name a folder you can write (it is made " \
+                        "where missing)\n", err
+
+
 def test_loopbench_cache_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("not a folder")
