@@ -262,7 +262,7 @@ def results(plan: dict, pairs: list[dict], publish: bool, version: int = contrac
                     "baseline_tokens_per_s": float(np.median([cd / p["baseline_s"] for p in rows])),
                     "candidate_tokens_per_s": float(np.median([cd / p["candidate_s"] for p in rows])),
                     "stats": st, "verdict": st["verdict"] if publish else None,
-                    **({"evidence": _evidence.comparison_evidence(plan, rows)} if sessions else {})})
+                    **({"evidence": _evidence.comparison_evidence(plan, rows, version)} if sessions else {})})
     return out
 
 
@@ -357,7 +357,7 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
                    **coverage_warnings(records)},
         "children": children,
         "results": derived,
-        **({"evidence_rule": _evidence.evidence_rule(plan), "memory_creep": _evidence.memory_creep(plan, records)}
+        **({"evidence_rule": _evidence.evidence_rule(plan), "memory_creep": _evidence.memory_creep(plan, records, version)}
            if version >= contract.DOCS["plan"]["sessions_since"] else {}),
         # format 5: the natural track, as audit/check_natural.py re-derives it
         **({"natural": natural} if version >= contract.DOCS["summary"]["fields_since"]["natural"] else {}),

@@ -9,13 +9,16 @@ detectable effect") and the methods harness/stats.py documents, re-implemented h
   ``default_rng(bootstrap_seed)``, drawn as the contract states, and numpy's percentiles of its medians;
   one session: scipy's percentile bootstrap of the median, as before sessions (derive.bootstrap_ci);
 - spread: each session's median, the SD of those medians (ddof 1), the pooled within-session SD;
-- drift: Spearman's rho of the ratio against pair order; order: two-sided Mann-Whitney U of
-  baseline-first against candidate-first ratios; creep: Spearman of peak allocated bytes over seq;
+- drift: Spearman's rho of the ratio against pair order, its p from format ``trend_exact_since`` (12) by
+  enumerating every order of up to ``trend_exact_up_to`` values (before: scipy's t approximation at every n);
+  order: two-sided Mann-Whitney U of baseline-first against candidate-first ratios; creep: Spearman of peak
+  allocated bytes over seq;
 - the plan's minimum detectable effect, (z_{1-alpha/2} + z_power) * sigma / sqrt(n) on log ratios.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from pathlib import Path
 
@@ -63,13 +66,47 @@ def interval(groups: list[np.ndarray], vd: dict, one_session_ci) -> list | None:
     return [float(low), float(high)]
 
 
-def _spearman(values: list[float], alpha: float) -> dict:
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks, tied values at the average of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            ranks[k] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _rank_correlation(ranks: tuple[float, ...] | list[float]) -> float:
+    """Pearson's r of ``ranks`` with their positions 0..n-1."""
+    n = len(ranks)
+    pos_mean, rank_mean = (n - 1) / 2, sum(ranks) / n
+    num = sum((i - pos_mean) * (r - rank_mean) for i, r in enumerate(ranks))
+    den = math.sqrt(sum((i - pos_mean) ** 2 for i in range(n)) * sum((r - rank_mean) ** 2 for r in ranks))
+    return num / den
+
+
+def exact_spearman_p(values: list[float]) -> float:
+    """The share of all n! orders of ``values`` whose rank correlation with position is at least as far from 0 as
+    theirs (two-sided), by enumeration; a tolerance of 1e-9 counts orders tied with the observed one."""
+    ranks = _ranks(values)
+    observed = abs(_rank_correlation(ranks))
+    hits = sum(abs(_rank_correlation(order)) >= observed - 1e-9 for order in itertools.permutations(ranks))
+    return hits / math.factorial(len(values))
+
+
+def _spearman(values: list[float], alpha: float, version: int) -> dict:
     x = np.asarray(values, dtype=float)
     if x.size < 3 or np.all(x == x[0]):
         return {"method": "spearman", "n": int(x.size), "statistic": None, "p": None, "flag": False}
     res = scipy.stats.spearmanr(np.arange(x.size), x)
-    return {"method": "spearman", "n": int(x.size), "statistic": float(res.statistic), "p": float(res.pvalue),
-            "flag": bool(res.pvalue < alpha)}
+    exact = version >= SUMMARY["trend_exact_since"] and x.size <= SUMMARY["trend_exact_up_to"]
+    p = exact_spearman_p([float(v) for v in x]) if exact else float(res.pvalue)
+    return {"method": "spearman", "n": int(x.size), "statistic": float(res.statistic), "p": p, "flag": bool(p < alpha)}
 
 
 def _order(ratios: list[float], firsts: list[str], alpha: float) -> dict:
@@ -82,8 +119,8 @@ def _order(ratios: list[float], firsts: list[str], alpha: float) -> dict:
     return {**out, "statistic": float(res.statistic), "p": float(res.pvalue), "flag": bool(res.pvalue < alpha)}
 
 
-def comparison_evidence(plan: dict, rows: list[dict]) -> dict:
-    """A result's ``evidence`` from its pair rows (derive.pair_rows, in pair order)."""
+def comparison_evidence(plan: dict, rows: list[dict], version: int = contract.VERSION) -> dict:
+    """A result's ``evidence`` from its pair rows (derive.pair_rows, in pair order), as format ``version`` tests."""
     cfg = plan["config"]
     alpha, n = cfg["evidence"]["alpha"], cfg["pairs"]
     ratios = [p["ratio"] for p in rows]
@@ -97,7 +134,7 @@ def comparison_evidence(plan: dict, rows: list[dict]) -> dict:
     return {"sessions": sorted(by_session), "session_medians": medians,
             "session_pairs": [len(v) for v in by_session.values()],
             "between_sd": float(np.std(medians, ddof=1)) if len(medians) > 1 else None, "within_sd": within,
-            "trend": _spearman(ratios, alpha), "order": _order(ratios, [p["first"] for p in rows], alpha)}
+            "trend": _spearman(ratios, alpha, version), "order": _order(ratios, [p["first"] for p in rows], alpha)}
 
 
 def session_groups(plan: dict, rows: list[dict]) -> list[np.ndarray]:
@@ -108,15 +145,16 @@ def session_groups(plan: dict, rows: list[dict]) -> list[np.ndarray]:
     return [np.asarray(v, dtype=float) for v in groups.values()]
 
 
-def memory_creep(plan: dict, records: list[dict]) -> list[dict]:
-    """Per device with records: Spearman of measured peak allocated bytes over seq, flagged when rising."""
+def memory_creep(plan: dict, records: list[dict], version: int = contract.VERSION) -> list[dict]:
+    """Per device with records: Spearman of measured peak allocated bytes over seq, flagged when rising (as format
+    ``version`` tests)."""
     alpha, out = plan["config"]["evidence"]["alpha"], []
     for dev in plan["devices"]:
         mine = sorted((r for r in records if r["job"] == dev["name"]), key=lambda r: r["seq"])
         if not mine:
             continue
         peaks = [float(p) for r in mine if (p := r["measured"]["memory"]["peak_allocated_bytes"]) is not None]
-        t = _spearman(peaks, alpha)
+        t = _spearman(peaks, alpha, version)
         out.append({"job": dev["name"], "device": mine[0]["device"]["label"], **t,
                     "first": peaks[0] if peaks else None, "last": peaks[-1] if peaks else None,
                     "flag": bool(t["flag"] and t["statistic"] > 0)})

@@ -347,17 +347,48 @@ def session_spread(groups: Sequence[Sequence[float]]) -> dict:
             "between_sd": float(np.std(medians, ddof=1)) if len(xs) > 1 else None, "within_sd": within}
 
 
+# Spearman's p by every order of the values up to this many (documents.summary.trend_exact_up_to of the bundle
+# contract; 8! = 40,320 orders), beyond it scipy.stats.spearmanr's t approximation.
+TREND_EXACT_UP_TO = 8
+
+
 def trend_test(values: Sequence[float], alpha: float) -> dict:
-    """Monotone trend of ``values`` over their index: Spearman's rank correlation and its two-sided p
-    (``scipy.stats.spearmanr``; Spearman 1904), flagged when p < ``alpha``. rho and p are None (no
-    test) below 3 values or for constant values. ValueError for ``alpha`` outside (0, 1)."""
+    """Monotone trend of ``values`` over their index: Spearman's rank correlation rho (``scipy.stats.spearmanr``;
+    Spearman 1904) and its two-sided p, flagged when p < ``alpha``.
+
+    Up to :data:`TREND_EXACT_UP_TO` values the p is exact: the share of all n! orders of the values whose rho is
+    at least as far from 0 as the observed one (the permutation null of Spearman's rho, ties at their average
+    rank; Hollander & Wolfe 1999, "Nonparametric Statistical Methods", 8.5), computed by
+    ``scipy.stats.permutation_test`` over every permutation. Beyond, spearmanr's t approximation, which is far
+    off for few values: 3 values in order get p = 0 from it (rho = 1, t infinite) where the exact p is 1/3, the
+    smallest possible at n = 3 (bundle format 12; earlier formats took the approximation at every n).
+    rho and p are None (no test) below 3 values or for constant values. ValueError for ``alpha`` outside (0, 1)."""
     _level("alpha", alpha)
     x = np.asarray(values, dtype=float)
     if x.size < 3 or np.all(x == x[0]):
         return {"method": "spearman", "n": int(x.size), "statistic": None, "p": None, "flag": False}
     res = scipy.stats.spearmanr(np.arange(x.size), x)
-    rho, p = float(res.statistic), float(res.pvalue)
+    rho = float(res.statistic)
+    p = spearman_exact_p(x) if x.size <= TREND_EXACT_UP_TO else float(res.pvalue)
     return {"method": "spearman", "n": int(x.size), "statistic": rho, "p": p, "flag": bool(p < alpha)}
+
+
+def spearman_exact_p(values: Sequence[float]) -> float:
+    """Two-sided exact p of Spearman's rho of ``values`` against their index, over all n! orders of the values
+    (:func:`trend_test`; n at most :data:`TREND_EXACT_UP_TO`, else ValueError: the enumeration grows as n!)."""
+    x = np.asarray(values, dtype=float)
+    if not 2 <= x.size <= TREND_EXACT_UP_TO:
+        raise ValueError(f"an exact Spearman p takes 2 to {TREND_EXACT_UP_TO} values, got {x.size}")
+    index = np.arange(x.size, dtype=float)
+    index -= index.mean()
+
+    def rho(ranks, axis=-1):      # Pearson's r of the ranks with the index: Spearman's rho with average ranks
+        centred = ranks - ranks.mean(axis=axis, keepdims=True)
+        return (centred * index).sum(axis=axis) / np.sqrt((centred ** 2).sum(axis=axis) * (index ** 2).sum())
+
+    res = scipy.stats.permutation_test((scipy.stats.rankdata(x),), rho, permutation_type="pairings",
+                                       vectorized=True, n_resamples=np.inf, alternative="two-sided")
+    return float(res.pvalue)
 
 
 def order_test(ratios: Sequence[float], firsts: Sequence[str], alpha: float) -> dict:

@@ -194,12 +194,45 @@ def drop_report_sections(bundle: Path, headings: set[str], rewrite=lambda line: 
     (bundle / "report.md").write_text("\n".join(out))
 
 
+def strip_version_12(bundle: Path) -> None:
+    """What format 12 changed taken back: every Spearman p of the summary (results[].evidence.trend, memory_creep[])
+    as scipy.stats.spearmanr's t approximation, flags with it, and report.md's drift section in format 11's words
+    (its sentence, its p and flag cells); the manifest's ``format_version`` is the caller's to set."""
+    from loopbench.audit import evidence as audit_evidence
+    from loopbench.audit import render
+
+    summary = json.loads((bundle / "summary.json").read_text())
+    if "evidence_rule" not in summary:
+        return    # stripped to format 3 already: no drift tests (strip_version_3)
+    plan = json.loads((bundle / "plan.json").read_text())
+    alpha = plan["config"]["evidence"]["alpha"]
+    pairs = pd.read_parquet(bundle / "tables" / "pairs.parquet")
+    records = [json.loads(p.read_text()) for p in sorted((bundle / "raw").rglob("*.json"))]
+    section = evidence.FORMAT["report"]
+
+    def drift(version):   # the section as report.md has it: devices shown as the report shows them
+        w = render.wording(section, version)
+        return render._drift(w, {**summary, **{key: render._devices_shown(w, summary[key])
+                                                for key in ("results", "memory_creep")}})
+    new_drift = drift(12)
+    for r in summary["results"]:
+        mine = pairs[(pairs.job == r["job"]) & (pairs.point == r["point"]) & (pairs.comparison == r["comparison"])]
+        r["evidence"]["trend"] = audit_evidence._spearman(mine.sort_values("pair").ratio.tolist(), alpha, 11)
+    summary["memory_creep"] = audit_evidence.memory_creep(plan, records, 11)
+    (bundle / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    old_drift = drift(11)
+    changed = dict((new, old) for new, old in zip(new_drift, old_drift) if new != old)   # the sentence, p and flag rows
+    edit_report(bundle, lambda lines: [changed.get(line, line) for line in lines])
+
+
 def strip_version_11(bundle: Path) -> None:
     """What format 11 changed taken back: each result's verdict reason by format 10's rule (the interval and the
     effect alone; a verdict word that rule would change is refused, as this bundle's report would need it too)
-    and report.md's rule sentence in format 10's words; the manifest's ``format_version`` is the caller's to set."""
+    and report.md's rule sentence in format 10's words, and format 12's change (``strip_version_12``); the
+    manifest's ``format_version`` is the caller's to set."""
     from loopbench.audit import derive, render
 
+    strip_version_12(bundle)
     plan = json.loads((bundle / "plan.json").read_text())
     vd = plan["config"]["verdict"]
 

@@ -14,7 +14,8 @@ import scipy.stats
 
 from loopbench.audit.auditor import audit
 from loopbench.harness import evidence
-from tests.audit.tamper import REPO, edit_json, edit_report, every_leaf_named, failed, rewrite_manifest
+from tests.audit.tamper import (REPO, edit_json, edit_report, every_leaf_named, failed, passes_as_version,
+                                rewrite_manifest, strip_version_12)
 
 pytestmark = pytest.mark.slow      # its bundles take about 2 min together on 2 cores
 
@@ -211,4 +212,23 @@ def test_order_of_a_later_restart_is_its_own_seeded_order(ebundle):
 def test_a_version_2_claim_with_sessions_is_a_downgrade(ebundle):
     edit_json(ebundle / "manifest.json", lambda m: m.update(format_version=2))
     assert "sessions: config sessions = 2: format version 2 has one session per device" in failed(ebundle)
-    assert evidence.FORMAT_VERSION == 11
+    assert evidence.FORMAT_VERSION == 12
+
+
+
+def test_a_format_12_bundle_worded_as_format_11_audits_as_format_11(ebundle):
+    """Format 12 changed the Spearman p's and the drift sentence only: with the t approximation's p's and format 11's
+    sentence the same bundle (8 pairs a comparison: exact p's) is a format-11 bundle, and claiming 12 is named."""
+    summary = _json(ebundle / "summary.json")
+    trends = [r["evidence"]["trend"] for r in summary["results"]]
+    assert trends and all(t["p"] is not None and t["n"] == 8 for t in trends)
+    assert "A Spearman p of up to 8 values is exact (every order of the values)" in (ebundle / "report.md").read_text()
+    strip_version_12(ebundle)
+    stripped = _json(ebundle / "summary.json")
+    assert [r["evidence"]["trend"]["p"] for r in stripped["results"]] != [t["p"] for t in trends]
+    assert "A Spearman p of up to 8 values" not in (ebundle / "report.md").read_text()
+    passes_as_version(ebundle, 11)
+    edit_json(ebundle / "manifest.json", lambda m: m.update(format_version=12))
+    rewrite_manifest(ebundle)
+    named = failed(ebundle)
+    assert "report.md" in named and "summary.json" in named

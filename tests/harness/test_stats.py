@@ -1,4 +1,5 @@
 """Paired statistics: balanced order, bootstrap CI against a hand-computed case, degenerate inputs."""
+import itertools
 import math
 
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 import scipy.stats
 
 from loopbench.harness import stats
+from loopbench.harness.evidence import FORMAT
 
 
 @pytest.mark.parametrize("n", range(1, 21))
@@ -241,6 +243,41 @@ def test_trend_test_flags_a_drift_and_not_noise():
     assert stats.trend_test([1.0, 2.0], 0.05)["statistic"] is None
 
 
+@pytest.mark.parametrize("values, p", [
+    ([1.0, 2.0, 3.0], 1 / 3),               # 2 of the 3! orders reach |rho| = 1; the t approximation says 0
+    ([3.0, 2.0, 1.0], 1 / 3),
+    ([1.0, 2.0, 3.0, 4.0], 1 / 12),
+    ([1.0, 3.0, 2.0], 1.0),                 # |rho| 0.5: every order reaches it
+    (list(range(7)), 2 / 5040),
+    ([1.0, 1.1, 0.9, 1.2, 1.3, 1.25, 1.4], 120 / 5040),   # rho 0.857: 60 orders at least that far from 0 a side
+    ([1.0, 1.0, 2.0, 2.0, 3.0], 8 / 120),   # ties at their average rank
+])
+def test_trend_p_is_exact_for_few_values(values, p):
+    """Up to 8 values the p counts every order of the values (the t approximation gives 3 or 4 in order p = 0 and
+    so a DRIFT flag at any alpha); the count is checked against a plain enumeration here."""
+    got = stats.trend_test(values, alpha=0.05)
+    assert got["p"] == pytest.approx(p, rel=1e-12)
+    assert got["statistic"] == pytest.approx(float(scipy.stats.spearmanr(np.arange(len(values)), values).statistic))
+    ranks = scipy.stats.rankdata(values)
+    observed = abs(np.corrcoef(np.arange(len(values)), ranks)[0, 1])
+    orders = list(itertools.permutations(ranks))
+    hits = sum(abs(np.corrcoef(np.arange(len(values)), o)[0, 1]) >= observed - 1e-9 for o in orders)
+    assert got["p"] == pytest.approx(hits / len(orders), rel=1e-12)
+    assert not stats.trend_test([1.0, 2.0, 3.0], alpha=0.05)["flag"]
+
+
+def test_trend_p_beyond_eight_values_is_the_t_approximation():
+    x = [1.0, 1.3, 1.1, 1.2, 1.5, 1.4, 1.6, 1.45, 1.7]
+    res = scipy.stats.spearmanr(np.arange(9), x)
+    assert stats.trend_test(x, 0.05)["p"] == float(res.pvalue)
+    with pytest.raises(ValueError, match="an exact Spearman p takes 2 to 8 values, got 9"):
+        stats.spearman_exact_p(x)
+
+
+def test_the_exact_trend_bound_is_the_contracts():
+    assert stats.TREND_EXACT_UP_TO == FORMAT["documents"]["summary"]["trend_exact_up_to"]
+
+
 def test_order_test_flags_an_order_effect_and_not_noise():
     rng = np.random.default_rng(1)
     firsts = ["baseline", "candidate"] * 8
@@ -298,3 +335,21 @@ def test_bad_input_is_a_value_error_naming_it_not_a_number(call, named):
 
 def test_a_numpy_integer_seed_is_a_seed():
     assert stats.balanced_first(5, np.int64(3)) == stats.balanced_first(5, 3)
+
+
+def test_the_auditors_exact_spearman_p_is_the_writers():
+    """Two implementations of the exact trend p (the writer's scipy permutation test, the auditor's enumeration)
+    agree on random values of 3-8, ties included; a format-11 bundle's p stays spearmanr's t approximation."""
+    from loopbench.audit import evidence as audit_evidence
+    from loopbench.harness import stats
+    rng = np.random.default_rng(12)
+    for case in range(60):
+        n = 3 + case % 6
+        values = [float(v) for v in (rng.integers(0, 4, n) if case % 3 == 0 else rng.normal(1, 0.05, n))]
+        if len(set(values)) == 1:
+            continue
+        assert audit_evidence.exact_spearman_p(values) == stats.trend_test(values, 0.05)["p"], values
+    in_order = [1.0, 2.0, 3.0]
+    assert audit_evidence._spearman(in_order, 0.05, 12)["p"] == 1 / 3
+    old = audit_evidence._spearman(in_order, 0.05, 11)
+    assert old["p"] == float(scipy.stats.spearmanr(range(3), in_order).pvalue) and old["flag"]
