@@ -88,6 +88,10 @@ def task(cfg) -> int:
 
     try:
         result = controller.run(spec)
+    except controller.BundleFolderError as exc:   # results_dir cannot take a bundle folder: bad usage, nothing written
+        print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
+        _EXIT_CODES.append(2)
+        return 2
     except CardInUse as exc:   # another run holds a card: one clear line, nothing written
         print(f"loopbench: {exc}", file=sys.stderr)
         _EXIT_CODES.append(1)

@@ -331,10 +331,20 @@ def audit(bundle: Path) -> int:
                               start_new_session=True).returncode
 
 
+class BundleFolderError(ValueError):
+    """The new bundle folder cannot be made (a folder ``rules.check_folder`` passed, such as one below ``/proc``, or
+    one that became read-only since): nothing was measured or written."""
+
+
 def open_bundle(spec: BenchSpec, code: dict) -> Path:
-    """A new ``results/<date>-<name>-<short sha>`` folder."""
+    """A new ``results/<date>-<name>-<short sha>`` folder; :class:`BundleFolderError` naming ``results_dir`` and the
+    operating system's reason when it cannot be made."""
     short = code["git_sha"][:8] if code["git_sha"] else "nogit"
-    return evidence.bundle_dir(inputs.results_path(spec), spec.name, short)
+    try:
+        return evidence.bundle_dir(inputs.results_path(spec), spec.name, short)
+    except OSError as exc:
+        raise BundleFolderError(f"results_dir = {spec.results_dir!r}: cannot make the bundle folder there "
+                                f"({exc.strerror or exc}: {exc.filename}); nothing was measured") from None
 
 
 def run(cfg: DictConfig | dict | BenchSpec) -> RunResult:

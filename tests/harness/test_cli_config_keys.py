@@ -300,3 +300,18 @@ def test_hydras_cfg_flag_shows_the_config_wherever_it_is_written_and_exits_0(tmp
     assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
     assert "\npairs: 4\n" in proc.stdout and "name: cpu-smoke" in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bundle_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """results_dir=/proc/foo passes the folder check (root may write /proc) and was a traceback with exit 1 from the
+    bundle folder's mkdir (FileNotFoundError), as is any results_dir that turns read-only after the check."""
+    from loopbench.harness import evidence
+
+    def refused(results_dir, *args, **kwargs):
+        raise OSError(30, "Read-only file system", str(results_dir))
+
+    monkeypatch.setattr(evidence, "bundle_dir", refused)
+    err = _refusal(tmp_path, monkeypatch, capsys, "bench", "pairs=1")
+    r = tmp_path / "work" / "r"
+    assert err == BAD + (f"results_dir = '{r}': cannot make the bundle folder there (Read-only file system: {r}); "
+                         "nothing was measured\n"), err
