@@ -88,6 +88,10 @@ def task(cfg) -> int:
 
     try:
         result = controller.run(spec)
+    except controller.PublishFailed as exc:   # a full disk while the bundle was written: what was measured is kept
+        print(f"loopbench: {exc}", file=sys.stderr)
+        _EXIT_CODES.append(1)
+        return 1
     except controller.BundleFolderError as exc:   # results_dir cannot take a bundle folder: bad usage, nothing written
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
@@ -167,9 +171,11 @@ def finish_main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m loopbench.harness.bench finish BUNDLE_DIR", file=sys.stderr)
         return 2
+    from .controller import PublishFailed
+
     try:
         result = resume.finish(Path(argv[0]))
-    except ValueError as exc:
+    except (ValueError, PublishFailed) as exc:
         print(f"loopbench finish: {exc}", file=sys.stderr)
         return 1
     return show(result)

@@ -311,13 +311,26 @@ def check(bundle: Path, plan: dict) -> checker.CheckReport:
                          natural={c["name"] for c in natural.comparisons(plan["config"])})
 
 
+class PublishFailed(Exception):
+    """The bundle could not be written (a full disk, a folder turned read-only): the raw records measured so far are
+    kept, and ``loopbench finish`` publishes them once the cause is gone; the message says so."""
+
+
 def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunResult:
-    """Check and bundle whatever the raw records hold: tables, summary, report, plot, manifest (last)."""
-    for rel in evidence.remove_stale_temp_files(bundle):
-        print(f"loopbench: removed {rel}, a temporary file of a writer killed mid-write", flush=True)
-    write_children(bundle, children)
-    report = check(bundle, plan)
-    summary = evidence.finalize(bundle, plan, report.to_dict(), children, env, reference_failure(plan, children))
+    """Check and bundle whatever the raw records hold: tables, summary, report, plot, manifest (last).
+    :class:`PublishFailed` when a file cannot be written (the manifest, written last, is then missing: unpublished)."""
+    try:
+        for rel in evidence.remove_stale_temp_files(bundle):
+            print(f"loopbench: removed {rel}, a temporary file of a writer killed mid-write", flush=True)
+        write_children(bundle, children)
+        report = check(bundle, plan)
+        summary = evidence.finalize(bundle, plan, report.to_dict(), children, env, reference_failure(plan, children))
+    except OSError as exc:
+        kept = len(list((bundle / "raw").glob("*/*.json")))
+        raise PublishFailed(f"could not publish {bundle}: {exc.strerror or exc}"
+                            + (f" ({exc.filename})" if exc.filename else "")
+                            + f"; its {kept} raw arm record{'' if kept == 1 else 's'} are kept, unpublished; once the "
+                            f"cause is gone, publish them with: loopbench finish {bundle}") from None
     return RunResult(bundle, summary)
 
 

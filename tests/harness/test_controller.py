@@ -340,3 +340,32 @@ def test_the_arms_bar_starts_at_the_arms_already_recorded(tmp_path, monkeypatch,
     close()
     err = capsys.readouterr().err
     assert "3/10 [00:00<?, ?arm/s]" in err and "0/10" not in err, err
+
+
+def test_a_full_disk_while_publishing_keeps_the_records_names_finish_and_finish_publishes(tmp_path, cache, monkeypatch,
+                                                                                          capsys):
+    """A full disk during publishing (a break test: a 420 KiB tmpfs as results_dir) was a traceback with exit 1 from
+    the parquet writer, saying nothing of the measured records or of finish."""
+    from loopbench.harness import bench, cli, evidence
+
+    write_table = evidence.write_table
+
+    def full(path, df):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(evidence, "write_table", full)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["-q", "bench", "--config-name", "cpu-smoke", *MINI, "pairs=1", f"results_dir={tmp_path / 'r'}",
+                   f"cache_dir={cache}"])
+    err = capsys.readouterr().err
+    (bundle,) = (tmp_path / "r").iterdir()
+    assert rc == 1 and "Traceback" not in err, err
+    assert err.endswith(f"loopbench: could not publish {bundle}: No space left on device; its 2 raw arm records are "
+                        f"kept, unpublished; once the cause is gone, publish them with: loopbench finish {bundle}\n"), err
+    assert len(list((bundle / "raw").glob("*/*.json"))) == 2 and not (bundle / "manifest.json").exists()
+    assert bench.finish_main([str(bundle)]) == 1   # still full: the same line, nothing published
+    assert "could not publish" in capsys.readouterr().err and not (bundle / "manifest.json").exists()
+    monkeypatch.setattr(evidence, "write_table", write_table)
+    # every child had completed, so finish publishes the bundle complete (not incomplete) and its audit passes
+    assert bench.finish_main([str(bundle)]) == 0 and audit(bundle)["status"] == "pass"
+    assert json.loads((bundle / "summary.json").read_text())["status"] == "complete"
