@@ -262,7 +262,8 @@ def run_restarts(ex: ExecutorSpec, executor, bundle: Path, plan: dict, devices: 
     device the seqs still to measure (a resume), else all. A restart with nothing to measure is skipped;
     a device of ``devices`` left with nothing to measure at all (a resume of a session that wrote every
     record but did not complete) runs one session, with no seqs, in the last round. Stops after a
-    restart whose children did not all complete, or on ``stop``; returns the children.json entries."""
+    restart whose children did not all complete, or on ``stop`` (a stop before the first round is recorded by its
+    children, not started); returns the children.json entries."""
     cfg = plan["config"]
     n, k = cfg["pairs"], cfg.get("sessions", 1)
     per_restart = {d["name"]: restart_seqs(plan["order"][d["name"]], n, k) for d in devices}
@@ -280,7 +281,9 @@ def run_restarts(ex: ExecutorSpec, executor, bundle: Path, plan: dict, devices: 
     out: list[dict] = []
     for r, seqs in rounds:
         active = [d for d in devices if seqs[d["name"]] or d["name"] in idle]
-        if stop() or any(c["state"] != "completed" for c in out):
+        # a stop before the first round still starts it: the executor records its children as not started, stopped by
+        # the signal, so the bundle says it was stopped (it had said only that arms were missing)
+        if (stop() and out) or any(c["state"] != "completed" for c in out):
             break
         whole = todo is None and k == 1   # a job without ``seqs`` measures its whole order (as before restarts)
         out += run_sessions(ex, executor, bundle, active, children + out, stop, attempt,

@@ -373,6 +373,32 @@ def test_a_stop_during_the_reference_capture_removes_the_bundle_no_resume_could_
     assert list((tmp_path / "r").iterdir()) == []
 
 
+def test_a_stop_after_the_references_before_the_first_session_is_recorded_and_resumable(dirs, tmp_path, monkeypatch):
+    """SIGTERM once every reference is frozen, before the session child starts: the bundle said only '0 of 4 planned
+    arms recorded' (no child entry, no stop: the stop was lost from the record). Now its session is recorded as
+    not started, stopped by SIGTERM, and a resume measures every arm to a bundle whose audit passes."""
+    freeze_plan = controller.freeze_plan
+
+    def freeze_then_signal(*args, **kwargs):
+        plan = freeze_plan(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)   # recorded by the run's StopSignals: the children have begun
+        return plan
+
+    monkeypatch.setattr(controller, "freeze_plan", freeze_then_signal)
+    over = _overrides(dirs) + [f"results_dir={tmp_path / 'r'}", "pairs=2"]
+    summary = controller.run(conf.compose("cpu-smoke", over)).summary
+    (bundle,) = (tmp_path / "r").iterdir()
+    assert summary["status"] == "incomplete"
+    assert {"code": "stopped", "by": "SIGTERM"} in summary["incomplete_reasons"], summary["incomplete_reasons"]
+    cpu0 = {c["name"]: c for c in summary["children"]}["cpu0"]
+    assert cpu0["state"] == "interrupted" and cpu0["interrupted_by"] == "SIGTERM" and cpu0["exit_code"] is None
+    assert audit(bundle)["status"] == "incomplete"
+    monkeypatch.setattr(controller, "freeze_plan", freeze_plan)
+    again = controller.run(conf.compose("cpu-smoke", over + [f"resume={bundle}"])).summary
+    assert again["status"] == "complete" and again["counts"]["arms_recorded"] == 4
+    assert audit(bundle)["status"] == "pass"
+
+
 @pytest.mark.parametrize("stop", ["before anything was measured", "while measuring"])
 def test_a_stopped_sweep_job_stops_the_sweep(tmp_path, monkeypatch, capsys, stop):
     """Ctrl-C in job 1 of a three-job multirun: Hydra would run jobs 2 and 3; they are named as not run, exit 3."""
