@@ -32,6 +32,7 @@ use it, and the references captured so far are in the cache), then raises :class
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -82,6 +83,7 @@ def unless_stopped(stop: StopSignals, on_stop: Callable[[], str]) -> Iterator[No
 class RunResult:
     bundle: Path
     summary: dict
+    stopped: str | None = None   # the signal a stop recorded (also one that came while the bundle was published)
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,12 @@ def check(bundle: Path, plan: dict) -> checker.CheckReport:
                          natural={c["name"] for c in natural.comparisons(plan["config"])})
 
 
+def published(result: RunResult, stop: StopSignals) -> RunResult:
+    """``result`` naming the signal ``stop`` recorded, if any: one that came while the bundle was written is in no
+    child's record, and bench ends on it before the audit."""
+    return result if stop() is None else dataclasses.replace(result, stopped=stop())
+
+
 class PublishFailed(Exception):
     """The bundle could not be written (a full disk, a folder turned read-only): the raw records measured so far are
     kept, and ``loopbench finish`` publishes them once the cause is gone; the message says so."""
@@ -413,7 +421,8 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
         # no sessions after a failed or stopped reference capture
         if children[0]["state"] == "completed" and frozen:
             children += run_restarts(spec.executor, executor, bundle, plan, got.devices, children, stop)
-        return publish(bundle, plan, children, prepared.environment)
+        stop.publishing = True
+        return published(publish(bundle, plan, children, prepared.environment), stop)
     finally:
         if lock is not None:
             os.close(lock)

@@ -375,12 +375,14 @@ class StopSignals:
     is bounded by ``executor.stop_grace_s`` and publishing takes seconds. Outside the main thread (where
     Python cannot install handlers) it never fires. The previous handlers come back on exit.
     ``before_children``: no child has started yet (the controller enters it before gathering its inputs, under
-    :func:`stops_at_once` for the long stages), so a recorded stop ends the run before any child.
+    :func:`stops_at_once` for the long stages), so a recorded stop ends the run before any child. ``publishing``: every
+    child has ended; a stop then ends the command once the bundle is written, before its audit.
     """
 
     def __init__(self, before_children: bool = False) -> None:
         self.signal: str | None = None
         self.before_children = before_children
+        self.publishing = False   # every child has ended and the bundle is being written
         self._previous: dict = {}
 
     def __call__(self) -> str | None:
@@ -390,7 +392,8 @@ class StopSignals:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
             what = ("the run ends before its first child" if self.before_children else
-                    "stopping the children, then publishing an incomplete bundle")
+                    "publishing the bundle of what was measured, then ending without its audit" if self.publishing
+                    else "stopping the children, then publishing an incomplete bundle")
             print(f"\nloopbench: {self.signal} received: {what}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignals":

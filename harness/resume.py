@@ -30,8 +30,8 @@ import os
 from pathlib import Path
 
 from . import cards, evidence, identity, inputs, machine
-from .controller import (RunResult, make_executor, prepare_checkpoint, publish, run_restarts, unless_stopped,
-                         write_children)
+from .controller import (RunResult, make_executor, prepare_checkpoint, publish, published, run_restarts,
+                         unless_stopped, write_children)
 from .executors import StopSignals
 from .fileio import sha256_file, try_lock
 from .plan import make_plan, point_entries
@@ -402,7 +402,8 @@ def resume(spec: BenchSpec) -> RunResult:
                 executor = make_executor(ours, bundle, got.cache, devices)
                 children += run_restarts(ours.executor, executor, bundle, plan, devices, children, stop, attempt,
                                          {d["name"]: list(todo[d["name"]]) for d in devices})
-            return publish(bundle, plan, children, env)
+            stop.publishing = True
+            return published(publish(bundle, plan, children, env), stop)
     finally:
         os.close(lock)
         cards.release(held)

@@ -456,6 +456,37 @@ def test_an_interrupted_audit_leaves_the_bundle_published_and_says_how_to_audit_
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_bundle_is_published_ends_the_command_before_the_audit(dirs, tmp_path, monkeypatch, capsys,
+                                                                                how):
+    """A stop once every child had ended, while the bundle was written, was lost: the handler said 'stopping the
+    children, then publishing an incomplete bundle', yet the run published the bundle complete, audited it and exited
+    0, as if no Ctrl-C or SIGTERM had come. Now the bundle (all that ran) is published, the command ends there, exit 3,
+    naming the audit to run; that audit passes."""
+    from loopbench.harness import evidence
+
+    finalize = evidence.finalize
+
+    def signal_then_finalize(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, how))   # recorded by the run's StopSignals
+        return finalize(*args, **kwargs)
+
+    monkeypatch.setattr(evidence, "finalize", signal_then_finalize)
+    monkeypatch.setattr(controller, "audit", lambda bundle: pytest.fail("audited after the stop"))
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["-q", "bench", "--config-name", "cpu-smoke", *_overrides(dirs), "pairs=1",
+                   f"results_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    (bundle,) = (tmp_path / "r").iterdir()
+    assert rc == 3, err
+    assert f"loopbench: {how} received: publishing the bundle of what was measured, then ending without its audit\n" \
+        in err
+    assert err.endswith(f"loopbench: {how} received while the bundle was published: {bundle} is published (complete) "
+                        f"but not audited; to audit it: loopbench audit {bundle}\n"), err
+    assert (bundle / "manifest.json").is_file() and not (bundle / "audit.json").exists()
+    assert audit(bundle)["status"] == "pass"
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
 def test_a_stop_while_the_configuration_is_checked_is_one_line(tmp_path, monkeypatch, capsys, how):
     """Before Hydra runs, bench composes and checks the configuration (seconds: torch and scipy import there)."""
     from loopbench.harness import planning
