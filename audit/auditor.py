@@ -69,6 +69,7 @@ def _check_files(ctx: Audit, plan, children, records: list[dict]) -> None:
     plan = plan if isinstance(plan, dict) else {}
     children = children if isinstance(children, list) else []
     ctx.section("files", check_files.check_required_files, plan, children, records)
+    ctx.section("files", check_files.check_no_links)
     if plan:
         ctx.section("layout", check_files.check_layout, plan, check_files.sessions_ran(children, records))
 

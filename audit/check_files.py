@@ -2,6 +2,7 @@
 version), the files the contract requires, and no file the contract does not define."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from . import contract, derive
@@ -65,6 +66,15 @@ def sessions_ran(children: list, records: list[dict]) -> set[str]:
     """The session ids that children.json or a raw record shows ran (a resume's are ``<device>.r<k>``)."""
     ran = {derive.child_session(c) for c in children if isinstance(c, dict) and isinstance(c.get("name"), str)}
     return ran | {derive.record_session(r) for r in records}
+
+
+def check_no_links(ctx: Audit) -> None:
+    """No symbolic link in the bundle, to a file or a folder: the writer writes every file itself, and a link's target
+    lies outside what the manifest and a copy of the bundle hold (the manifest hashes what it points to today)."""
+    for p in sorted(ctx.bundle.rglob("*")):
+        if p.is_symlink():
+            ctx.fail("files", f"{p.relative_to(ctx.bundle).as_posix()} is a symbolic link (to {os.readlink(p)}), "
+                              "not a file of the bundle")
 
 
 def check_required_files(ctx: Audit, plan: dict, children: list, records: list[dict]) -> None:

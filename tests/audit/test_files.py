@@ -177,3 +177,22 @@ def test_the_harness_writes_the_layout_contract_and_nothing_else(honest_bundle, 
             continue
         assert any(contract.layout_pattern(entry["path"], domain).fullmatch(f) for f in files), entry["path"]
         assert (REPO / entry["writer"]).is_file(), entry["writer"]
+
+
+@pytest.mark.parametrize("what", ["raw record", "folder"])
+def test_a_symbolic_link_in_the_bundle_is_named(bundle, tmp_path, what):
+    """A raw record, or the whole logs/ folder, moved outside the bundle and linked back (the manifest rewritten, it
+    hashes the target) audited PASS: a copy of the bundle would hold none of it, and the target can change."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if what == "folder":
+        rel, target = "logs", outside / "logs"
+        shutil.move(str(bundle / rel), str(target))
+    else:
+        path = raw(bundle, 3)
+        rel, target = path.relative_to(bundle).as_posix(), outside / path.name
+        shutil.move(str(path), str(target))
+    (bundle / rel).symlink_to(target)
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert f"files: {rel} is a symbolic link (to {target}), not a file of the bundle" in text, text
