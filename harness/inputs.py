@@ -69,6 +69,8 @@ def results_path(spec: BenchSpec) -> Path:
 def check_folders(spec: BenchSpec) -> None:
     """The results and cache folders can be made (``rules.check_folder``): ValueError naming the key (or
     ``$LOOPBENCH_CACHE``, where the cache folder comes from it) before anything is written."""
+    if not spec.results_dir.strip():   # '' resolved to the repository root, where the bundle folders then landed
+        raise ValueError(f"results_dir must name a folder, got {spec.results_dir!r} (the default is 'results')")
     rules.check_folder("results_dir", spec.results_dir, results_path(spec))
     env = os.environ.get("LOOPBENCH_CACHE")
     key, raw = ("cache_dir", spec.cache_dir) if spec.cache_dir else ("$LOOPBENCH_CACHE", env) if env else (None, None)

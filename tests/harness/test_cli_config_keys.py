@@ -315,3 +315,11 @@ def test_a_bundle_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, mo
     r = tmp_path / "work" / "r"
     assert err == BAD + (f"results_dir = '{r}': cannot make the bundle folder there (Read-only file system: {r}); "
                          "nothing was measured\n"), err
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("value", ["''", "' '"])
+def test_an_empty_results_dir_is_named(tmp_path, monkeypatch, capsys, command, value):
+    """`results_dir=` (an unset shell variable) passed plan and bench wrote its bundle into the repository root."""
+    err = _refusal(tmp_path, monkeypatch, capsys, command, f"results_dir={value}")
+    assert err == BAD + f"results_dir must name a folder, got {value} (the default is 'results')\n", err
