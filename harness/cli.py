@@ -27,7 +27,8 @@ EXIT_STATUS = """exit status:
      verdict, and nothing else wrong"""
 
 FINISH_STATUS = """exit status:
-  3  published: the bundle is now published as incomplete (a bundle finish publishes is incomplete by definition)
+  3  published as incomplete: a child was lost with the controller that died (the usual case)
+  0  published complete and its audit passes: every child had ended, only the publishing failed (a full disk)
   1  refused, naming why: published already, a controller or child still holds it, other code measured it, or a
      file it needs is damaged; nothing was changed
   2  usage: no bundle at BUNDLE"""
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_parser(sub, "plan", "validate a configuration and print its plan; creates nothing")
     for name, what, epilog in (
             ("audit", "audit a bundle with the independent auditor (writes its audit.json)", EXIT_STATUS),
-            ("finish", "publish, as incomplete, the bundle of a controller that died", FINISH_STATUS)):
+            ("finish", "publish the bundle of a controller that died or could not write it", FINISH_STATUS)):
         p = sub.add_parser(name, help=what, description=what, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("bundle", type=Path, metavar="BUNDLE")

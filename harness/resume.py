@@ -164,7 +164,8 @@ def _published_status(bundle: Path) -> str | None:
 
 
 def finish(bundle: Path) -> RunResult:
-    """Publish the bundle of a controller that died without publishing, as incomplete (no verdict)."""
+    """Publish the bundle of a controller that died without publishing (incomplete, no verdict: its running child is
+    marked lost) or that could not write it (complete where every child had ended, as after a full disk)."""
     bundle = Path(bundle)
     if not (bundle / "plan.json").is_file():
         raise ResumeRefused(f"{bundle} has no plan.json: its controller stopped before it planned anything and "
