@@ -362,9 +362,12 @@ def trend_test(values: Sequence[float], alpha: float) -> dict:
     ``scipy.stats.permutation_test`` over every permutation. Beyond, spearmanr's t approximation, which is far
     off for few values: 3 values in order get p = 0 from it (rho = 1, t infinite) where the exact p is 1/3, the
     smallest possible at n = 3 (bundle format 12; earlier formats took the approximation at every n).
-    rho and p are None (no test) below 3 values or for constant values. ValueError for ``alpha`` outside (0, 1)."""
+    rho and p are None (no test) below 3 values or for constant values. ValueError for ``alpha`` outside (0, 1), and
+    for a NaN among ``values`` (no rank: the exact p of such values was 0, a flag at any alpha)."""
     _level("alpha", alpha)
     x = np.asarray(values, dtype=float)
+    if np.isnan(x).any():
+        raise ValueError(f"values must be numbers, got a NaN in {list(values)!r}")
     if x.size < 3 or np.all(x == x[0]):
         return {"method": "spearman", "n": int(x.size), "statistic": None, "p": None, "flag": False}
     res = scipy.stats.spearmanr(np.arange(x.size), x)

@@ -320,6 +320,9 @@ def test_detectable_effect_is_the_paired_normal_formula():
     (lambda: stats.detectable_effect(-0.1, 5, 0.05, 0.8), "sigma must be a finite SD >= 0 or None, got -0.1"),
     (lambda: stats.restart_of(0, 0), "pairs_per_session >= 1, got 0 and 0"),
     (lambda: stats.trend_test([1.0, 2.0, 3.0], alpha=2.0), r"alpha must be in \(0, 1\), got 2.0"),
+    (lambda: stats.trend_test([1.0, float("nan"), 2.0, 3.0], 0.05), r"values must be numbers, got a NaN in \[1.0, nan"),
+    (lambda: stats.trend_test([float("nan")] * 9, 0.05), "values must be numbers, got a NaN"),
+    (lambda: stats.creep_test([None, 1.0, float("nan"), 2.0], 0.05), "values must be numbers, got a NaN"),
     (lambda: stats.order_test([1.0], ["baseline"], alpha=0.0), r"alpha must be in \(0, 1\), got 0.0"),
     (lambda: stats.balanced_first(3, -1), "seed must be a non-negative integer or a sequence of them, got -1"),
     (lambda: stats.balanced_first(3, [1, -2]), r"seed must be .*, got \[1, -2\]"),
@@ -353,3 +356,27 @@ def test_the_auditors_exact_spearman_p_is_the_writers():
     assert audit_evidence._spearman(in_order, 0.05, 12)["p"] == 1 / 3
     old = audit_evidence._spearman(in_order, 0.05, 11)
     assert old["p"] == float(scipy.stats.spearmanr(range(3), in_order).pvalue) and old["flag"]
+
+
+def test_the_exact_trend_p_of_every_order_of_four_values_ties_and_rho_zero_included():
+    """Every arrangement of up to 4 distinct levels over 4 positions (75 with ties or none): the writer's two-sided
+    permutation_test p (2 x the smaller one-sided p, clipped at 1) is the auditor's P(|rho| >= |observed|) and a
+    rational enumeration's, exactly; the null is symmetric (reversing an order negates rho) even with ties, so at
+    rho = 0 both are 1."""
+    import itertools
+    from fractions import Fraction
+
+    from loopbench.audit import evidence as audit_evidence
+    cases = rho_zero = 0
+    for levels in itertools.product(range(4), repeat=4):
+        if sorted(set(levels)) != list(range(len(set(levels)))) or len(set(levels)) == 1:
+            continue
+        ranks = [Fraction(int(2 * r), 2) for r in scipy.stats.rankdata(levels)]
+        centre = Fraction(5, 2)
+        num = lambda order: sum((i - Fraction(3, 2)) * (r - centre) for i, r in enumerate(order))   # noqa: E731
+        want = Fraction(sum(abs(num(o)) >= abs(num(ranks)) for o in itertools.permutations(ranks)), 24)
+        values = [float(v) for v in levels]
+        assert stats.trend_test(values, 0.05)["p"] == audit_evidence.exact_spearman_p(values) == float(want), levels
+        cases += 1
+        rho_zero += num(ranks) == 0
+    assert cases == 74 and rho_zero > 0
