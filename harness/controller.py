@@ -340,7 +340,7 @@ def publish(bundle: Path, plan: dict, children: list[dict], env: dict) -> RunRes
         kept = len(list((bundle / "raw").glob("*/*.json")))
         raise PublishFailed(f"could not publish {bundle}: {exc.strerror or exc}"
                             + (f" ({exc.filename})" if exc.filename else "")
-                            + f"; its {kept} raw arm record{'' if kept == 1 else 's'} are kept, unpublished; once the "
+                            + f"; its {kept} raw arm record{' is' if kept == 1 else 's are'} kept, unpublished; once the "
                             f"cause is gone, publish them with: loopbench finish {bundle}") from None
     return RunResult(bundle, summary)
 

@@ -369,3 +369,21 @@ def test_a_full_disk_while_publishing_keeps_the_records_names_finish_and_finish_
     # every child had completed, so finish publishes the bundle complete (not incomplete) and its audit passes
     assert bench.finish_main([str(bundle)]) == 0 and audit(bundle)["status"] == "pass"
     assert json.loads((bundle / "summary.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.parametrize("kept, words", [(1, "its 1 raw arm record is kept"), (3, "its 3 raw arm records are kept")])
+def test_a_publish_that_fails_counts_the_records_it_keeps_in_words(tmp_path, monkeypatch, kept, words):
+    """PublishFailed said 'its 1 raw arm record are kept'."""
+    bundle = tmp_path / "b"
+    for i in range(kept):
+        (bundle / "raw" / "cpu0").mkdir(parents=True, exist_ok=True)
+        (bundle / "raw" / "cpu0" / f"{i:05d}-B1C1-x-p0-baseline.json").write_text("{}")
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(controller, "write_children", full)
+    with pytest.raises(controller.PublishFailed) as err:
+        controller.publish(bundle, {}, [], {})
+    assert str(err.value) == (f"could not publish {bundle}: No space left on device; {words}, unpublished; once the "
+                              f"cause is gone, publish them with: loopbench finish {bundle}")
