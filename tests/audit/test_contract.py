@@ -274,3 +274,10 @@ def test_every_plan_field_the_contract_names_is_a_field_of_plan_json():
     named = _contract_names("plan")
     assert {"points", "devices", "natural", "detectable_effect"} <= {k.split(".")[0] for k in named}, named
     assert {k: w for k, w in named.items() if k.split(".")[0] not in fields} == {}
+
+
+def test_only_the_current_version_is_this_file():
+    """versions['11'] still read 'this file: version 10 plus ...' once version 12 was the contract's (each new version
+    takes the words from the one before it, as 10 gave them to 11)."""
+    current = [v for v, text in contract.FORMAT["versions"].items() if text.startswith("this file: version")]
+    assert current == [str(contract.VERSION)], current
