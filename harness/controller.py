@@ -356,8 +356,22 @@ def audit(bundle: Path) -> int:
 
 
 class BundleFolderError(ValueError):
-    """The new bundle folder cannot be made (a folder ``rules.check_folder`` passed, such as one below ``/proc``, or
-    one that became read-only since): nothing was measured or written."""
+    """The new bundle folder, or the cache folder, cannot be made (a folder ``rules.check_folder`` passed, such as one
+    below ``/proc`` as root, or one that became read-only since): nothing was measured or written."""
+
+
+def make_cache(spec: BenchSpec, cache: Path) -> None:
+    """The cache folder, made before anything is written into the new bundle folder: :class:`BundleFolderError`
+    naming where it came from (``cache_dir``, ``$LOOPBENCH_CACHE`` or the default) and the operating system's reason
+    when it cannot be made."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        env = os.environ.get("LOOPBENCH_CACHE")
+        where = (f"cache_dir = {spec.cache_dir!r}" if spec.cache_dir else f"$LOOPBENCH_CACHE = {env!r}" if env
+                 else f"the default cache folder {str(cache)!r}")
+        raise BundleFolderError(f"{where}: cannot make the cache folder there ({exc.strerror or exc}: "
+                                f"{exc.filename}); nothing was measured") from None
 
 
 def open_bundle(spec: BenchSpec, code: dict) -> Path:
@@ -402,6 +416,11 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
     try:
         with unless_stopped(stop, removed):   # a stop recorded while the card was claimed ends it before the folder
             bundle = open_bundle(spec, got.code)
+            try:
+                make_cache(spec, got.cache)
+            except BundleFolderError:
+                bundle.rmdir()   # made just now, empty: a bad cache_dir leaves no bundle folder behind
+                raise
             lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
             print(f"loopbench: bundle {bundle}", flush=True)
             prepared = prepare_model(spec, got, bundle)

@@ -323,3 +323,23 @@ def test_an_empty_results_dir_is_named(tmp_path, monkeypatch, capsys, command, v
     """`results_dir=` (an unset shell variable) passed plan and bench wrote its bundle into the repository root."""
     err = _refusal(tmp_path, monkeypatch, capsys, command, f"results_dir={value}")
     assert err == BAD + f"results_dir must name a folder, got {value} (the default is 'results')\n", err
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bundle_folder(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """cache_dir=/proc/foo/c passes the folder check as root (os.access) and was a traceback with exit 1 from the
+    cache's mkdir after the bundle folder was made, which was left empty in results_dir (e33dd1d handled results_dir
+    only). Here os.access is made to pass for any user, and nothing may be made below /proc."""
+    from loopbench.harness import rules
+
+    monkeypatch.setattr(rules.os, "access", lambda *args, **kwargs: True)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rc = cli.main(["-q", "bench", "--config-name", "cpu-smoke", "pairs=1", f"results_dir={work / 'r'}",
+                   "cache_dir=/proc/loopbench-no-such/c"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", (rc, out, err)
+    assert err.startswith(BAD + "cache_dir = '/proc/loopbench-no-such/c': cannot make the cache folder there (") \
+        and err.endswith("); nothing was measured\n") and err.count("\n") == 1, err
+    assert [p for p in work.rglob("*") if p != work / "r"] == [], list(work.rglob("*"))   # no bundle folder in r/
