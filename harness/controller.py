@@ -360,10 +360,10 @@ class BundleFolderError(ValueError):
     below ``/proc`` as root, or one that became read-only since): nothing was measured or written."""
 
 
-def make_cache(spec: BenchSpec, cache: Path) -> None:
-    """The cache folder, made before anything is written into the new bundle folder: :class:`BundleFolderError`
-    naming where it came from (``cache_dir``, ``$LOOPBENCH_CACHE`` or the default) and the operating system's reason
-    when it cannot be made."""
+def make_cache(spec: BenchSpec, cache: Path, unchanged: str = "nothing was measured") -> None:
+    """The cache folder, made before anything is written into the new bundle folder (or, in a resume, before its
+    checks write a checkpoint): :class:`BundleFolderError` naming where it came from (``cache_dir``,
+    ``$LOOPBENCH_CACHE`` or the default), the operating system's reason and ``unchanged``, when it cannot be made."""
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -371,7 +371,7 @@ def make_cache(spec: BenchSpec, cache: Path) -> None:
         where = (f"cache_dir = {spec.cache_dir!r}" if spec.cache_dir else f"$LOOPBENCH_CACHE = {env!r}" if env
                  else f"the default cache folder {str(cache)!r}")
         raise BundleFolderError(f"{where}: cannot make the cache folder there ({exc.strerror or exc}: "
-                                f"{exc.filename}); nothing was measured") from None
+                                f"{exc.filename}); {unchanged}") from None
 
 
 def open_bundle(spec: BenchSpec, code: dict) -> Path:

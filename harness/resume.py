@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 
 from . import cards, evidence, identity, inputs, machine
-from .controller import (RunResult, make_executor, prepare_checkpoint, publish, published, run_restarts,
+from .controller import (RunResult, make_cache, make_executor, prepare_checkpoint, publish, published, run_restarts,
                          unless_stopped, write_children)
 from .executors import StopSignals
 from .fileio import sha256_file, try_lock
@@ -276,6 +276,8 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
     """
     ours = _as_planned(spec, plan["config"])
     got = inputs.gather(ours) if got is None else got
+    if synthesize:   # a resume writes a missing checkpoint into the cache: a cache it cannot make is named first
+        make_cache(ours, got.cache, f"{spec.resume} is unchanged")
     compared = synthesize or _checkpoint_at_hand(ours, got.cache)
     fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache) if compared else None, point_entries(ours))
     old, new = _comparable_plan(plan), _comparable_plan(_as_json(fresh))

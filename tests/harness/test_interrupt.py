@@ -714,3 +714,19 @@ def test_a_stop_while_a_resume_checks_its_bundle_changes_nothing(stopped, dirs, 
     with pytest.raises(controller.Interrupted, match="for the resume: the bundle is unchanged"):
         _resume(dirs, bundle)
     assert _tree(bundle) == before
+
+
+def test_a_resume_whose_cache_folder_cannot_be_made_is_refused_and_changes_nothing(stopped, dirs, tmp_path,
+                                                                                  monkeypatch):
+    """A resume writes a missing synthetic checkpoint into the cache while it checks the bundle; a cache folder it
+    cannot make (below /proc here, with os.access made to pass as for root) was a traceback from that mkdir."""
+    from loopbench.harness import rules
+
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    before = _tree(bundle)
+    monkeypatch.setattr(rules.os, "access", lambda *args, **kwargs: True)
+    with pytest.raises(controller.BundleFolderError) as err:
+        _resume(dirs, bundle, "cache_dir=/proc/loopbench-no-such/c")
+    assert str(err.value).startswith("cache_dir = '/proc/loopbench-no-such/c': cannot make the cache folder there (")
+    assert str(err.value).endswith(f"); {bundle} is unchanged"), str(err.value)
+    assert _tree(bundle) == before
