@@ -9,8 +9,9 @@ D = head_dim, I = intermediate, V = vocab, b = bytes of the model dtype, kv = 2 
 and V in one layer), and the sums over the run's decode rows (a row = one token at one depth):
 
 - weights  = loops x b (L (h (H + 2 Hkv) D + H D h + 2 I h + I h + 4 h) + 2 h): every layer's qkv, o,
-  gate_up, down and four norms, the final norm and the gate (``OuroModel.weight_bytes``), read each loop;
-- lm_head  = loops x V h b: it runs on every decode loop, whatever the rows;
+  gate_up, down and four norms, the final norm and the gate's weight row (``OuroModel.weight_bytes``; its
+  one-element bias left out), read each loop;
+- lm_head  = loops x V h b: it runs on every decode loop over all its rows, also where none exits;
 - KV read  = L kv x context_keys (a row computing output token j >= 1 of a request with a T-token prompt
   sits at position T + j - 1 and reads its T + j keys, once per loop the token ran: its exit depth)
   + L x 4 x ``coverage.routed_reads`` (the alias reader's int32 exit-map entries, per key it resolves)
@@ -18,7 +19,11 @@ and V in one layer), and the sums over the run's decode rows (a row = one token 
 - KV write = L kv x (decode rows + ``coverage.fill_token_planes``) (each row's own K / V; the native
   fill's copies) + 4 x decode tokens for alias layouts (one exit-map entry published per exit).
 
-Not counted: embedding rows, activations, descriptors, logits, split-KV attention partials (all O(rows x hidden) or smaller). Per loop
+Not counted, as traffic that could stay on chip or in L2: embedding rows, descriptors, the activations between
+the loop's kernels, logits, split-KV attention partials. The activations are not small (qkv, o_proj's and down's
+fp32 split-K partials, the SwiGLU output...: about 211 kB per row and layer at the Ouro shape, 81 MB a loop at
+B16, 2.5% of the counted bytes; 162 MB, 4.4%, at B32), nor are logits where lm_head writes them (2 N V b on more
+than 32 rows); audit/FORMAT.md, Roofline, says what each is and why it is left out. Per loop
 = total / loops; the device time is the sum of the record's ``decode_timing.loop_s``
 (harness/loop_timing.py); achieved GB/s = bytes / time; the fraction = achieved / the ceiling
 ``bytes_per_copy / min(times_s)`` of the record's session (``ceilings/<session>.json``). The auditor

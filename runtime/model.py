@@ -645,7 +645,10 @@ class OuroModel:
         return cfg if cfg is not None and cfg.split_k == 1 else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """lm_head on exited rows. x: [N, hidden] -> [N, vocab] model dtype."""
+        """lm_head on the rows given: every row of a decode step (runtime/runner.py ``decode_core``, exiting or
+        not, padding included; where :meth:`greedy_partials` does not run instead), or a prefill loop's final prompts'
+        last rows (batch-invariant: the last of them repeated to ``max_num_seqs`` rows). x: [N, hidden] -> [N, vocab]
+        model dtype."""
         if self.fused:
             return self._project(x, self.lm_head, None)
         return F.linear(x, self.lm_head)
