@@ -165,6 +165,17 @@ def _pct(values: list[float], q: float, method: str) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q, method=method)) if values else None
 
 
+def _censored(values: list[float], failed: int, q: float, method: str) -> float | None:
+    """Contract ``online.about`` (failed requests in the percentiles): the q-th percentile of ``values`` with
+    ``failed`` values above all of them; None where it interpolates towards one of those (two placements of
+    them disagree) or without values."""
+    if not values or not failed:
+        return _pct(values, q, method)
+    top = max(values)
+    low = _pct(list(values) + [top] * failed, q, method)
+    return low if low == _pct(list(values) + [top + abs(top) + 1e6] * failed, q, method) else None
+
+
 def good(lat: dict, slo: dict | None) -> bool:
     return (slo is not None and lat["ttft_s"] is not None and lat["ttft_s"] <= slo["ttft_s"]
             and (lat["tpot_s"] is None or lat["tpot_s"] <= slo["tpot_s"]))
@@ -180,11 +191,13 @@ def run_figures(rec: dict, slo: dict | None, method: str) -> dict:
     itl = [g for _, lat in done for g in lat["itl_s"]]
     tpot = [lat["tpot_s"] for _, lat in done if lat["tpot_s"] is not None]
     n_good = sum(good(lat, slo) for _, lat in done)
+    failed = len(rec["requests"]) - len(done)
     return {"seq": rec["seq"], "kind": rec["kind"], "arm": rec["arm"], "rate_multiple": rec["rate_multiple"],
             "rate_rps": rec["rate_rps"], "pair": rec["pair"], "position": rec["position"],
-            "completed": len(done), "failed": len(rec["requests"]) - len(done), "duration_s": dur,
-            "p50_ttft_s": _pct(ttft, 50, method), "p99_ttft_s": _pct(ttft, 99, method),
-            "p50_itl_s": _pct(itl, 50, method), "p99_itl_s": _pct(itl, 99, method), "p99_tpot_s": _pct(tpot, 99, method),
+            "completed": len(done), "failed": failed, "duration_s": dur,
+            "p50_ttft_s": _censored(ttft, failed, 50, method), "p99_ttft_s": _censored(ttft, failed, 99, method),
+            "p50_itl_s": _pct(itl, 50, method), "p99_itl_s": _pct(itl, 99, method),
+            "p99_tpot_s": _censored(tpot, failed, 99, method),
             "throughput_tokens_per_s": rate(sum(len(q["token_ids"]) for q, _ in done)),
             "request_rate_rps": rate(len(done)), "good": n_good if slo is not None else None,
             "goodput_rps": rate(n_good) if slo is not None else None}

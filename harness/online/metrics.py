@@ -6,7 +6,11 @@ Per request (times in s since the run's start; harness/online/loadgen.py):
 ``tpot_s = (token_times_s[-1] - token_times_s[0]) / (n - 1)`` (time per output token after the first).
 A request failed when it carries an ``error``; failed requests count in ``failed`` and in no latency.
 
-Per run: ``duration_s`` = the last request's end (the trace starts at 0); percentiles of TTFT and of every
+Per run: ``duration_s`` = the last request's end (the trace starts at 0); percentiles of TTFT and TPOT over
+every request of the run, a failed one counted as slower than every completed one (it was not served within
+the run's bound: a timed-out request is right-censored, and dropping it would make the run with more
+timeouts look faster), so a percentile that reaches a failed request is None (:func:`censored_percentile`;
+with no failed request these are the plain percentiles of the completed requests); percentiles of every
 inter-token gap of the completed requests (``numpy.percentile``, method linear, Hyndman & Fan type 7),
 ``throughput_tokens_per_s`` = completed requests' tokens / duration, ``request_rate_rps`` = completed
 requests / duration, and ``goodput_rps`` = requests that met the SLO / duration, where a request meets
@@ -49,6 +53,21 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q, method=PERCENTILE_METHOD)) if len(values) else None
 
 
+def censored_percentile(values: list[float], failed: int, q: float) -> float | None:
+    """The q-th percentile (0..100) of ``values`` and ``failed`` more values each larger than all of them (failed
+    requests, right-censored at the run's bound): None where ``numpy.percentile`` would interpolate towards a
+    failed value (its weight is not 0), or there is no value at all. Computed as the plain percentile with the
+    failed values set to two different numbers above the largest value: the result is the censored percentile
+    when both agree, and depends on a failed value when they do not."""
+    if not values:
+        return None
+    if not failed:
+        return percentile(values, q)
+    top = max(values)
+    low, high = (percentile(list(values) + [top + bump] * failed, q) for bump in (0.0, abs(top) + 1e6))
+    return low if low == high else None
+
+
 def meets_slo(lat: dict, slo: dict | None) -> bool:
     """Whether a completed request's latencies meet ``slo`` (``ttft_s``, ``tpot_s``)."""
     if slo is None or lat["ttft_s"] is None:
@@ -64,14 +83,16 @@ def run_figures(requests: list[dict], slo: dict | None) -> dict:
     """Every ``RUN_FIGURES`` figure of one run's request records (goodput None without an SLO)."""
     lats = [request_latencies(r) for r in requests]
     done = [(r, lat) for r, lat in zip(requests, lats) if r["error"] is None]
+    failed = len(requests) - len(done)
     duration = max((r["end_s"] for r in requests), default=0.0)
     ttfts = [lat["ttft_s"] for _, lat in done if lat["ttft_s"] is not None]
     itls = [g for _, lat in done for g in lat["itl_s"]]
     tpots = [lat["tpot_s"] for _, lat in done if lat["tpot_s"] is not None]
     good = sum(meets_slo(lat, slo) for _, lat in done)
-    return {"completed": len(done), "failed": len(requests) - len(done), "duration_s": duration,
-            "p50_ttft_s": percentile(ttfts, 50), "p99_ttft_s": percentile(ttfts, 99),
-            "p50_itl_s": percentile(itls, 50), "p99_itl_s": percentile(itls, 99), "p99_tpot_s": percentile(tpots, 99),
+    return {"completed": len(done), "failed": failed, "duration_s": duration,
+            "p50_ttft_s": censored_percentile(ttfts, failed, 50), "p99_ttft_s": censored_percentile(ttfts, failed, 99),
+            "p50_itl_s": percentile(itls, 50), "p99_itl_s": percentile(itls, 99),
+            "p99_tpot_s": censored_percentile(tpots, failed, 99),
             "throughput_tokens_per_s": _per_s(sum(len(r["token_ids"]) for r, _ in done), duration),
             "request_rate_rps": _per_s(len(done), duration),
             "good": good if slo is not None else None,
@@ -81,7 +102,8 @@ def run_figures(requests: list[dict], slo: dict | None) -> dict:
 def derived_slo(calibration: dict) -> dict:
     """``SLO_FACTOR`` x the calibration run's p99 TTFT and p99 TPOT (its ``run_figures``)."""
     if calibration["p99_ttft_s"] is None or calibration["p99_tpot_s"] is None:
-        raise ValueError("the calibration run completed no request with two tokens: no SLO can be derived")
+        raise ValueError("the calibration run completed no request with two tokens, or its p99 reaches a failed "
+                         "request: no SLO can be derived")
     return {"ttft_s": SLO_FACTOR * calibration["p99_ttft_s"], "tpot_s": SLO_FACTOR * calibration["p99_tpot_s"]}
 
 

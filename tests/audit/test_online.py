@@ -477,3 +477,29 @@ def test_online_servers_that_ran_another_exit_policy_or_max_model_len_than_the_p
                         f"session gpu0): engine_settings.{key} is {json.dumps(forged)}, where {stated} says "
                         f"{json.dumps(planned)}")
     assert failed(bundle).splitlines() == expected
+
+
+def test_a_timed_out_request_counts_in_the_percentiles_as_slower_than_every_served_one(bundle):
+    """Censoring: a request the run's bound cut off (no first token) is not dropped from the TTFT and TPOT
+    percentiles, where it would make the run with more timeouts look faster; it counts as slower than every served
+    request, so of 6 requests with 1 failed p99 (rank 4.95 of 0..5) reaches it: n/a, in the writer's summary and in
+    the auditor's re-derivation alike. The old figure (p99 over the 5 served requests) is named."""
+    rec = json.loads(_raw(bundle, 1).read_text())
+    i = max(range(len(rec["requests"])), key=lambda j: metrics.request_latencies(rec["requests"][j])["ttft_s"])
+    edit_json(_raw(bundle, 1), lambda r: r["requests"][i].update(token_times_s=[], token_ids=[], finish_reason=None,
+                                                                  error=TIMEOUT_ERROR))
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    summary = json.loads((bundle / "online" / "summary.json").read_text())
+    run = summary["runs"][1]
+    assert run["failed"] == 1 and run["p99_ttft_s"] is None and run["p99_tpot_s"] is None
+    assert run["p50_ttft_s"] is not None and run["p99_itl_s"] is not None
+    verdict = audit(bundle)
+    assert not verdict["discrepancies"], verdict["discrepancies"]
+    served = [metrics.request_latencies(q)["ttft_s"] for q in json.loads(_raw(bundle, 1).read_text())["requests"]]
+    dropped = metrics.percentile([t for t in served if t is not None], 99)
+    edit_json(bundle / "online" / "summary.json", lambda s: s["runs"][1].update(p99_ttft_s=dropped))
+    rewrite_manifest(bundle)
+    assert f"online/summary.json: runs[1].p99_ttft_s is {dropped!r}, re-derived from the raw timestamps None" \
+        in failed(bundle)

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from loopbench.harness.online import loadgen, metrics
+from loopbench.harness.online.loadgen import TIMEOUT_ERROR
 
 GAP_S = 0.02
 
@@ -113,10 +114,38 @@ def test_run_figures_percentiles_and_goodput():
     reqs = [{"planned_s": 0.0, "token_times_s": [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], "end_s": 0.1 * (i + 1) + 0.06,
              "token_ids": [1, 2], "error": None} for i in range(10)]
     reqs.append({"planned_s": 0.5, "token_times_s": [], "end_s": 0.7, "token_ids": [], "error": "HTTP 500: x"})
-    figs = metrics.run_figures(reqs, {"ttft_s": 0.55, "tpot_s": 0.06})
-    assert figs["completed"] == 10 and figs["failed"] == 1
+    figs = metrics.run_figures(reqs[:10], {"ttft_s": 0.55, "tpot_s": 0.06})
+    assert figs["completed"] == 10 and figs["failed"] == 0
     assert figs["p50_ttft_s"] == pytest.approx(0.55) and figs["p99_ttft_s"] == pytest.approx(0.991)
     assert figs["good"] == 5 and figs["duration_s"] == pytest.approx(1.06)
     assert figs["goodput_rps"] == pytest.approx(5 / 1.06)
     assert figs["throughput_tokens_per_s"] == pytest.approx(20 / 1.06)
     assert metrics.derived_slo(figs) == {"ttft_s": pytest.approx(1.5 * 0.991), "tpot_s": pytest.approx(0.075)}
+    # the failed request counts as slower than every completed one: p50 of 11 is the 6th TTFT, p99 reaches it
+    figs = metrics.run_figures(reqs, {"ttft_s": 0.55, "tpot_s": 0.06})
+    assert figs["completed"] == 10 and figs["failed"] == 1
+    assert figs["p50_ttft_s"] == pytest.approx(0.6) and figs["p99_ttft_s"] is None and figs["p99_tpot_s"] is None
+    assert figs["p99_itl_s"] == pytest.approx(0.05)   # inter-token gaps: the completed requests' only
+    assert figs["good"] == 5 and figs["goodput_rps"] == pytest.approx(5 / 1.06)
+    with pytest.raises(ValueError, match="reaches a failed request"):
+        metrics.derived_slo(figs)
+
+
+def test_timed_out_requests_are_not_dropped_from_the_latency_percentiles():
+    """Censoring: of two runs of the same 64 requests, the one whose 6 slowest requests timed out (no first token
+    by the run's bound) had, with them dropped, a p99 TTFT of 0.5743 s and a p50 of 0.295 s against 0.6337 s and
+    0.325 s for the run that served them all: it looked faster. Now its p99 is n/a and its p50 the same 0.325 s."""
+    ttfts = [0.01 * (i + 1) for i in range(64)]
+
+    def req(t, error=None):
+        return {"planned_s": 0.0, "token_times_s": [] if error else [t, t + 0.01], "end_s": 9.0 if error else t + 0.02,
+                "token_ids": [] if error else [1, 2], "error": error}
+    served = metrics.run_figures([req(t) for t in ttfts], None)
+    censored = metrics.run_figures([req(t) for t in ttfts[:58]] + [req(0, TIMEOUT_ERROR)] * 6, None)
+    assert served["p99_ttft_s"] == pytest.approx(0.6337)
+    assert censored["failed"] == 6 and censored["p99_ttft_s"] is None
+    assert censored["p50_ttft_s"] == pytest.approx(served["p50_ttft_s"])   # the 32.5th of 64 either way
+    assert metrics.censored_percentile(ttfts[:58], 6, 90) == pytest.approx(0.577)
+    assert metrics.censored_percentile(ttfts[:58], 6, 91) is None    # rank 57.33 of 0..63 leans on rank 58
+    assert metrics.censored_percentile(ttfts, 0, 99) == metrics.percentile(ttfts, 99)
+    assert metrics.censored_percentile([], 3, 50) is None
