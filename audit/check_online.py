@@ -248,8 +248,10 @@ def rate_entries(on: dict, runs: list[dict]) -> list[dict]:
             base = [by_pair[p]["baseline"][fig] for p in pairs]
             cand = [by_pair[p]["candidate"][fig] for p in pairs]
             ratios = [c / b for b, c in zip(base, cand) if b and c is not None]
-            figures[fig] = {"baseline_median": _median(base), "candidate_median": _median(cand), "ratios": ratios,
-                            "ratio_median": _median(ratios)}
+            # a null value (a percentile that reached a failed request) is unknown: no median over it, no ratio median
+            figures[fig] = {"baseline_median": None if None in base else _median(base),
+                            "candidate_median": None if None in cand else _median(cand), "ratios": ratios,
+                            "ratio_median": None if None in base or None in cand else _median(ratios)}
         out.append({"rate_index": ri, "rate_multiple": multiple, "rate_rps": at[0]["rate_rps"] if at else None,
                     "baseline": on["baseline"], "candidate": on["candidate"], "pairs": pairs, "figures": figures})
     return out

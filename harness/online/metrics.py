@@ -109,15 +109,19 @@ def derived_slo(calibration: dict) -> dict:
 
 def paired_figures(pairs: list[dict]) -> dict:
     """Per ``PAIRED_FIGURES`` figure: the median over pairs of each arm's value and of the per-pair ratio
-    candidate / baseline (a pair whose baseline value is 0 or None has no ratio). ``pairs``: dicts with
+    candidate / baseline (a pair whose baseline value is 0 or None has no ratio). A median is None where a pair's
+    value is None (a percentile that reached a failed request, unknown and possibly the largest: dropping that
+    pair would leave the better ones), or a pair with a None value has no ratio. ``pairs``: dicts with
     ``baseline`` and ``candidate`` run figures."""
     out = {}
     for fig in PAIRED_FIGURES:
         base = [p["baseline"][fig] for p in pairs]
         cand = [p["candidate"][fig] for p in pairs]
         ratios = [c / b for b, c in zip(base, cand) if b and c is not None]
-        out[fig] = {"baseline_median": _median(base), "candidate_median": _median(cand),
-                    "ratios": ratios, "ratio_median": _median(ratios)}
+        unknown = None in base or None in cand
+        out[fig] = {"baseline_median": None if None in base else _median(base),
+                    "candidate_median": None if None in cand else _median(cand),
+                    "ratios": ratios, "ratio_median": None if unknown else _median(ratios)}
     return out
 
 

@@ -495,6 +495,7 @@ def test_a_timed_out_request_counts_in_the_percentiles_as_slower_than_every_serv
     run = summary["runs"][1]
     assert run["failed"] == 1 and run["p99_ttft_s"] is None and run["p99_tpot_s"] is None
     assert run["p50_ttft_s"] is not None and run["p99_itl_s"] is not None
+    assert summary["rates"][0]["figures"]["p99_ttft_s"]["ratio_median"] is None   # its pair's, not dropped
     verdict = audit(bundle)
     assert not verdict["discrepancies"], verdict["discrepancies"]
     served = [metrics.request_latencies(q)["ttft_s"] for q in json.loads(_raw(bundle, 1).read_text())["requests"]]

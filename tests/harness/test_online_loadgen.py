@@ -149,3 +149,15 @@ def test_timed_out_requests_are_not_dropped_from_the_latency_percentiles():
     assert metrics.censored_percentile(ttfts[:58], 6, 91) is None    # rank 57.33 of 0..63 leans on rank 58
     assert metrics.censored_percentile(ttfts, 0, 99) == metrics.percentile(ttfts, 99)
     assert metrics.censored_percentile([], 3, 50) is None
+
+
+def test_a_pair_whose_percentile_reached_a_failed_request_is_not_dropped_from_the_paired_medians():
+    """A censored (None) p99 is unknown and may be the worst: the medians over pairs that include it are None, not
+    the median of the other pairs (which kept only the pairs whose candidate did not time out)."""
+    def run(p99):
+        return {fig: 1.0 for fig in metrics.PAIRED_FIGURES} | {"p99_ttft_s": p99}
+    figs = metrics.paired_figures([{"baseline": run(1.0), "candidate": run(0.5)},
+                                   {"baseline": run(1.0), "candidate": run(None)}])
+    p99 = figs["p99_ttft_s"]
+    assert p99["ratios"] == [0.5] and p99["ratio_median"] is None and p99["candidate_median"] is None
+    assert p99["baseline_median"] == 1.0 and figs["p50_ttft_s"]["ratio_median"] == 1.0
