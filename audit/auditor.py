@@ -59,9 +59,10 @@ from . import (check_files, check_natural, check_online, check_plan, check_roofl
                check_settings, check_summary, check_tables, check_telemetry, contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 11  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+AUDITOR_VERSION = 12  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
-                      # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values
+                      # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
+                      # 12: format 13, failed requests in the online percentiles
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 

@@ -181,7 +181,9 @@ def good(lat: dict, slo: dict | None) -> bool:
             and (lat["tpot_s"] is None or lat["tpot_s"] <= slo["tpot_s"]))
 
 
-def run_figures(rec: dict, slo: dict | None, method: str) -> dict:
+def run_figures(rec: dict, slo: dict | None, method: str, censored: bool = True) -> dict:
+    """One online run's figures; ``censored`` (format ``online.censored_since``, 13): failed requests count in the TTFT
+    and TPOT percentiles (:func:`_censored`), else those percentiles are over the completed requests only."""
     done = [(q, latencies(q)) for q in rec["requests"] if q["error"] is None]
     dur = max((q["end_s"] for q in rec["requests"]), default=0.0)
 
@@ -192,12 +194,15 @@ def run_figures(rec: dict, slo: dict | None, method: str) -> dict:
     tpot = [lat["tpot_s"] for _, lat in done if lat["tpot_s"] is not None]
     n_good = sum(good(lat, slo) for _, lat in done)
     failed = len(rec["requests"]) - len(done)
+
+    def pct(values, q):
+        return _censored(values, failed, q, method) if censored else _pct(values, q, method)
     return {"seq": rec["seq"], "kind": rec["kind"], "arm": rec["arm"], "rate_multiple": rec["rate_multiple"],
             "rate_rps": rec["rate_rps"], "pair": rec["pair"], "position": rec["position"],
             "completed": len(done), "failed": failed, "duration_s": dur,
-            "p50_ttft_s": _censored(ttft, failed, 50, method), "p99_ttft_s": _censored(ttft, failed, 99, method),
+            "p50_ttft_s": pct(ttft, 50), "p99_ttft_s": pct(ttft, 99),
             "p50_itl_s": _pct(itl, 50, method), "p99_itl_s": _pct(itl, 99, method),
-            "p99_tpot_s": _censored(tpot, failed, 99, method),
+            "p99_tpot_s": pct(tpot, 99),
             "throughput_tokens_per_s": rate(sum(len(q["token_ids"]) for q, _ in done)),
             "request_rate_rps": rate(len(done)), "good": n_good if slo is not None else None,
             "goodput_rps": rate(n_good) if slo is not None else None}
@@ -235,7 +240,9 @@ def _median(values: list) -> float | None:
     return float(np.median(vals)) if vals else None
 
 
-def rate_entries(on: dict, runs: list[dict]) -> list[dict]:
+def rate_entries(on: dict, runs: list[dict], censored: bool = True) -> list[dict]:
+    """Per rate the paired medians; ``censored`` (format 13): a median over a null value is null, else (earlier
+    formats) the medians are over the pairs whose value is not null."""
     out = []
     for ri, multiple in enumerate(on["rates"]["multiples"]):
         at = [r for r in runs if r["kind"] == "arm" and r["rate_multiple"] == multiple]
@@ -249,9 +256,10 @@ def rate_entries(on: dict, runs: list[dict]) -> list[dict]:
             cand = [by_pair[p]["candidate"][fig] for p in pairs]
             ratios = [c / b for b, c in zip(base, cand) if b and c is not None]
             # a null value (a percentile that reached a failed request) is unknown: no median over it, no ratio median
-            figures[fig] = {"baseline_median": None if None in base else _median(base),
-                            "candidate_median": None if None in cand else _median(cand), "ratios": ratios,
-                            "ratio_median": None if None in base or None in cand else _median(ratios)}
+            unknown_base, unknown_cand = censored and None in base, censored and None in cand
+            figures[fig] = {"baseline_median": None if unknown_base else _median(base),
+                            "candidate_median": None if unknown_cand else _median(cand), "ratios": ratios,
+                            "ratio_median": None if unknown_base or unknown_cand else _median(ratios)}
         out.append({"rate_index": ri, "rate_multiple": multiple, "rate_rps": at[0]["rate_rps"] if at else None,
                     "baseline": on["baseline"], "candidate": on["candidate"], "pairs": pairs, "figures": figures})
     return out
@@ -298,16 +306,17 @@ def derived(ctx: Audit, plan: dict, records: list[dict]) -> tuple[dict, dict | N
     on = plan["online"]
     method = on["percentile_method"]
     calib = next((r for r in records if r["kind"] == "calibration"), None)
-    calib_figs = run_figures(calib, None, method) if calib else None
+    censored = ctx.version >= SPEC["censored_since"]
+    calib_figs = run_figures(calib, None, method, censored) if calib else None
     slo = _slo(on["slo"], calib_figs)
     capacity = calib_figs["request_rate_rps"] if calib_figs else None
     check_arrivals(ctx, plan, records, capacity)
-    runs = [run_figures(r, slo, method) for r in records]
+    runs = [run_figures(r, slo, method, censored) for r in records]
     summary = {"schema_version": SPEC["schema_version"],
                "status": "complete" if len(records) == len(on["order"]) else "incomplete",
                "runs_planned": len(on["order"]), "runs_recorded": len(records), "capacity_rps": capacity,
                "slo": {**on["slo"], **(slo or {})}, "percentile_method": method, "runs": runs,
-               "rates": rate_entries(on, runs), "checks": token_check(ctx, on, records)}
+               "rates": rate_entries(on, runs, censored), "checks": token_check(ctx, on, records)}
     return summary, slo
 
 

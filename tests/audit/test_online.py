@@ -504,3 +504,27 @@ def test_a_timed_out_request_counts_in_the_percentiles_as_slower_than_every_serv
     rewrite_manifest(bundle)
     assert f"online/summary.json: runs[1].p99_ttft_s is {dropped!r}, re-derived from the raw timestamps None" \
         in failed(bundle)
+
+
+def test_a_format_12_bundle_keeps_its_percentiles_over_the_completed_requests(bundle):
+    """Format 13 counts failed requests in the TTFT and TPOT percentiles (online.censored_since); the auditor re-derives
+    an older bundle by its own rule: the percentiles over the completed requests, the medians over the pairs with a
+    value. Same records, two versions, two answers."""
+    from loopbench.audit import check_online
+    from loopbench.audit.context import Audit
+
+    rec = json.loads(_raw(bundle, 1).read_text())
+    i = max(range(len(rec["requests"])), key=lambda j: metrics.request_latencies(rec["requests"][j])["ttft_s"])
+    edit_json(_raw(bundle, 1), lambda r: r["requests"][i].update(token_times_s=[], token_ids=[], finish_reason=None,
+                                                                  error=TIMEOUT_ERROR))
+    plan = json.loads((bundle / "plan.json").read_text())
+    records = [json.loads(p.read_text()) for p in sorted((bundle / "online" / "cpu0").glob("*.json"))]
+    served = [metrics.request_latencies(q)["ttft_s"] for q in json.loads(_raw(bundle, 1).read_text())["requests"]]
+    dropped = metrics.percentile([t for t in served if t is not None], 99)
+    got = {}
+    for version in (12, 13):
+        ctx = Audit(bundle)
+        ctx.version = version
+        got[version] = check_online.derived(ctx, plan, records)[0]["runs"][1]["p99_ttft_s"]
+    assert contract.FORMAT["online"]["censored_since"] == 13
+    assert got == {12: dropped, 13: None}, got
