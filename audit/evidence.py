@@ -66,21 +66,6 @@ def interval(groups: list[np.ndarray], vd: dict, one_session_ci) -> list | None:
     return [float(low), float(high)]
 
 
-def _ranks(values: list[float]) -> list[float]:
-    """1-based ranks, tied values at the average of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            ranks[k] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
 def _rank_correlation(ranks: tuple[float, ...] | list[float]) -> float:
     """Pearson's r of ``ranks`` with their positions 0..n-1."""
     n = len(ranks)
@@ -93,7 +78,7 @@ def _rank_correlation(ranks: tuple[float, ...] | list[float]) -> float:
 def exact_spearman_p(values: list[float]) -> float:
     """The share of all n! orders of ``values`` whose rank correlation with position is at least as far from 0 as
     theirs (two-sided), by enumeration; a tolerance of 1e-9 counts orders tied with the observed one."""
-    ranks = _ranks(values)
+    ranks = scipy.stats.rankdata(values).tolist()   # 1-based, ties at their average rank
     observed = abs(_rank_correlation(ranks))
     hits = sum(abs(_rank_correlation(order)) >= observed - 1e-9 for order in itertools.permutations(ranks))
     return hits / math.factorial(len(values))

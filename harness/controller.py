@@ -367,9 +367,8 @@ def make_cache(spec: BenchSpec, cache: Path, unchanged: str = "nothing was measu
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        env = os.environ.get("LOOPBENCH_CACHE")
-        where = (f"cache_dir = {spec.cache_dir!r}" if spec.cache_dir else f"$LOOPBENCH_CACHE = {env!r}" if env
-                 else f"the default cache folder {str(cache)!r}")
+        source = inputs.cache_source(spec)
+        where = f"{source[0]} = {source[1]!r}" if source else f"the default cache folder {str(cache)!r}"
         raise BundleFolderError(f"{where}: cannot make the cache folder there ({exc.strerror or exc}: "
                                 f"{exc.filename}); {unchanged}") from None
 

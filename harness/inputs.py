@@ -72,10 +72,16 @@ def check_folders(spec: BenchSpec) -> None:
     if not spec.results_dir.strip():   # '' resolved to the repository root, where the bundle folders then landed
         raise ValueError(f"results_dir must name a folder, got {spec.results_dir!r} (the default is 'results')")
     rules.check_folder("results_dir", spec.results_dir, results_path(spec))
+    source = cache_source(spec)
+    if source:
+        rules.check_folder(*source, conf.cache_dir(spec))
+
+
+def cache_source(spec: BenchSpec) -> tuple[str, str] | None:
+    """Where the cache folder comes from, as (key, value written): ``cache_dir``, else ``$LOOPBENCH_CACHE``; None
+    for the default folder."""
     env = os.environ.get("LOOPBENCH_CACHE")
-    key, raw = ("cache_dir", spec.cache_dir) if spec.cache_dir else ("$LOOPBENCH_CACHE", env) if env else (None, None)
-    if key:
-        rules.check_folder(key, raw, conf.cache_dir(spec))
+    return ("cache_dir", spec.cache_dir) if spec.cache_dir else ("$LOOPBENCH_CACHE", env) if env else None
 
 
 def checkpoint_path(spec: BenchSpec) -> Path | None:

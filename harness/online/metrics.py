@@ -118,10 +118,10 @@ def paired_figures(pairs: list[dict]) -> dict:
         base = [p["baseline"][fig] for p in pairs]
         cand = [p["candidate"][fig] for p in pairs]
         ratios = [c / b for b, c in zip(base, cand) if b and c is not None]
-        unknown = None in base or None in cand
-        out[fig] = {"baseline_median": None if None in base else _median(base),
-                    "candidate_median": None if None in cand else _median(cand),
-                    "ratios": ratios, "ratio_median": None if unknown else _median(ratios)}
+        unknown_base, unknown_cand = None in base, None in cand
+        out[fig] = {"baseline_median": None if unknown_base else _median(base),
+                    "candidate_median": None if unknown_cand else _median(cand),
+                    "ratios": ratios, "ratio_median": None if unknown_base or unknown_cand else _median(ratios)}
     return out
 
 
