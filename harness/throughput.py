@@ -366,6 +366,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-gemm-rows", type=_at_least_one, default=None, metavar="ROWS",
                     help="EngineConfig.prefill_gemm_rows: rows per batch-invariant prefill projection call "
                          "(default: EngineConfig.prefill_call_rows, by max_model_len)")
+    ap.add_argument("--prefill-gemm", default="cublas", choices=["cublas", "ours"],
+                    help="batch-invariant prefill projections as cuBLAS calls of exactly --prefill-gemm-rows rows, or "
+                         "each in one launch of kernels/prefill_gemm.py (OuroModel.prefill_gemm; CUDA, fused loop)")
     ap.add_argument("--gemm", default="ours", choices=["cublas", "ours"],
                     help="decode projections on our small-M GEMM where it was measured faster, cuBLAS for the "
                          "rest (kernels/gemm.py; CUDA; the runtime's default), or all on cuBLAS")
@@ -542,6 +545,7 @@ def load(args: argparse.Namespace, device: str, max_len: int) -> OuroModel:
                                    prefetch_next=getattr(args, "prefetch_next", None))
     model.greedy_tiles = not getattr(args, "greedy_from_logits", None)
     model.norm_in_gemm = bool(getattr(args, "norm_in_gemm", None))
+    model.prefill_gemm = getattr(args, "prefill_gemm", "cublas") == "ours"
     if getattr(args, "mlp_ring", None):
         ring_on(cfg)
     asked = getattr(args, "prefetch_next", None) or any(v.prefetch_next for v in getattr(args, "variant", []))
@@ -722,6 +726,7 @@ def run_params(args: argparse.Namespace, arm: ArmSpec, run: TimedRun, identity: 
             "P": args.prompt_len, "D": args.output_len, "layout": args.layout, "backend": args.backend,
             "policy": run.policy, "graphs": arm.cuda_graphs, "batch_invariant": args.batch_invariant,
             "prefill_gemm_rows": getattr(args, "prefill_gemm_rows", None) or "auto",
+            "prefill_gemm": "ours" if model.prefill_gemm_on() else "cublas",
             "prefill_stream": engine_config(arm, args, 1, "fixed").prefill_stream,
             "gemm": getattr(args, "gemm", "ours"), "pdl": getattr(args, "pdl", "on"),
             "pdl_trigger": pdl.TRIGGER if pdl.ENABLED else None,

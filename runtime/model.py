@@ -284,6 +284,11 @@ class OuroModel:
         # throughput probe's --norm-in-gemm); its arrival counters are allocated here, outside any graph capture.
         # One pair serves every loop on one stream: two streams running this model's loops at once would share them.
         self.norm_in_gemm = False
+        # Batch-invariant prefill projections (rows in fixed-size calls, ``run_loop``'s gemm_rows) in one launch of
+        # kernels/prefill_gemm.py instead of cuBLAS calls of exactly gemm_rows rows: a row's bits do not depend on M
+        # there, so a packed prefill of 2,048 rows is one launch, not eight. CUDA and the fused loop only (the
+        # throughput probe's --prefill-gemm).
+        self.prefill_gemm = False
         self._norm_counters = torch.zeros(2, dtype=torch.int32, device=self.device) if self.fused else None
         # kernels/mlp_ring.py's arrival counters (its BARRIERS), for the layer half after attention as one persistent
         # launch where mlp_ring.CONFIGS has this layer shape (:meth:`ring_config`); allocated here, outside any
@@ -365,6 +370,8 @@ class OuroModel:
           (:meth:`greedy_tiles_config`), else from written logits (the same tokens);
         - ``norm_in_gemm``: o_proj and down run their norm step in their own launch where they can
           (:meth:`norm_gemm_config`);
+        - ``prefill_gemm``: batch-invariant prefill projections run in one launch of kernels/prefill_gemm.py
+          (:meth:`prefill_gemm_on`), else as cuBLAS calls of exactly ``EngineConfig.prefill_call_rows`` rows;
         - ``mlp_ring``: the layer half after attention runs as one persistent launch where it can
           (:meth:`ring_config`; kernels/mlp_ring.py ``CONFIGS`` has this layer shape and our small-M GEMM runs);
         - ``prefetch_next_<target>`` for each of :data:`PREFETCH_TARGETS`: the fraction (0, 1] of that weight's K
@@ -380,6 +387,7 @@ class OuroModel:
         out = {"device_type": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
                "fused": self.fused, "small_m_gemm": self.small_m_gemm, "wgmma_projections": self._wgmma_projections(),
                "greedy_tiles": self.greedy_tiles, "norm_in_gemm": self.norm_in_gemm, "mlp_ring": self.ring_on(),
+               "prefill_gemm": self.prefill_gemm_on(),
                **{f"prefetch_next_{t}": self.prefetch_next.get(t) for t in PREFETCH_TARGETS},
                "pdl": on, "pdl_trigger": pdl.TRIGGER if on else None}
         return {k: setting_value(k, v) for k, v in out.items()}
@@ -593,6 +601,9 @@ class OuroModel:
         from loopbench.kernels import gemm, wgmma_gemm
         cfg = self._fused_config(gemm.CONFIGS, gemm.FASTER_UP_TO, w, x, gemm_rows)
         if cfg is None:
+            if gemm_rows is not None and self.prefill_gemm_on():
+                from loopbench.kernels import prefill_gemm
+                return prefill_gemm.prefill_gemm(x, w)
             return linear(x, w, gemm_rows)
         wg = self._wgmma_where_fused(x, w, next_weight, wgmma_gemm.CONFIGS)      # cfg: it runs on our GEMM
         if wg is not None:
@@ -600,6 +611,11 @@ class OuroModel:
             return out if partials or wg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
         out = gemm.gemm(x, w, cfg, next_weight)
         return out if partials or cfg.split_k == 1 else gemm.reduce_partials(out, x.dtype)
+
+    def prefill_gemm_on(self) -> bool:
+        """Whether batch-invariant prefill projections run in one launch of kernels/prefill_gemm.py (``prefill_gemm``
+        asked for, the fused loop on CUDA) rather than as cuBLAS calls of exactly gemm_rows rows."""
+        return self.prefill_gemm and self.fused and self.device.type == "cuda"
 
     def _prefetch_region(self, target: str, w: torch.Tensor) -> torch.Tensor | None:
         """The first ``prefetch_next[target]`` of the K columns of every row of ``w``, rounded up to whole

@@ -44,14 +44,17 @@ def random_ouro_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module", params=["cublas", "ours"])
+@pytest.fixture(scope="module", params=["cublas", "ours", "ours+prefill_gemm"])
 def model(request):
-    """The Ouro-1.4B shape with its decode projections on cuBLAS, and on our small-M GEMM (kernels/gemm.py)."""
+    """The Ouro-1.4B shape with its decode projections on cuBLAS, on our small-M GEMM (kernels/gemm.py), and on
+    ours with the prefill projections in one launch each (kernels/prefill_gemm.py, ``OuroModel.prefill_gemm``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    return OuroModel.from_tensors(PRESETS["ouro-1.4b"], random_ouro_tensors(), device="cuda",
-                                  dtype=torch.bfloat16, rope_len=MAX_MODEL_LEN,
-                                  small_m_gemm=request.param == "ours")
+    model = OuroModel.from_tensors(PRESETS["ouro-1.4b"], random_ouro_tensors(), device="cuda",
+                                   dtype=torch.bfloat16, rope_len=MAX_MODEL_LEN,
+                                   small_m_gemm=request.param != "cublas")
+    model.prefill_gemm = request.param.endswith("prefill_gemm")
+    return model
 
 
 def requests(n: int) -> list[Request]:

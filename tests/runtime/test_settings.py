@@ -60,12 +60,14 @@ def test_model_settings_name_its_switches_as_resolved_on_a_cpu(model32):
     _scalars(got)
     assert got == {"device_type": "cpu", "dtype": "float32", "fused": False, "small_m_gemm": False,
                    "wgmma_projections": "", "greedy_tiles": True, "norm_in_gemm": False, "mlp_ring": False,
-                   **{f"prefetch_next_{t}": None for t in PREFETCH_TARGETS}, "pdl": False, "pdl_trigger": None}
+                   "prefill_gemm": False, **{f"prefetch_next_{t}": None for t in PREFETCH_TARGETS}, "pdl": False, "pdl_trigger": None}
     model32.norm_in_gemm, model32.greedy_tiles = True, False          # switches are read when asked
     model32.prefetch_next = {"down": 0.5}
     assert {k: model32.settings()[k] for k in ("norm_in_gemm", "greedy_tiles", "prefetch_next_down",
                                                "prefetch_next_qkv")} == {
         "norm_in_gemm": True, "greedy_tiles": False, "prefetch_next_down": 0.5, "prefetch_next_qkv": None}
+    model32.prefill_gemm = True                                       # asked for, but a CPU model has no fused loop
+    assert model32.settings()["prefill_gemm"] is False
 
 
 def test_the_wgmma_projections_are_those_both_tables_configure_for_the_models_shapes(monkeypatch):
