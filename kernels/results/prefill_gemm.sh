@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# kernels/prefill_gemm.py on a GPU in one device call: its GPU tests, the projection microbenchmark
+# (kernels/bench/prefill_gemm.py) and the throughput probe with the prefill projections as cuBLAS calls of 256 rows
+# (as configured) against one launch each (--prefill-gemm ours), also with 128-row prefill buckets, at B16/C32,
+# B32/C64 and B16/C16 (one wave: only the first prefill differs). One process a line, 3 timed runs each.
+# Run from the repository root with the wheels on PYTHONPATH, LOOPBENCH_GIT_SHA set to the commit sent and $OUT set:
+#   OUT=$OUT bash kernels/results/prefill_gemm.sh
+set -uo pipefail
+[[ -n "${OUT:-}" ]] || { echo "usage: OUT=DIR bash kernels/results/prefill_gemm.sh" >&2; exit 2; }
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+nvidia-smi -L | tee "$OUT/prefill_gemm_probe.log"
+timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_prefill_gemm.py 2>&1 | tail -3 | tee -a "$OUT/prefill_gemm_probe.log"
+timeout 200 python3 kernels/bench/prefill_gemm.py --out "$OUT/prefill_gemm.md" 2>&1 | grep -v "^|"
+for point in "16 32" "32 64" "16 16"; do
+    set -- $point
+    for variant in "--prefill-gemm cublas" "--prefill-gemm ours" "--prefill-gemm ours --prefill-gemm-rows 128"; do
+        echo "=== B$1 C$2 [$variant]"
+        timeout 120 python3 -m loopbench.harness.throughput --preset ouro-1.4b --max-num-seqs "$1" --num-requests "$2" \
+            --repeats 3 --cache /tmp/lbcache $variant 2>&1 | grep 'run \|tok/s\|rror' | tail -4
+    done
+done 2>&1 | tee -a "$OUT/prefill_gemm_probe.log"
