@@ -60,7 +60,7 @@ DEFAULT = PrefillGemmConfig()
 @triton.jit(do_not_specialize=["M"])
 def _prefill_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -83,7 +83,7 @@ def _prefill_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, s
         k_ok = (k0 + offs_k)[None, :] < K
         a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok & k_ok, other=0.0)
         b = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok & k_ok, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
 
@@ -93,8 +93,11 @@ def prefill_gemm(x: torch.Tensor, w: torch.Tensor, config: PrefillGemmConfig = D
     """``x @ w.T`` in one launch whose rows are batch invariant (module docstring).
 
     x: [M, K] and w: [N, K] of one dtype in :data:`DTYPES`, on one device, unit stride along K; M may be 0.
-    Returns (or writes into ``out``) [M, N] in x's dtype: fp32 accumulation, one rounding.
-    Raises TypeError for another dtype or config type, ValueError for mismatched shapes, strides or devices."""
+    Returns (or writes into ``out``, which must not overlap x or w) [M, N] in x's dtype: fp32 accumulation, one
+    rounding; fp32 inputs multiply in IEEE fp32 (``input_precision="ieee"``), not in TF32, ``tl.dot``'s default for
+    fp32 on NVIDIA GPUs, which the cuBLAS path (``torch.backends.cuda.matmul.allow_tf32`` off) does not use.
+    Raises TypeError for another x or w dtype or config type, ValueError for mismatched shapes, strides or devices
+    and for an ``out`` of another shape, dtype, device or column stride."""
     if not isinstance(config, PrefillGemmConfig):
         raise TypeError(f"config must be a PrefillGemmConfig, got {type(config).__name__}")
     if x.dtype not in DTYPES or w.dtype != x.dtype:
@@ -118,7 +121,8 @@ def prefill_gemm(x: torch.Tensor, w: torch.Tensor, config: PrefillGemmConfig = D
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n),)
     _prefill_gemm_kernel[grid](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-                               STAGES=c.stages, num_warps=c.num_warps)
+                               STAGES=c.stages, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                               num_warps=c.num_warps)
     return out
 
 

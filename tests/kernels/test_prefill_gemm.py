@@ -97,3 +97,22 @@ def test_prefill_gemm_ouro_shapes_bf16_and_batch_invariant(name):
     for lo, hi in ((0, 1), (0, 128), (5, 261), (1900, 2125)):
         part = pg.prefill_gemm(x[lo:hi].contiguous(), w)
         assert torch.equal(part, full[lo:hi]), f"{name}: rows {lo}:{hi} alone differ from the same rows of M {len(x)}"
+
+
+def test_fp32_inputs_multiply_in_ieee_fp32_not_tf32_cpu(monkeypatch):
+    """tl.dot's default input precision for fp32 is TF32 on NVIDIA GPUs (10-bit mantissa products), which neither the
+    fp32 reference nor the cuBLAS path it replaces uses; the interpreter computes in fp32 whatever it is asked, so the
+    precision the kernel asks for is read from the interpreter's dot."""
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+    asked = []
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def spy(self, a, b, d, precision, *rest):
+        asked.append(precision)
+        return dot(self, a, b, d, precision, *rest)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", spy)
+    x, w = _inputs(5, 40, 50, "cpu", torch.float32)
+    pg.prefill_gemm(x, w, SMALL)
+    assert asked and set(asked) == {ir.INPUT_PRECISION.IEEE}, f"fp32 dot asked for {sorted(set(map(str, asked)))}"
