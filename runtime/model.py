@@ -370,8 +370,10 @@ class OuroModel:
           (:meth:`greedy_tiles_config`), else from written logits (the same tokens);
         - ``norm_in_gemm``: o_proj and down run their norm step in their own launch where they can
           (:meth:`norm_gemm_config`);
-        - ``prefill_gemm``: batch-invariant prefill projections run in one launch of kernels/prefill_gemm.py
-          (:meth:`prefill_gemm_on`), else as cuBLAS calls of exactly ``EngineConfig.prefill_call_rows`` rows;
+        - ``prefill_gemm``: prefill projections in fixed-size calls (a batch-invariant engine's; an engine with
+          ``batch_invariant=False`` runs one cuBLAS call whatever this says) run in one launch of
+          kernels/prefill_gemm.py (:meth:`prefill_gemm_on`), else as cuBLAS calls of exactly
+          ``EngineConfig.prefill_call_rows`` rows;
         - ``mlp_ring``: the layer half after attention runs as one persistent launch where it can
           (:meth:`ring_config`; kernels/mlp_ring.py ``CONFIGS`` has this layer shape and our small-M GEMM runs);
         - ``prefetch_next_<target>`` for each of :data:`PREFETCH_TARGETS`: the fraction (0, 1] of that weight's K
