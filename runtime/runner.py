@@ -222,8 +222,11 @@ class Runner:
         return finals, logits, token
 
     def prefill_rows(self, total: int) -> int:
-        """Rows a packed prefill loop of ``total`` prompt rows runs on (graph or eager: the same shape)."""
-        if self.config.batch_invariant:
+        """Rows a packed prefill loop of ``total`` prompt rows runs on (graph or eager: the same shape). A
+        batch-invariant engine whose prefill projections run as cuBLAS calls pads to whole calls of
+        ``prefill_call_rows``; with the model's ``prefill_gemm`` (one launch each, a row's bits independent of
+        the row count) it pads like any engine: to a graph bucket, or not at all when eager."""
+        if self.config.batch_invariant and not self.model.prefill_gemm_on():
             return prefill_bucket_for(total, self.config.prefill_call_rows)
         return prefill_bucket_for(total) if self.graphs is not None else total
 
