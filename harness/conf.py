@@ -28,6 +28,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
@@ -331,7 +332,10 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     # a Ctrl-C inside OmegaConf was replaced by a secondary AttributeError and named as a bad configuration
     with stops_held(), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:
-            cfg = _compose(config_name=config_name, overrides=overrides)
+            try:
+                cfg = _compose(config_name=config_name, overrides=overrides)
+            except yaml.YAMLError as exc:   # Hydra lets a preset's YAML syntax error out as PyYAML's traceback
+                raise ValueError(_yaml_error(exc)) from None
             if _sets_an_empty_dict(overrides):
                 _check_override_targets(_compose, config_name, overrides)   # `online={}` composes, to a null section
             return cfg
@@ -346,6 +350,15 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
                 raise     # not a key: Hydra's message, whose cause names the bad value
             # an OmegaConf failure none of the checks above places: still one line (its cause's), no traceback
             raise ValueError(f"preset {config_name} does not compose with {' '.join(overrides)}") from exc
+
+
+def _yaml_error(exc: Exception) -> str:
+    """One line naming the preset file that does not parse as YAML, PyYAML's problem and where (1-based)."""
+    mark = getattr(exc, "problem_mark", None)
+    name = Path(mark.name).name if mark is not None and getattr(mark, "name", None) else "a preset"
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{CONFIG_DIR.name}/{name} is not valid YAML: {problem}{where}"
 
 
 def sweeper_params(config_name: str) -> list[str]:

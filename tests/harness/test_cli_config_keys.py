@@ -343,3 +343,29 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bun
     assert err.startswith(BAD + "cache_dir = '/proc/loopbench-no-such/c': cannot make the cache folder there (") \
         and err.endswith("); nothing was measured\n") and err.count("\n") == 1, err
     assert [p for p in work.rglob("*") if p != work / "r"] == [], list(work.rglob("*"))   # no bundle folder in r/
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("preset, text, line", [
+    # a flow list left open
+    ("my-sweep", "defaults:\n  - cpu-smoke\n  - _self_\nname: my-sweep\npairs: 2\n  bad: [\n",
+     "configs/my-sweep.yaml is not valid YAML: mapping values are not allowed here (line 6, column 6)"),
+    ("my-sweep", "defaults:\n  - cpu-smoke\n  - _self_\npairs: 3\npairs: 4\n",
+     "configs/my-sweep.yaml is not valid YAML: found duplicate key pairs (line 5, column 1)"),
+    # the broken file is one the run's preset extends
+    ("my-sweep", "defaults:\n  - my-base\n  - _self_\nname: my-sweep\n",
+     "configs/my-base.yaml is not valid YAML: found character '\\t' that cannot start any token (line 4, column 1)"),
+])
+def test_a_preset_that_is_not_valid_yaml_is_named_in_one_line(tmp_path, monkeypatch, capsys, command, preset, text,
+                                                               line):
+    """A YAML syntax error in a preset (or one it extends) was a yaml.scanner traceback from inside Hydra, exit 1."""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    (configs / f"{preset}.yaml").write_text(text)
+    (configs / "my-base.yaml").write_text("defaults:\n  - cpu-smoke\n  - _self_\n\tpairs: 3\n")
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", command, "--config-name", preset, f"results_dir={tmp_path / 'r'}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [BAD + line], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
