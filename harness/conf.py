@@ -338,11 +338,19 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
                 raise ValueError(_yaml_error(exc)) from None
             if _sets_an_empty_dict(overrides):
                 _check_override_targets(_compose, config_name, overrides)   # `online={}` composes, to a null section
+            _check_schema_keys(config_name, cfg)
             return cfg
         # OmegaConf fails with an AssertionError or AttributeError, not a key error, on an override into a null
         # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`); Hydra's lexer refuses a list
         # index in brackets (`comparisons[0].candidate=alias`) without naming the key
         except (ConfigCompositionException, OverrideParseException, AssertionError, AttributeError) as exc:
+            if overrides:   # an override into a preset without the schema fails as 'not in struct': say why
+                try:
+                    alone = _compose(config_name=config_name)
+                except Exception:   # noqa: BLE001 - the preset alone does not compose: the checks below say why
+                    alone = None
+                if alone is not None:
+                    _check_schema_keys(config_name, alone)
             _check_preset_keys(config_name, set())
             _check_override_keys(overrides)
             _check_override_targets(_compose, config_name, overrides)
@@ -350,6 +358,17 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
                 raise     # not a key: Hydra's message, whose cause names the bad value
             # an OmegaConf failure none of the checks above places: still one line (its cause's), no traceback
             raise ValueError(f"preset {config_name} does not compose with {' '.join(overrides)}") from exc
+
+
+def _check_schema_keys(config_name: str, cfg: DictConfig) -> None:
+    """ValueError naming preset ``config_name``'s file when the composed ``cfg`` lacks keys of the schema: a preset
+    whose defaults list names neither ``bench_schema`` nor a preset composes without them (every later stage reads
+    them, and the checks failed with a KeyError traceback)."""
+    missing = [f.name for f in dataclasses.fields(BenchConf) if f.name not in cfg]
+    if missing:
+        raise ValueError(f"{CONFIG_DIR.name}/{config_name}.yaml does not extend the schema: its defaults list must "
+                         "name bench_schema or a preset that does (e.g. defaults: [cpu-smoke, _self_]); it lacks "
+                         + ", ".join(missing))
 
 
 def _yaml_error(exc: Exception) -> str:

@@ -369,3 +369,23 @@ def test_a_preset_that_is_not_valid_yaml_is_named_in_one_line(tmp_path, monkeypa
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [BAD + line], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("text", ["", "name: mine\npairs: 3\n", "defaults:\n  - _self_\nname: mine\n"])
+def test_a_preset_that_does_not_extend_the_schema_is_named_in_one_line(tmp_path, monkeypatch, capsys, command, text):
+    """A preset whose defaults list names neither bench_schema nor a preset composes without the schema's keys:
+    that was a KeyError traceback from rules.check (KeyError: 'name' / 'model'), exit 1."""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    (configs / "mine.yaml").write_text(text)
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", command, "--config-name", "mine", f"results_dir={tmp_path / 'r'}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(BAD + "configs/mine.yaml does not extend the schema: its defaults list must name "
+                                "bench_schema or a preset that does (e.g. defaults: [cpu-smoke, _self_]); "
+                                "it lacks "), err
+    assert "model" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
