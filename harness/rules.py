@@ -280,10 +280,20 @@ def check_exit(ex: dict) -> None:
         raise ValueError(f"exit.threshold must be in (0, 1], got {ex['threshold']!r}")
 
 
+def plain_token(text) -> bool:
+    """Whether ``text`` can name an arm or a comparison: a non-empty string without '/' or '\\' (a comparison's
+    name is part of raw record file names) and without '|' or whitespace (line breaks among it), which would add
+    cells or lines to report.md's tables (bundle_format.json report.free_text) and fail the audit after the run."""
+    return isinstance(text, str) and bool(text) and not any(c in "/\\|" or c.isspace() for c in text)
+
+
 def check_arms(arms: dict) -> None:
     if not arms:
         raise ValueError("arms must name at least one arm")
     for name, arm in arms.items():
+        if not plain_token(name):
+            raise ValueError(f"arms: {name!r} is not a plain token (an arm's name holds no '/', '\\', '|' or "
+                             "whitespace)")
         for key in ("block_size", "tile_size", "graph_cache_size"):
             positive_int(f"arms.{name}.{key}", arm[key])
         if arm["prefix_tiles"] and arm["kv_layout"] != "alias":
@@ -301,8 +311,9 @@ def check_comparisons(plain: dict) -> None:
             if comp[role] not in arms:
                 raise ValueError(f"comparisons[{i}].{role} = {comp[role]!r} is not an arm; arms are {sorted(arms)}")
         comp["name"] = comp["name"] or f"{comp['baseline']}_vs_{comp['candidate']}"
-        if comp["name"] in names or any(c in comp["name"] for c in "/\\ "):
-            raise ValueError(f"comparisons[{i}].name = {comp['name']!r} is repeated or not a plain token")
+        if comp["name"] in names or not plain_token(comp["name"]):
+            raise ValueError(f"comparisons[{i}].name = {comp['name']!r} is repeated or not a plain token "
+                             "(no '/', '\\', '|' or whitespace)")
         names.add(comp["name"])
     ref = plain["reference_arm"]
     if ref is not None and ref not in arms:

@@ -291,3 +291,24 @@ def test_plain_error_words_omegaconf_trailers_for_people():
                        "object_type=BenchConf") == \
         "Value 'x' of type 'str' could not be converted to Integer (key pairs)"
     assert plain_error("pairs must be a positive integer, got 0") == "pairs must be a positive integer, got 0"
+
+
+@pytest.mark.parametrize("edit, message", [
+    # an arm's name lands in report.md's table cells: a '|' there made the audit fail after the whole run
+    (lambda p: (p["arms"].__setitem__("x|y", dict(p["arms"]["native"])),
+                p.__setitem__("comparisons", [{**p["comparisons"][0], "candidate": "x|y", "name": "ok"}])),
+     "arms: 'x|y' is not a plain token (an arm's name holds no '/', '\\', '|' or whitespace)"),
+    (lambda p: (p["arms"].__setitem__("a\nb", dict(p["arms"]["native"])),
+                p.__setitem__("comparisons", [{**p["comparisons"][0], "candidate": "a\nb", "name": "ok"}])),
+     "arms: 'a\\nb' is not a plain token (an arm's name holds no '/', '\\', '|' or whitespace)"),
+    (lambda p: p["comparisons"][0].__setitem__("name", "a|b"),
+     "comparisons[0].name = 'a|b' is repeated or not a plain token (no '/', '\\', '|' or whitespace)"),
+    (lambda p: p["comparisons"][0].__setitem__("name", "a\tb"),
+     "comparisons[0].name = 'a\\tb' is repeated or not a plain token (no '/', '\\', '|' or whitespace)"),
+])
+def test_an_arm_or_comparison_name_that_would_break_report_tables_is_refused(edit, message):
+    plain = conf.to_plain(conf.compose("cpu-smoke"))
+    edit(plain)
+    with pytest.raises(ValueError) as err:
+        conf.validate(plain)
+    assert str(err.value) == message
