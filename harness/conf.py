@@ -328,6 +328,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     if config_name not in presets():
         raise ValueError(f"unknown preset {config_name!r}; configs/ has {presets()}")
     overrides = list(overrides or [])
+    _check_defaults_cycle(config_name)   # Hydra recurses until RecursionError on a preset that extends itself
     _check_deletions(overrides)     # `~pairs` composes, and the config then lacks a key that every stage reads
     # a Ctrl-C inside OmegaConf was replaced by a secondary AttributeError and named as a bad configuration
     with stops_held(), initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -369,6 +370,34 @@ def _check_schema_keys(config_name: str, cfg: DictConfig) -> None:
         raise ValueError(f"{CONFIG_DIR.name}/{config_name}.yaml does not extend the schema: its defaults list must "
                          "name bench_schema or a preset that does (e.g. defaults: [cpu-smoke, _self_]); it lacks "
                          + ", ".join(missing))
+
+
+def _extends(preset: str) -> list[str]:
+    """The presets of ``configs/`` that preset ``preset``'s defaults list names (none for a file that does not read)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{preset}.yaml"))
+    except (OSError, yaml.YAMLError, OmegaConfBaseException):
+        return []
+    entries = (data.get("defaults") or []) if isinstance(data, dict) else []
+    return [e for e in entries if isinstance(e, str) and (CONFIG_DIR / f"{e}.yaml").is_file()]
+
+
+def _check_defaults_cycle(config_name: str) -> None:
+    """ValueError naming the first preset, reached from ``config_name``, that its own defaults list extends again,
+    with the chain (``configs/a.yaml extends itself: a -> b -> a``)."""
+    def walk(preset: str, chain: list[str], done: set[str]) -> None:
+        if preset in chain:
+            cycle = chain[chain.index(preset):] + [preset]
+            raise ValueError(f"{CONFIG_DIR.name}/{preset}.yaml extends itself: {' -> '.join(cycle)}")
+        if preset in done:
+            return
+        for entry in _extends(preset):
+            walk(entry, chain + [preset], done)
+        done.add(preset)
+
+    walk(config_name, [], set())
 
 
 def _yaml_error(exc: Exception) -> str:

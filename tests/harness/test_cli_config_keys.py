@@ -389,3 +389,26 @@ def test_a_preset_that_does_not_extend_the_schema_is_named_in_one_line(tmp_path,
                                 "it lacks "), err
     assert "model" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("files, preset, line", [
+    ({"mine": "defaults:\n  - mine\n  - _self_\n"}, "mine", "configs/mine.yaml extends itself: mine -> mine"),
+    ({"a": "defaults:\n  - b\n  - _self_\n", "b": "defaults:\n  - cpu-smoke\n  - a\n  - _self_\n"}, "a",
+     "configs/a.yaml extends itself: a -> b -> a"),
+    ({"c": "defaults:\n  - a\n  - _self_\n", "a": "defaults:\n  - b\n  - _self_\n", "b": "defaults:\n  - a\n"}, "c",
+     "configs/a.yaml extends itself: a -> b -> a"),
+])
+def test_a_preset_whose_defaults_extend_it_again_is_named_in_one_line(tmp_path, monkeypatch, capsys, command, files,
+                                                                      preset, line):
+    """A cycle in the presets' defaults lists was Hydra's RecursionError traceback, exit 1."""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    for name, text in files.items():
+        (configs / f"{name}.yaml").write_text(text)
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", command, "--config-name", preset, f"results_dir={tmp_path / 'r'}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [BAD + line], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
