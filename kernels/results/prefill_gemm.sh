@@ -11,7 +11,6 @@ set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 nvidia-smi -L | tee "$OUT/prefill_gemm_probe.log"
 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_prefill_gemm.py 2>&1 | tail -3 | tee -a "$OUT/prefill_gemm_probe.log"
-timeout 150 python3 kernels/bench/prefill_gemm.py --ms 256 2048 4096 --out "$OUT/prefill_gemm.md" 2>&1 | grep -v "^|"
 for point in "16 32" "32 64"; do
     set -- $point
     for variant in cublas ours; do
@@ -20,5 +19,6 @@ for point in "16 32" "32 64"; do
             --repeats 3 --cache /tmp/lbcache --prefill-gemm $variant 2>&1 | grep 'run \|tok/s\|rror' | tail -4
     done
 done 2>&1 | tee -a "$OUT/prefill_gemm_probe.log"
+timeout 150 python3 kernels/bench/prefill_gemm.py --ms 256 2048 4096 --out "$OUT/prefill_gemm.md" 2>&1 | grep -v "^|"
 timeout "${INVARIANCE_S:-150}" python3 -m pytest -q -m gpu -x tests/runtime/test_batch_invariance.py -k prefill_gemm 2>&1 \
     | tail -4 | tee -a "$OUT/prefill_gemm_probe.log"
