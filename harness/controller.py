@@ -185,6 +185,9 @@ def reference_job(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path) -> Chi
     key_material = {"checkpoint_sha256": ckpt["sha256"], "prompts_sha256": got.prompts_sha256,
                     "workload": plain["workload"], "exit": plain["exit"], "arm": plain["arms"][ref],
                     "dtype": spec.model.dtype, "code_sha256": got.code["code_sha256"]}
+    engine = plain["arms"][ref]["engine"]
+    if engine in got.code.get("engine_sources", {}):    # an external reference engine: its sources key the reuse too
+        key_material["engine_source_sha256"] = got.code["engine_sources"][engine]
     dev = got.devices[0]
     job = write_job(bundle, "reference", dev, spec={
         "checkpoint_path": ckpt["path"], "dtype": spec.model.dtype, "prompts_file": "prompts.json",

@@ -9,9 +9,12 @@ so a bad path fails naming the arm and the value before anything is written or m
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import math
+from pathlib import Path
 from typing import Callable
 
 
@@ -35,6 +38,42 @@ def load_factory(path: str) -> Callable:
     except ValueError:           # no signature to inspect (some builtins): the session's call will tell
         pass
     return factory
+
+
+def source_sha256(path: str) -> str | None:
+    """sha256 of the Python sources an engine factory path comes from, where they are not ours: every ``*.py`` file of
+    the top-level package of its module (relative path, size and bytes, in sorted order, as identity.code_identity
+    hashes ours), or the module's own file for a top-level module. None for a factory of this project (``loopbench.``:
+    ``code_sha256`` covers it) and for a module with no source file to read (a builtin or an extension module).
+
+    A plan records it (``code.engine_sources``), so a resume of a bundle whose external engine changed is refused
+    like any plan difference, and the frozen reference of an external reference-arm engine is not reused after
+    its sources change. Raises ValueError (load_factory's) for a path that names no factory."""
+    load_factory(path)
+    top = path.partition(":")[0].split(".")[0]
+    if top == "loopbench":
+        return None
+    spec = importlib.util.find_spec(top)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if roots:
+        files = sorted((p, Path(root)) for root in roots for p in Path(root).rglob("*.py"))
+    elif spec is not None and spec.origin and spec.origin.endswith(".py"):
+        files = [(Path(spec.origin), Path(spec.origin).parent)]
+    else:
+        return None
+    h = hashlib.sha256()
+    for file, root in files:
+        data = file.read_bytes()
+        h.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def engine_sources(arms: dict) -> dict[str, str | None]:
+    """{engine path: :func:`source_sha256`} for the arms' engines (``arms``: name -> a mapping or an object with
+    ``engine``) that are not this project's; {} when every arm runs ours."""
+    paths = sorted({a["engine"] if isinstance(a, dict) else a.engine for a in arms.values()})
+    return {p: source_sha256(p) for p in paths if not p.startswith("loopbench.")}
 
 
 def check_engine(arm_name: str, path: str) -> None:

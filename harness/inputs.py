@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import conf, machine, rules, workloads
+from . import conf, engines, machine, rules, workloads
 from .fileio import sha256_bytes
 from .identity import code_identity
 from .spec import BenchSpec, check_fits_model
@@ -28,7 +28,7 @@ class Inputs:
     prompts_text: str
     max_model_len: int
     devices: list[dict]     # machine.planned_devices
-    code: dict              # identity.code_identity
+    code: dict              # identity.code_identity, with engine_sources where an arm runs an external engine
     cache: Path
 
     @property
@@ -53,9 +53,13 @@ def gather(spec: BenchSpec) -> Inputs:
                 raise ValueError(f"arms.{name}.cuda_graphs = true needs a CUDA device, but the sessions would run "
                                  f"on the CPU (executor.device = {spec.executor.device}); use a CUDA host, "
                                  f"--config-name cpu-smoke, or arms.{name}.cuda_graphs=false")
+    code = code_identity()
+    sources = engines.engine_sources(spec.arms)     # an external engine's sources: code_sha256 covers only ours
+    if sources:
+        code["engine_sources"] = sources
     return Inputs(prompts=prompts, prompts_text=json.dumps(prompts, separators=(",", ":")) + "\n",
                   max_model_len=workloads.longest_request(spec, longest), devices=devices,
-                  code=code_identity(), cache=conf.cache_dir(spec))
+                  code=code, cache=conf.cache_dir(spec))
 
 
 def results_path(spec: BenchSpec) -> Path:

@@ -70,3 +70,71 @@ def test_benchmark_with_a_reference_engine_arm_checks_and_audits(tmp_path):
     assert {r["arm_config"]["engine"] for r in records if r["arm"] == "naive"} == {REFERENCE}
     assert all(r["measured"]["trace_sha256"] is None for r in records if r["arm"] == "naive")
     assert audit(result.bundle)["status"] == "pass"
+
+
+def _external_engine(root, body="# v1\n"):
+    """A package ``extengine`` under ``root`` whose ``engine.make_engine`` builds our engine."""
+    pkg = root / "extengine"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text("from loopbench.runtime.engine import LoopEngine\n\n\n"
+                                   "def make_engine(model, config):\n    return LoopEngine(model, config)\n" + body)
+    return "extengine.engine:make_engine"
+
+
+def test_an_external_engines_sources_are_hashed_and_ours_are_not(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _external_engine(tmp_path)
+    first = engines.source_sha256(path)
+    assert len(first) == 64 and engines.source_sha256(path) == first
+    (tmp_path / "extengine" / "helpers.py").write_text("X = 1\n")     # another file of its package counts too
+    second = engines.source_sha256(path)
+    _external_engine(tmp_path, body="# v2\n")
+    assert len({first, second, engines.source_sha256(path)}) == 3
+    assert engines.source_sha256(REFERENCE) is None                   # ours: code_sha256 covers it
+    assert engines.source_sha256("builtins:slice") is None            # no source file to read
+    assert engines.engine_sources({"a": {"engine": path}, "b": {"engine": REFERENCE}}) == {
+        path: engines.source_sha256(path)}
+    with pytest.raises(ValueError, match="cannot be imported"):
+        engines.source_sha256("no_such_module_here:make")
+
+
+def test_a_plan_with_an_external_engine_records_its_sources_and_keys_the_reference_on_them(tmp_path, monkeypatch):
+    """The plan's code identity names the external engine's sources (a resume compares the whole plan, so an edit
+    to them refuses the resume), and a reference run by it is keyed on them (no stale cached reference)."""
+    from loopbench.harness import inputs
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _external_engine(tmp_path)
+    overrides = [f"+arms={{ext:{{engine:\"{path}\"}}}}", "comparisons=[{baseline:ext,candidate:native}]",
+                 f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"]
+    spec = conf.validate(conf.compose("cpu-smoke", overrides))
+    got = inputs.gather(spec)
+    assert got.code["engine_sources"] == {path: engines.source_sha256(path)}
+    bundle = tmp_path / "b"
+    (bundle / "jobs").mkdir(parents=True)
+    controller.reference_job(spec, got, {"sha256": "0" * 64, "path": "ckpt"}, bundle)
+    job = json.loads(next((bundle / "jobs").glob("reference*.json")).read_text())
+    assert job["spec"]["key_material"]["engine_source_sha256"] == engines.source_sha256(path)
+    ours = conf.validate(conf.compose("cpu-smoke", overrides[2:]))
+    assert "engine_sources" not in inputs.gather(ours).code
+
+
+@pytest.mark.slow
+def test_a_resume_after_an_edit_to_the_external_engine_is_refused(tmp_path, monkeypatch):
+    """Found by a new-user trial: an interrupted run whose candidate engine was then edited resumed, mixing the
+    measurements of two versions of it in one bundle."""
+    import os
+
+    from loopbench.harness import resume
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path = _external_engine(tmp_path)
+    over = ["name=ext", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_lens=[9,12]",
+            "workload.output_len=4", "pairs=2", f"+arms={{ext:{{engine:\"{path}\"}}}}",
+            "comparisons=[{baseline:native,candidate:ext}]", "executor.poll_s=0.1",
+            f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"]
+    result = controller.run(conf.compose("cpu-smoke", over + ["fault.kill_after_arms=2"]))
+    assert result.summary["status"] == "incomplete"
+    _external_engine(tmp_path, body="# edited after the run was interrupted\n")
+    with pytest.raises(resume.ResumeRefused, match="code.engine_sources"):
+        controller.run(conf.compose("cpu-smoke", over + [f"resume={result.bundle}"]))
