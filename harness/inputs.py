@@ -49,6 +49,11 @@ def gather(spec: BenchSpec) -> Inputs:
     devices = machine.planned_devices(spec.executor)
     if all(d["kind"] == "cpu" for d in devices):
         for name, arm in spec.arms.items():
+            if arm.attention_backend == "triton":
+                raise ValueError(f"arms.{name}.attention_backend = triton would run under the Triton interpreter, since "
+                                 f"the sessions would run on the CPU (executor.device = {spec.executor.device}): "
+                                 "its timings would be the interpreter's (about 1 tok/s), not a kernel's; use a CUDA "
+                                 f"host, or arms.{name}.attention_backend=torch")
             if arm.cuda_graphs:
                 raise ValueError(f"arms.{name}.cuda_graphs = true needs a CUDA device, but the sessions would run "
                                  f"on the CPU (executor.device = {spec.executor.device}); use a CUDA host, "

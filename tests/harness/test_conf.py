@@ -205,6 +205,7 @@ def test_overrides_and_list_replacement():
     ("exit.max_loops=5", "exit.max_loops=5 exceeds the model's total_ut_steps=4"),
     ("workload.prompt_len=1000", r"workload.prompt_len \(1000\) \+ workload.output_len \(32\) - 1 = 1031 positions"),
     ("arms.alias.cuda_graphs=true", "arms.alias.cuda_graphs = true needs a CUDA device"),
+    ("arms.alias.attention_backend=triton", "arms.alias.attention_backend = triton would run under the Triton interpreter"),
     ("workload.prompt_lens=[4,0]", r"workload.prompt_lens\[1\] must be a positive integer, got 0"),
     ("arms.alias.engine=nomodule_xyz:make_engine", r"arms.alias.engine = 'nomodule_xyz:make_engine' names no engine"),
     ("executor.poll_s=inf", "executor.poll_s must be a finite number > 0, got inf"),
