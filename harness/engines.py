@@ -48,22 +48,27 @@ def source_sha256(path: str) -> str | None:
 
     A plan records it (``code.engine_sources``), so a resume of a bundle whose external engine changed is refused
     like any plan difference, and the frozen reference of an external reference-arm engine is not reused after
-    its sources change. Raises ValueError (load_factory's) for a path that names no factory."""
+    its sources change. Raises ValueError for a path that names no factory (load_factory's) and for a source file
+    that cannot be read."""
     load_factory(path)
     top = path.partition(":")[0].split(".")[0]
     if top == "loopbench":
         return None
     spec = importlib.util.find_spec(top)
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if roots:
-        files = sorted((p, Path(root)) for root in roots for p in Path(root).rglob("*.py"))
+    if roots:   # regular files only: an editor's lock file (Emacs' ``.#engine.py``) is a dangling symlink
+        files = sorted((p, Path(root)) for root in roots for p in Path(root).rglob("*.py") if p.is_file())
     elif spec is not None and spec.origin and spec.origin.endswith(".py"):
         files = [(Path(spec.origin), Path(spec.origin).parent)]
     else:
         return None
     h = hashlib.sha256()
     for file, root in files:
-        data = file.read_bytes()
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{path!r}: cannot read {file}, one of its sources ({exc.strerror or exc}), to hash "
+                             "them into the plan") from None
         h.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()

@@ -82,6 +82,17 @@ def _external_engine(root, body="# v1\n"):
     return "extengine.engine:make_engine"
 
 
+def _fresh_external_engine(root, monkeypatch):
+    """:func:`_external_engine` under ``root``, importable, with no ``extengine`` of an earlier test's folder left in
+    ``sys.modules`` (an import would find that one, and the hash its files)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(root))
+    for name in [m for m in sys.modules if m.split(".")[0] == "extengine"]:
+        monkeypatch.delitem(sys.modules, name)
+    return _external_engine(root)
+
+
 def test_an_external_engines_sources_are_hashed_and_ours_are_not(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     path = _external_engine(tmp_path)
@@ -138,3 +149,20 @@ def test_a_resume_after_an_edit_to_the_external_engine_is_refused(tmp_path, monk
     _external_engine(tmp_path, body="# edited after the run was interrupted\n")
     with pytest.raises(resume.ResumeRefused, match="code.engine_sources"):
         controller.run(conf.compose("cpu-smoke", over + [f"resume={result.bundle}"]))
+
+
+def test_a_dangling_symlink_in_the_engines_package_is_no_crash(tmp_path, monkeypatch):
+    """Emacs locks a file being edited with a dangling symlink ``.#engine.py``: a plan made meanwhile hashed the
+    package's other files, not a FileNotFoundError traceback (a file that cannot be read is a ValueError naming it)."""
+    path = _fresh_external_engine(tmp_path, monkeypatch)
+    before = engines.source_sha256(path)
+    (tmp_path / "extengine" / ".#engine.py").symlink_to("user@host.1234:1700000000")
+    assert engines.source_sha256(path) == before
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    with monkeypatch.context() as m:      # root reads any file: a PermissionError stands in for chmod 000
+        m.setattr(engines.Path, "read_bytes", unreadable)
+        with pytest.raises(ValueError, match=r"cannot read .*extengine.*Permission denied"):
+            engines.source_sha256(path)
