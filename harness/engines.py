@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -56,8 +57,8 @@ def source_sha256(path: str) -> str | None:
         return None
     spec = importlib.util.find_spec(top)
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if roots:   # regular files only: an editor's lock file (Emacs' ``.#engine.py``) is a dangling symlink
-        files = sorted((p, Path(root)) for root in roots for p in Path(root).rglob("*.py") if p.is_file())
+    if roots:
+        files = sorted((p, Path(root)) for root in roots for p in _package_files(Path(root)))
     elif spec is not None and spec.origin and spec.origin.endswith(".py"):
         files = [(Path(spec.origin), Path(spec.origin).parent)]
     else:
@@ -72,6 +73,22 @@ def source_sha256(path: str) -> str | None:
         h.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
+
+
+def _package_files(root: Path) -> list[Path]:
+    """Every ``*.py`` regular file under ``root``, through symlinked folders as Python imports through them (each real
+    folder once, so a symlink loop ends); an editor's lock file (Emacs' ``.#engine.py``) is a dangling symlink, no
+    regular file, and is left out."""
+    files, seen = [], set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        files += [p for p in (Path(folder, n) for n in names if n.endswith(".py")) if p.is_file()]
+    return files
 
 
 def engine_sources(arms: dict) -> dict[str, str | None]:

@@ -166,3 +166,17 @@ def test_a_dangling_symlink_in_the_engines_package_is_no_crash(tmp_path, monkeyp
         m.setattr(engines.Path, "read_bytes", unreadable)
         with pytest.raises(ValueError, match=r"cannot read .*extengine.*Permission denied"):
             engines.source_sha256(path)
+
+
+def test_a_symlinked_folder_of_the_engines_package_is_hashed_and_a_loop_ends(tmp_path, monkeypatch):
+    """Python imports through a symlinked subpackage (a kernels folder linked in), so an edit there changes the
+    hash; a symlink loop is walked once."""
+    path = _fresh_external_engine(tmp_path, monkeypatch)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "__init__.py").write_text("")
+    (tmp_path / "shared" / "kernels.py").write_text("TILE = 64\n")
+    (tmp_path / "extengine" / "kernels").symlink_to(tmp_path / "shared")
+    (tmp_path / "extengine" / "loop").symlink_to(tmp_path / "extengine")
+    before = engines.source_sha256(path)
+    (tmp_path / "shared" / "kernels.py").write_text("TILE = 128\n")
+    assert engines.source_sha256(path) != before
