@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from .identity import SOURCE_FOLDERS
+
 
 def load_factory(path: str) -> Callable:
     """The callable named by ``"package.module:attribute"``; ValueError saying what is wrong with it."""
@@ -44,19 +46,23 @@ def load_factory(path: str) -> Callable:
 def source_sha256(path: str) -> str | None:
     """sha256 of the Python sources an engine factory path comes from, where they are not ours: every ``*.py`` file of
     the top-level package of its module (relative path, size and bytes, in sorted order, as identity.code_identity
-    hashes ours), or the module's own file for a top-level module. None for a factory of this project (``loopbench.``:
-    ``code_sha256`` covers it) and for a module with no source file to read (a builtin or an extension module).
+    hashes ours), or the module's own file for a top-level module. None for a factory in the folders that
+    ``code_sha256`` covers (``loopbench.runtime``, ``.harness``, ``.kernels``; another folder of a source checkout,
+    such as ``loopbench.tests``, is hashed like an external package) and for a module with no source file to read
+    (a builtin or an extension module).
 
     A plan records it (``code.engine_sources``), so a resume of a bundle whose external engine changed is refused
     like any plan difference, and the frozen reference of an external reference-arm engine is not reused after
     its sources change. Raises ValueError for a path that names no factory (load_factory's) and for a source file
     that cannot be read."""
     load_factory(path)
-    top = path.partition(":")[0].split(".")[0]
-    if top == "loopbench":
+    if _covered_by_code_sha256(path):
         return None
-    spec = importlib.util.find_spec(top)
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    parts = path.partition(":")[0].split(".")
+    # the unit hashed: the top-level package; below ``loopbench``, whose folders are packages of their own, the folder
+    unit = ".".join(parts[:2]) if parts[0] == "loopbench" else parts[0]
+    spec = importlib.util.find_spec(unit)
+    roots = list(spec.submodule_search_locations or []) if spec is not None and unit != "loopbench" else []
     if roots:
         files = sorted((p, Path(root)) for root in roots for p in _package_files(Path(root)))
     elif spec is not None and spec.origin and spec.origin.endswith(".py"):
@@ -73,6 +79,12 @@ def source_sha256(path: str) -> str | None:
         h.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
+
+
+def _covered_by_code_sha256(path: str) -> bool:
+    """Whether the factory path names a module of the folders that identity.code_identity hashes."""
+    parts = path.partition(":")[0].split(".")
+    return parts[0] == "loopbench" and len(parts) > 1 and parts[1] in SOURCE_FOLDERS
 
 
 def _package_files(root: Path) -> list[Path]:
@@ -93,9 +105,9 @@ def _package_files(root: Path) -> list[Path]:
 
 def engine_sources(arms: dict) -> dict[str, str | None]:
     """{engine path: :func:`source_sha256`} for the arms' engines (``arms``: name -> a mapping or an object with
-    ``engine``) that are not this project's; {} when every arm runs ours."""
+    ``engine``) that ``code_sha256`` does not cover; {} when every arm runs ours."""
     paths = sorted({a["engine"] if isinstance(a, dict) else a.engine for a in arms.values()})
-    return {p: source_sha256(p) for p in paths if not p.startswith("loopbench.")}
+    return {p: source_sha256(p) for p in paths if not _covered_by_code_sha256(p)}
 
 
 def check_engine(arm_name: str, path: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from .executors import REPO_ROOT
 
 GIT_SHA_ENV = "LOOPBENCH_GIT_SHA"
+SOURCE_FOLDERS = ("runtime", "harness", "kernels")   # the project folders code_sha256 hashes (engines leaves them out)
 CONTRACT = "loopbench/bundle_format.json"   # what the writer writes (format version, tables, wording) follows it
 _HEX_SHA = re.compile(r"[0-9a-f]{7,64}")
 
@@ -61,7 +62,7 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
     """
     root = Path(root)
     h = hashlib.sha256()
-    sources = [p for folder in ("runtime", "harness", "kernels") for p in sorted((root / folder).rglob("*.py"))]
+    sources = [p for folder in SOURCE_FOLDERS for p in sorted((root / folder).rglob("*.py"))]
     for p in sources + [p for p in [root / CONTRACT] if p.is_file()]:   # a copy of the sources alone has none
         h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
         h.update(p.read_bytes())

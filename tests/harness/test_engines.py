@@ -180,3 +180,14 @@ def test_a_symlinked_folder_of_the_engines_package_is_hashed_and_a_loop_ends(tmp
     before = engines.source_sha256(path)
     (tmp_path / "shared" / "kernels.py").write_text("TILE = 128\n")
     assert engines.source_sha256(path) != before
+
+
+def test_an_engine_under_loopbench_that_code_sha256_does_not_cover_is_hashed():
+    """``loopbench.`` names every folder of a source checkout (loopbench/__init__.py puts the repository on its path),
+    but code_sha256 hashes only runtime, harness and kernels: an engine in another folder, such as the tests' stall
+    engine, is an external engine, and an edit to it must refuse a resume as one elsewhere does."""
+    stall = "loopbench.tests.harness.stall_engine:make_engine"
+    digest = engines.source_sha256(stall)
+    assert digest is not None and digest == engines.source_sha256("tests.harness.stall_engine:make_engine")
+    assert engines.engine_sources({"a": {"engine": stall}, "b": {"engine": REFERENCE}}) == {stall: digest}
+    assert engines.source_sha256("loopbench.kernels.mlp_block:wait_arrived") is None   # kernels: code_sha256's
