@@ -94,8 +94,7 @@ def _fresh_external_engine(root, monkeypatch):
 
 
 def test_an_external_engines_sources_are_hashed_and_ours_are_not(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    path = _external_engine(tmp_path)
+    path = _fresh_external_engine(tmp_path, monkeypatch)
     first = engines.source_sha256(path)
     assert len(first) == 64 and engines.source_sha256(path) == first
     (tmp_path / "extengine" / "helpers.py").write_text("X = 1\n")     # another file of its package counts too
@@ -114,8 +113,7 @@ def test_a_plan_with_an_external_engine_records_its_sources_and_keys_the_referen
     """The plan's code identity names the external engine's sources (a resume compares the whole plan, so an edit
     to them refuses the resume), and a reference run by it is keyed on them (no stale cached reference)."""
     from loopbench.harness import inputs
-    monkeypatch.syspath_prepend(str(tmp_path))
-    path = _external_engine(tmp_path)
+    path = _fresh_external_engine(tmp_path, monkeypatch)
     overrides = [f"+arms={{ext:{{engine:\"{path}\"}}}}", "comparisons=[{baseline:ext,candidate:native}]",
                  f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"]
     spec = conf.validate(conf.compose("cpu-smoke", overrides))
@@ -137,9 +135,8 @@ def test_a_resume_after_an_edit_to_the_external_engine_is_refused(tmp_path, monk
     import os
 
     from loopbench.harness import resume
-    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    path = _external_engine(tmp_path)
+    path = _fresh_external_engine(tmp_path, monkeypatch)
     over = ["name=ext", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_lens=[9,12]",
             "workload.output_len=4", "pairs=2", f"+arms={{ext:{{engine:\"{path}\"}}}}",
             "comparisons=[{baseline:native,candidate:ext}]", "executor.poll_s=0.1",
