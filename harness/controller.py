@@ -194,6 +194,7 @@ def reference_job(spec: BenchSpec, got: Inputs, ckpt: dict, bundle: Path) -> Chi
         "points": point_entries(spec), "output_len": spec.workload.output_len, "exit": plain["exit"],
         "arm": ref, "arm_config": plain["arms"][ref], "max_model_len": got.max_model_len,
         "cache_dir": str(got.cache), "reuse": spec.reuse_references, "key_material": key_material,
+        "engine_sources": got.code.get("engine_sources", {}),   # the child checks it imports these versions
         **natural.reference_job_entry(plain, [pt.key for pt in spec.points])})
     return ChildSpec("reference", job, bundle / "logs" / "reference.log", dev["gpu_index"], dev["label"],
                      spec.executor.reference_timeout_s, cpu_index=dev.get("cpu_index"))

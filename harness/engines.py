@@ -81,6 +81,23 @@ def source_sha256(path: str) -> str | None:
     return h.hexdigest()
 
 
+def check_sources(recorded: dict[str, str | None]) -> None:
+    """ValueError unless each engine of ``recorded`` (plan.json ``code.engine_sources``: path -> :func:`source_sha256`)
+    has, as this process imports it, the sources the controller hashed when it planned the run. The plan's hash is
+    taken once; every child imports the engine afresh (each session, the reference child, each online server), and
+    one started after an edit to it, or importing another copy (another ``sys.path``, a SLURM node's environment),
+    would measure a version the plan does not name, in a bundle that mixes two."""
+    for path, want in recorded.items():
+        now = source_sha256(path)
+        if now != want:
+            module = importlib.import_module(path.partition(":")[0])
+            raise ValueError(f"engine {path!r}: its sources hash {str(now)[:12]} in this process (it imports "
+                             f"{getattr(module, '__file__', None)}), not {str(want)[:12]} as the plan's "
+                             "code.engine_sources records: it was edited after the run was planned, or this process "
+                             "imports another copy of it. A bundle measures one version of an engine, so this child "
+                             "measures nothing; restore that version to resume the bundle, or start a new run")
+
+
 def _covered_by_code_sha256(path: str) -> bool:
     """Whether the factory path names a module of the folders that identity.code_identity hashes."""
     parts = path.partition(":")[0].split(".")

@@ -178,6 +178,7 @@ def _capture_reference(spec: dict, model, prompts: list, point: dict, device: di
 def capture_references(job: dict) -> None:
     """The ``reference`` job: every point's frozen schedule and meta into ``references/`` (and the cache)."""
     bundle, spec = Path(job["bundle"]), job["spec"]
+    engines.check_sources(spec.get("engine_sources", {}))   # the reference's and the natural traces' engines
     device = machine.child_device(job["name"], job["device"])
     prompts = json.loads((bundle / spec["prompts_file"]).read_text())
     model = None
@@ -227,6 +228,7 @@ def load_session(job: dict) -> SessionInputs:
 
     bundle = Path(job["bundle"])
     plan = json.loads((bundle / "plan.json").read_text())
+    engines.check_sources((plan.get("code") or {}).get("engine_sources", {}))   # the planned versions, or nothing
     cfg = plan["config"]
     device = machine.child_device(job["name"], job["device"])
     prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())

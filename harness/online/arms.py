@@ -41,7 +41,8 @@ def server_spec(plan: dict, job: dict, arm: str) -> dict:
     return {"checkpoint_path": plan["checkpoint"]["path"], "dtype": cfg["model"]["dtype"], "device": job["device"],
             "arm_config": cfg["arms"][arm], "max_num_seqs": plan["online"]["max_num_seqs"],
             "max_model_len": plan["max_model_len"], "policy": cfg["exit"]["policy"],
-            "exit": {k: cfg["exit"][k] for k in ("min_loops", "max_loops", "threshold")}, "host": "127.0.0.1"}
+            "exit": {k: cfg["exit"][k] for k in ("min_loops", "max_loops", "threshold")}, "host": "127.0.0.1",
+            "engine_sources": (plan.get("code") or {}).get("engine_sources", {})}   # the server checks its engine's
 
 
 def _jobs(online: dict, prompts: list[list[int]]) -> list[loadgen.Job]:

@@ -192,6 +192,7 @@ def build_engine(spec: dict):
     from ..records import ArmSpec
     from ..session import load_model
 
+    engines.check_sources(spec.get("engine_sources", {}))   # the planned versions: each run's server imports afresh
     device = machine.child_device("server", spec["device"])
     model = load_model(spec["checkpoint_path"], spec["dtype"], device, spec["max_model_len"])
     arm = ArmSpec.from_plain(spec["arm_config"])

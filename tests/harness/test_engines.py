@@ -188,3 +188,50 @@ def test_an_engine_under_loopbench_that_code_sha256_does_not_cover_is_hashed():
     assert digest is not None and digest == engines.source_sha256("tests.harness.stall_engine:make_engine")
     assert engines.engine_sources({"a": {"engine": stall}, "b": {"engine": REFERENCE}}) == {stall: digest}
     assert engines.source_sha256("loopbench.kernels.mlp_block:wait_arrived") is None   # kernels: code_sha256's
+
+
+def test_a_child_refuses_an_external_engine_whose_sources_are_not_the_planned_ones(tmp_path, monkeypatch):
+    """The plan's hash is taken once, by the controller; every child imports the engine afresh (each session, the
+    reference child, each online server). One that finds other sources (an edit since, or another copy on its
+    sys.path) refuses before it loads a model, naming the engine and code.engine_sources."""
+    from loopbench.harness.online import server
+    path = _fresh_external_engine(tmp_path, monkeypatch)
+    planned = {path: engines.source_sha256(path)}
+    engines.check_sources(planned)                               # unchanged: nothing to say
+    engines.check_sources({})
+    _external_engine(tmp_path, body="# edited after the plan\n")
+    with pytest.raises(ValueError, match=r"extengine\.engine:make_engine.*code\.engine_sources.*edited"):
+        engines.check_sources(planned)
+    with pytest.raises(ValueError, match="code.engine_sources"):  # a reference child, before it reads the bundle
+        session.capture_references({"bundle": str(tmp_path / "none"), "name": "reference", "device": CPU,
+                                    "spec": {"engine_sources": planned}})
+    with pytest.raises(ValueError, match="code.engine_sources"):  # an online server, before it loads the model
+        server.build_engine({"engine_sources": planned, "device": CPU})
+
+
+@pytest.mark.slow
+def test_an_edit_to_the_external_engine_between_two_sessions_of_one_run_is_refused(tmp_path, monkeypatch):
+    """sessions=2: each session is a fresh process that imports the engine. Its factory edits its own file on its
+    first call, as a user editing the engine while a long run goes on would: the second session imported the edited
+    version and the bundle came out complete, audited, its plan naming only the first version's hash."""
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path = _fresh_external_engine(tmp_path, monkeypatch)
+    marker = tmp_path / "edited"
+    (tmp_path / "extengine" / "engine.py").write_text(
+        "from pathlib import Path\n\nfrom loopbench.runtime.engine import LoopEngine\n\n\n"
+        "def make_engine(model, config):\n"
+        f"    if not Path({str(marker)!r}).exists():\n"
+        f"        Path({str(marker)!r}).write_text('')\n"
+        "        Path(__file__).write_text(Path(__file__).read_text() + '# edited by the first session\\n')\n"
+        "    return LoopEngine(model, config)\n")
+    over = ["name=ext", "points=[{max_num_seqs:2,num_requests:3}]", "workload.prompt_lens=[9,12]",
+            "workload.output_len=4", "pairs=2", "sessions=2", f"+arms={{ext:{{engine:\"{path}\"}}}}",
+            "comparisons=[{baseline:native,candidate:ext}]", "executor.poll_s=0.1",
+            f"results_dir={tmp_path / 'results'}", f"cache_dir={tmp_path / 'cache'}"]
+    result = controller.run(conf.compose("cpu-smoke", over))
+    assert marker.exists()
+    assert result.summary["status"] == "incomplete"
+    logs = "".join(p.read_text() for p in (result.bundle / "logs").glob("*.log"))
+    assert "code.engine_sources" in logs
