@@ -345,6 +345,21 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bun
     assert [p for p in work.rglob("*") if p != work / "r"] == [], list(work.rglob("*"))   # no bundle folder in r/
 
 
+def _run_with_presets(tmp_path, monkeypatch, capsys, command, preset, files):
+    """``loopbench -q COMMAND --config-name PRESET`` over a copy of configs/ with ``files`` ({name: YAML text}) added
+    or replaced; (exit code, stdout, stderr). Asserts the run wrote nothing beside that copy."""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    for name, text in files.items():
+        (configs / f"{name}.yaml").write_text(text)
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["-q", command, "--config-name", preset, f"results_dir={tmp_path / 'r'}"])
+    out, err = capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+    return rc, out, err
+
+
 @pytest.mark.parametrize("command", ["plan", "bench"])
 @pytest.mark.parametrize("preset, text, line", [
     # a flow list left open
@@ -359,16 +374,9 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bun
 def test_a_preset_that_is_not_valid_yaml_is_named_in_one_line(tmp_path, monkeypatch, capsys, command, preset, text,
                                                                line):
     """A YAML syntax error in a preset (or one it extends) was a yaml.scanner traceback from inside Hydra, exit 1."""
-    configs = tmp_path / "configs"
-    shutil.copytree(conf.CONFIG_DIR, configs)
-    (configs / f"{preset}.yaml").write_text(text)
-    (configs / "my-base.yaml").write_text("defaults:\n  - cpu-smoke\n  - _self_\n\tpairs: 3\n")
-    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["-q", command, "--config-name", preset, f"results_dir={tmp_path / 'r'}"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == [BAD + line], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+    files = {"my-base": "defaults:\n  - cpu-smoke\n  - _self_\n\tpairs: 3\n", preset: text}
+    rc, out, err = _run_with_presets(tmp_path, monkeypatch, capsys, command, preset, files)
+    assert rc == 2 and out == "" and err.splitlines() == [BAD + line], err
 
 
 @pytest.mark.parametrize("command", ["plan", "bench"])
@@ -376,19 +384,12 @@ def test_a_preset_that_is_not_valid_yaml_is_named_in_one_line(tmp_path, monkeypa
 def test_a_preset_that_does_not_extend_the_schema_is_named_in_one_line(tmp_path, monkeypatch, capsys, command, text):
     """A preset whose defaults list names neither bench_schema nor a preset composes without the schema's keys:
     that was a KeyError traceback from rules.check (KeyError: 'name' / 'model'), exit 1."""
-    configs = tmp_path / "configs"
-    shutil.copytree(conf.CONFIG_DIR, configs)
-    (configs / "mine.yaml").write_text(text)
-    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["-q", command, "--config-name", "mine", f"results_dir={tmp_path / 'r'}"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and len(err.splitlines()) == 1, err
+    rc, out, err = _run_with_presets(tmp_path, monkeypatch, capsys, command, "mine", {"mine": text})
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith(BAD + "configs/mine.yaml does not extend the schema: its defaults list must name "
                                 "bench_schema or a preset that does (e.g. defaults: [cpu-smoke, _self_]); "
                                 "it lacks "), err
     assert "model" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
 
 
 @pytest.mark.parametrize("command", ["plan", "bench"])
@@ -402,13 +403,5 @@ def test_a_preset_that_does_not_extend_the_schema_is_named_in_one_line(tmp_path,
 def test_a_preset_whose_defaults_extend_it_again_is_named_in_one_line(tmp_path, monkeypatch, capsys, command, files,
                                                                       preset, line):
     """A cycle in the presets' defaults lists was Hydra's RecursionError traceback, exit 1."""
-    configs = tmp_path / "configs"
-    shutil.copytree(conf.CONFIG_DIR, configs)
-    for name, text in files.items():
-        (configs / f"{name}.yaml").write_text(text)
-    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["-q", command, "--config-name", preset, f"results_dir={tmp_path / 'r'}"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == [BAD + line], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+    rc, out, err = _run_with_presets(tmp_path, monkeypatch, capsys, command, preset, files)
+    assert rc == 2 and out == "" and err.splitlines() == [BAD + line], err
