@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .identity import SOURCE_FOLDERS
+from .identity import SOURCE_FOLDERS, hash_files
 
 
 def load_factory(path: str) -> Callable:
@@ -45,8 +45,8 @@ def load_factory(path: str) -> Callable:
 
 def source_sha256(path: str) -> str | None:
     """sha256 of the Python sources an engine factory path comes from, where they are not ours: every ``*.py`` file of
-    the top-level package of its module (relative path, size and bytes, in sorted order, as identity.code_identity
-    hashes ours), or the module's own file for a top-level module. None for a factory in the folders that
+    the top-level package of its module (relative path, size and bytes, in sorted order: identity.hash_files, as
+    ``code_sha256`` hashes ours), or the module's own file for a top-level module. None for a factory in the folders that
     ``code_sha256`` covers (``loopbench.runtime``, ``.harness``, ``.kernels``; another folder of a source checkout,
     such as ``loopbench.tests``, is hashed like an external package) and for a module with no source file to read
     (a builtin or an extension module).
@@ -70,14 +70,11 @@ def source_sha256(path: str) -> str | None:
     else:
         return None
     h = hashlib.sha256()
-    for file, root in files:
-        try:
-            data = file.read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{path!r}: cannot read {file}, one of its sources ({exc.strerror or exc}), to hash "
-                             "them into the plan") from None
-        h.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
-        h.update(data)
+    try:
+        hash_files(h, ((file, file.relative_to(root).as_posix()) for file, root in files))
+    except OSError as exc:
+        raise ValueError(f"{path!r}: cannot read {exc.filename}, one of its sources ({exc.strerror or exc}), to hash "
+                         "them into the plan") from None
     return h.hexdigest()
 
 

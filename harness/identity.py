@@ -46,6 +46,16 @@ def _env_git_sha() -> str | None:
     return value.strip().lower()
 
 
+def hash_files(h, files) -> None:
+    """Feed ``h`` (a hashlib object) each of ``files`` ((path, name) pairs, in the order given) as its name, a NUL,
+    its size in bytes, a NUL and its bytes: the layout of ``code_sha256`` and of an external engine's sources
+    (engines.source_sha256). Raises OSError (its ``filename`` set) for a file that cannot be read."""
+    for path, name in files:
+        data = Path(path).read_bytes()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+
+
 def code_identity(root: Path = REPO_ROOT) -> dict:
     """Which code ran: {git_sha, git_dirty, git_sha_source, code_sha256} (+ git_head_observed, git_dirty_observed).
 
@@ -63,9 +73,8 @@ def code_identity(root: Path = REPO_ROOT) -> dict:
     root = Path(root)
     h = hashlib.sha256()
     sources = [p for folder in SOURCE_FOLDERS for p in sorted((root / folder).rglob("*.py"))]
-    for p in sources + [p for p in [root / CONTRACT] if p.is_file()]:   # a copy of the sources alone has none
-        h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0".encode())
-        h.update(p.read_bytes())
+    files = sources + [p for p in [root / CONTRACT] if p.is_file()]   # a copy of the sources alone has none
+    hash_files(h, ((p, p.relative_to(root).as_posix()) for p in files))
     env_sha = _env_git_sha()
     sha = _git(root, "rev-parse", "HEAD") if own_git_repo(root) else None
     dirty = None
