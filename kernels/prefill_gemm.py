@@ -5,7 +5,8 @@ picks its algorithm by shape, so today's prefill runs every projection as calls 
 ``EngineConfig.prefill_call_rows`` (256) rows (runtime/model.py ``linear``). At 256 rows an Ouro projection has
 only 32-176 output tiles of 128 x 128 for 132 SMs, and a packed prefill of 16 prompts (2,048 rows a loop) is 8
 such calls after one another per projection: the run's first prefill, which nothing overlaps, runs far below the
-GPU's matmul rate.
+GPU's matmul rate. Measured (kernels/results/README.md, ``prefill_gemm``): faster there, slower on the small packs
+beside decode, no faster in the loop, so ``OuroModel.prefill_gemm`` is off.
 
 How: one fixed tile configuration per engine (never chosen by M), one program per ``BLOCK_M x BLOCK_N`` output
 tile, fp32 accumulation over K in ``BLOCK_K`` steps in order (``tl.dot``), one rounding to the output dtype, no
@@ -16,7 +17,7 @@ LLM Inference", Thinking Machines Lab 2025; vLLM's batch-invariant mode). M is n
 so one compiled kernel serves every row count.
 
 The Triton interpreter runs it on CPU tensors (``TRITON_INTERPRET=1``); its bf16 ``tl.dot`` is wrong there
-(BRIEF section 4), so interpreter tests pass fp32 inputs (``fp32_products``).
+(BRIEF section 4), so interpreter tests pass fp32 inputs (tests/kernels/test_prefill_gemm.py).
 """
 from __future__ import annotations
 

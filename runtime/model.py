@@ -284,13 +284,13 @@ class OuroModel:
         # throughput probe's --norm-in-gemm); its arrival counters are allocated here, outside any graph capture.
         # One pair serves every loop on one stream: two streams running this model's loops at once would share them.
         self.norm_in_gemm = False
+        self._norm_counters = torch.zeros(2, dtype=torch.int32, device=self.device) if self.fused else None
         # Batch-invariant prefill projections (rows in fixed-size calls, ``run_loop``'s gemm_rows) in one launch of
         # kernels/prefill_gemm.py instead of cuBLAS calls of exactly gemm_rows rows: a row's bits do not depend on M
         # there, so a packed prefill of 2,048 rows is one launch, not eight. CUDA and the fused loop only (the
         # throughput probe's --prefill-gemm). Off: no faster in the loop on an H100 (0.996x / 1.001x at B16 / B32;
         # kernels/results/README.md, prefill_gemm): it wins on the first prefill and loses on the small packs.
         self.prefill_gemm = False
-        self._norm_counters = torch.zeros(2, dtype=torch.int32, device=self.device) if self.fused else None
         # kernels/mlp_ring.py's arrival counters (its BARRIERS), for the layer half after attention as one persistent
         # launch where mlp_ring.CONFIGS has this layer shape (:meth:`ring_config`); allocated here, outside any
         # capture, and used by one stream at a time (:meth:`ring_on` keeps prefill loops off a second stream).
