@@ -39,7 +39,9 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    scalars or null, the runs of one arm at one point and track in one session hold equal ones, and a replayed
    run that names its ``schedule_sha256`` names its point's frozen reference; from format 10 the online records'
    ``engine_settings`` alike, equal across an arm's online runs in one session;
-11. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
+11. logs (:mod:`.check_logs`): each record's elapsed_s and tokens/s are those its session printed to its log
+   when it wrote the record;
+12. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
    re-derived figures (no extra, hidden or edited line; no raw HTML).
 
 The verdict goes to ``audit.json`` in the bundle (outside the manifest by design) and the exit status:
@@ -55,14 +57,15 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import (check_files, check_natural, check_online, check_plan, check_roofline, check_runs, check_sessions,
-               check_settings, check_summary, check_tables, check_telemetry, contract, evidence, load)
+from . import (check_files, check_logs, check_natural, check_online, check_plan, check_roofline, check_runs,
+               check_sessions, check_settings, check_summary, check_tables, check_telemetry, contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 12  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+AUDITOR_VERSION = 13  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
                       # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
-                      # 12: format 13, failed requests in the online percentiles
+                      # 12: format 13, failed requests in the online percentiles; 13: each record against its
+                      # session's log line (documents.log), every format
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -95,6 +98,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("sessions", check_sessions.check_slurm_jobs, plan, children)
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
+    ctx.section("logs", check_logs.check, records, children)   # each record against its session's log line
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     ctx.section("engine_settings", check_settings.check, plan, records)   # format 9: what each run ran with

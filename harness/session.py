@@ -49,7 +49,7 @@ import torch
 
 from . import coverage, engines, loop_timing, machine, natural, telemetry
 from .sampler import Sampler
-from .fileio import atomic_write_json, atomic_write_text, canonical_json, sha256_bytes, try_lock
+from .fileio import atomic_write_json, atomic_write_text, bundle_format, canonical_json, sha256_bytes, try_lock
 from .records import ArmRecord, ArmSpec, OrderItem, PhaseResult
 from .stats import tokens_per_s
 
@@ -58,7 +58,16 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)   # documents.log.line_prefix
+
+
+def arm_log_line(item: OrderItem, rec: ArmRecord) -> str:
+    """The line the session prints for a record it wrote (the contract's ``documents.log.arm_line``); the auditor
+    holds the record's figures to it."""
+    log = bundle_format()["documents"]["log"]
+    key = log["arm_line_key"].format(seq=item.seq, point=item.point, comparison=item.comparison, pair=item.pair,
+                                     position=item.position, arm=item.arm)
+    return log["arm_line"].format(key=key, elapsed_s=rec.measured.elapsed_s, tokens_per_s=rec.tokens_per_s)
 
 
 def _sync(device: dict) -> None:
@@ -300,8 +309,7 @@ def measure(job: dict) -> None:
         rec = measure_arm(s, item, covered)
         atomic_write_json(out_dir / item.file_name, rec.to_dict())
         done += 1
-        _log(f"{item.seq:4d} {item.point} {item.comparison} pair {item.pair} {item.position:9s} "
-             f"{item.arm:>14s}: {rec.measured.elapsed_s:.4f}s {rec.tokens_per_s:.1f} tok/s")
+        _log(arm_log_line(item, rec))
     from .online.arms import measure_online   # the online track (harness/online/), when the plan has one
 
     measure_online(job, _log)

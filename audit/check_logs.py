@@ -1,0 +1,71 @@
+"""Each arm record against the line its session printed when it wrote it (``documents.log``).
+
+A session child prints, after writing each arm record, the record's measured elapsed_s and tokens/s
+(``documents.log.arm_line``) to its log, ``logs/<children.json log>``: a second copy of the measurement, written
+at the time. Every figure of tables, summary, report and plot is re-derived from the records, so a record whose
+elapsed_s was changed afterwards, and everything re-derived from it, agrees with itself; it does not agree with
+the log the run left. Held here, in every format version (the line has not changed since the first):
+
+- each line of a record's key (``arm_line_key``, behind the ``line_prefix``) in its session's log is the
+  record's ``arm_line``, the figures as the contract formats them;
+- a session that completed printed one for each record naming it (a child killed between writing a record
+  and printing its line may lack it; a resume's discarded run leaves a line without a record, never read).
+"""
+from __future__ import annotations
+
+import re
+
+from . import contract, derive
+from .context import Audit
+
+LOG = contract.DOCS["log"]
+PREFIX = re.compile(LOG["line_prefix"])
+
+
+def arm_line_key(record: dict) -> str:
+    return LOG["arm_line_key"].format(seq=record["seq"], point=record["point"], comparison=record["comparison"],
+                                      pair=record["pair"], position=record["position"], arm=record["arm"])
+
+
+def arm_line(record: dict) -> str:
+    return LOG["arm_line"].format(key=arm_line_key(record), elapsed_s=record["measured"]["elapsed_s"],
+                                  tokens_per_s=record["tokens_per_s"])
+
+
+def _lines(ctx: Audit, rel: str) -> list[tuple[int, str]] | None:
+    """(line number, text after the prefix) of each prefixed line; None for a missing or unreadable log (a
+    missing one is named by the required-files check)."""
+    path = ctx.bundle / rel
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        ctx.fail("logs", f"{rel} could not be read: {type(exc).__name__}: {exc}")
+        return None
+    return [(n, line[m.end():]) for n, line in enumerate(text.split("\n"), 1) if (m := PREFIX.match(line))]
+
+
+def check(ctx: Audit, records: list[dict], children: list[dict]) -> None:
+    """Each record's line in its session's log (see the module docstring)."""
+    sessions = {derive.child_session(c): c for c in children if isinstance(c, dict)}   # the latest entry per id
+    logs: dict[str, list[tuple[int, str]] | None] = {}
+    for r in records:
+        sid = derive.record_session(r)
+        child = sessions.get(sid)
+        if child is None or not isinstance(child.get("log"), str):
+            continue   # named by check_sessions
+        rel = f"logs/{child['log']}"
+        if rel not in logs:
+            logs[rel] = _lines(ctx, rel)
+        if logs[rel] is None:
+            continue
+        key, want = arm_line_key(r) + ": ", arm_line(r)
+        found = [(n, body) for n, body in logs[rel] if body.startswith(key)]
+        where = f"record {r['job']} seq {r['seq']} ({r['arm']})"
+        for n, body in found:
+            if body != want:
+                ctx.fail("logs", f"{rel} line {n} reads {body!r}; {where} gives {want!r}")
+        if not found and child.get("state") == "completed":
+            ctx.fail("logs", f"{rel}: {where} has no line, though session {sid} completed; the record gives {want!r}")
+        ctx.count("log_lines", len(found))
