@@ -41,7 +41,9 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    ``engine_settings`` alike, equal across an arm's online runs in one session;
 11. logs (:mod:`.check_logs`): each record's elapsed_s and tokens/s are those its session printed to its log
    when it wrote the record;
-12. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
+12. plot (:mod:`.check_plot`): ``pair_ratios.png`` is, pixel for pixel, the auditor's own drawing of the
+   re-derived ratios, medians and intervals;
+13. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
    re-derived figures (no extra, hidden or edited line; no raw HTML).
 
 The verdict goes to ``audit.json`` in the bundle (outside the manifest by design) and the exit status:
@@ -57,15 +59,16 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import (check_files, check_logs, check_natural, check_online, check_plan, check_roofline, check_runs,
-               check_sessions, check_settings, check_summary, check_tables, check_telemetry, contract, evidence, load)
+from . import (check_files, check_logs, check_natural, check_online, check_plan, check_plot, check_roofline,
+               check_runs, check_sessions, check_settings, check_summary, check_tables, check_telemetry, contract,
+               evidence, load)
 from .context import Audit
 
 AUDITOR_VERSION = 13  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
                       # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
                       # 12: format 13, failed requests in the online percentiles; 13: each record against its
-                      # session's log line (documents.log), every format
+                      # session's log line (documents.log), pair_ratios.png against its own drawing, every format
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -116,6 +119,7 @@ def _check_claims(ctx: Audit, plan: dict, summary: dict, records: list[dict], ch
                            complete, checks_ok, interrupted, natural)
     if expected is not None:
         ctx.section("summary.json", check_summary.check_summary, summary, expected)
+        ctx.section("pair_ratios.png", check_plot.check, expected, environment)   # the figure report.md shows
         if isinstance(environment, dict) and (ctx.bundle / "report.md").is_file():
             want = ctx.section("report.md", check_summary.expected_report, plan, expected, records, environment)
             if want is not None:
