@@ -20,7 +20,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
 5. devices and sessions (:mod:`.check_sessions`): each record's device is its session's device in the
    plan and in children.json; every child ended (none still ``running``); each record names a session
    child of its job, a pair is measured by one session, a job's sessions follow each other in its order,
-   and a completed session measured exactly the seqs its job file asked for;
+   and a completed session measured exactly the seqs its job file asked for; environment.json's GPU of a pinned
+   device is the card its records ran on (uuid, name);
 6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and
    telemetry equals what the raw records give, and no row is missing or extra; tokens/s = C * D /
    elapsed_s; each measured elapsed_s lies within its record's wall-clock span;
@@ -68,7 +69,8 @@ AUDITOR_VERSION = 13  # 6: bundle formats 5-6 (telemetry, per-point workloads, g
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
                       # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
                       # 12: format 13, failed requests in the online percentiles; 13: each record against its
-                      # session's log line (documents.log), pair_ratios.png against its own drawing, every format
+                      # session's log line (documents.log), pair_ratios.png against its own drawing, environment.json GPUs
+                      # against the records' cards, every format
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -140,6 +142,7 @@ def run(ctx: Audit) -> dict:
         return verdict(ctx, False)
     if environment is not None:
         ctx.section("environment.json", load.check_environment, environment)
+        ctx.section("environment.json", check_sessions.check_environment_gpus, plan, records, environment)
     refs = ctx.section("reference", load.load_references, plan) or {}
     checks_ok, natural = _check_measurement(ctx, plan, records, children, refs)
     return verdict(ctx, _check_claims(ctx, plan, summary, records, children, refs, environment, checks_ok, natural))

@@ -149,3 +149,29 @@ def _check_asked_seqs(ctx: Audit, plan: dict, sessions: dict[str, dict], measure
         if sorted(measured.get(sid, [])) != sorted(asked):
             ctx.fail("sessions", f"{sid} completed, but measured seqs {sorted(measured.get(sid, []))}, its job "
                                  f"asked for {sorted(asked)}")
+
+
+def check_environment_gpus(ctx: Audit, plan: dict, records: list[dict], environment) -> None:
+    """environment.json describes the cards the records ran on: the controller reads ``gpus`` (NVML) for every
+    device the plan pins to a physical index, and a session on such a device runs on that card (the child
+    refuses a CUDA card other than NVML's of its index). So the entry of a pinned record's ``gpu_index`` names
+    the record's card: its ``uuid`` and ``name`` are the record's ``device.uuid`` and ``device.name`` (where
+    both sides have them; an entry is null without NVML). A Slurm GPU job, which learns its card on a node the
+    controller did not read, is not held."""
+    if not isinstance(environment, dict) or not isinstance(environment.get("gpus"), list):
+        return   # named by the environment's field check
+    gpus = {g.get("index"): g for g in environment["gpus"] if isinstance(g, dict)}
+    devices, seen = {d["name"]: d for d in plan["devices"]}, set()
+    for r in records:   # a job's first record: check_devices holds its later ones to the same device
+        d, dev = devices.get(r["job"]), r.get("device")
+        if d is None or d["kind"] != "cuda" or d["gpu_index"] is None or not isinstance(dev, dict) or r["job"] in seen:
+            continue
+        seen.add(r["job"])
+        entry = gpus.get(dev.get("gpu_index"))
+        if entry is None:
+            continue
+        for field in ("uuid", "name"):
+            if entry.get(field) is not None and dev.get(field) is not None and entry[field] != dev[field]:
+                ctx.fail("environment.json", f"gpus entry of index {dev['gpu_index']} has {field} {entry[field]!r}, "
+                                             f"where record {r['job']} seq {r['seq']} ran on {dev[field]!r}")
+        ctx.count("environment_gpus")
