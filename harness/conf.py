@@ -340,6 +340,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
             if _sets_an_empty_dict(overrides):
                 _check_override_targets(_compose, config_name, overrides)   # `online={}` composes, to a null section
             _check_schema_keys(config_name, cfg)
+            _check_switches(config_name, overrides)   # composition took `warmup=2` for true
             return cfg
         # OmegaConf fails with an AssertionError or AttributeError, not a key error, on an override into a null
         # node (`online.x=1`, `online={x: 1}` where the preset has `online: null`); Hydra's lexer refuses a list
@@ -467,6 +468,31 @@ def _check_preset_keys(name: str, seen: set[str]) -> None:
             _check_preset_keys(entry, seen)
     data.pop("hydra", None)
     rules.check_keys(data, BenchConf, where=f" in {CONFIG_DIR.name}/{path.name}")
+
+
+def _check_switches(config_name: str, overrides: list[str]) -> None:
+    """ValueError (``rules.check_bools``) naming a switch (a bool key) set to anything but true or false, in a YAML of
+    preset ``config_name``'s chain (``preset_files``, the file named) or in an override, as written: composition has
+    already turned ``2``, ``0`` or ``yes`` into a bool by then. Hydra's own nodes and deletions aside; a sweep's
+    values are checked job by job, each job composed with its own."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import OmegaConfBaseException
+
+    for preset in preset_files(config_name):
+        path = CONFIG_DIR / f"{preset}.yaml"
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path))
+        except (OSError, yaml.YAMLError, OmegaConfBaseException):
+            continue
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+            rules.check_bools(data, BenchConf, where=f" in {CONFIG_DIR.name}/{path.name}")
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_delete() or override.is_sweep_override() or _hydras_own(override):
+            continue
+        hint = rules.schema_at(override.key_or_group, BenchConf)
+        if hint is not None:
+            rules.check_bools(override.value(), hint, override.key_or_group)
 
 
 def _check_override_keys(overrides: list[str]) -> None:

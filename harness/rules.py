@@ -147,6 +147,32 @@ def check_keys(data: Any, schema: Any, prefix: str = "", where: str = "") -> Non
             check_keys(item, args[0], f"{prefix}{i}.", where)
 
 
+def check_bools(data: Any, schema: Any, path: str = "", where: str = "") -> None:
+    """ValueError naming the first switch (a ``bool`` key of ``schema``) in ``data`` whose value is not ``true`` or
+    ``false``. OmegaConf takes any int (``warmup=2``, ``0``) and strings such as ``yes`` / ``off`` for a bool and turns
+    them into one without a word, so a typo or a count written where a switch belongs ran silently with the switch
+    on; this is checked on what the user wrote (an override's parsed value, a preset's YAML) before composition
+    converts it. ``path`` is the dotted path of ``data`` (list items by index), ``where`` where it was written
+    (`` in configs/cpu-smoke.yaml``); null (where the schema allows it, else OmegaConf refuses it) and an
+    interpolation (``${...}``, resolved later) pass."""
+    schema = _node(schema)
+    origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if schema is bool:
+        if data is not None and not isinstance(data, bool) and not (isinstance(data, str) and "${" in data):
+            raise ValueError(f"{path or 'the value'}{where} must be true or false, got {data!r}")
+    elif dataclasses.is_dataclass(schema) and isinstance(data, dict):
+        hints = typing.get_type_hints(schema)
+        for key, value in data.items():
+            if key in hints:
+                check_bools(value, hints[key], f"{path}.{key}" if path else str(key), where)
+    elif origin in (dict, typing.Dict) and isinstance(data, dict):
+        for name, item in data.items():
+            check_bools(item, args[1], f"{path}.{name}" if path else str(name), where)
+    elif origin in (list, typing.List) and isinstance(data, list):
+        for i, item in enumerate(data):
+            check_bools(item, args[0], f"{path}.{i}" if path else str(i), where)
+
+
 def check_key_path(path: str, value: Any, schema: type) -> None:
     """An override's dotted key (``exit.treshold``, ``points.0.max_num_seqs``) walked down ``schema``, then
     the keys of its ``value`` (``exit={treshold: 0.6}``); ValueError (:func:`unknown_key`) at the first
