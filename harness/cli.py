@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from . import progress
@@ -276,9 +278,26 @@ def _compare(args) -> int:
     return 0 if comparable else 1
 
 
+def _sigterm_as_ctrl_c():
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, from the command's first line on: the stages that handle a
+    stop (``executors.stops_held`` / ``stops_at_once`` / ``StopSignals``) install their own handlers and put this one
+    back, and anywhere else a SIGTERM ends the command as a Ctrl-C does (:func:`main`: one line, exit 3). Without it
+    a SIGTERM before the first of those (building the parser, choosing the preset: about the first 0.2 s of
+    ``loopbench bench``, and all of ``plan``, ``show``, ``compare``, ``audit`` outside them) killed the command
+    silently with status 143. A SIGTERM ignored on entry (SIG_IGN) stays ignored; outside the main thread
+    (``cli.main`` called by a test's thread) nothing changes. Returns the handler to put back when the command
+    ends (:func:`main`), None where it changed nothing."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        return signal.SIG_DFL
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand; returns the exit status."""
+    previous = None
     try:
+        previous = _sigterm_as_ctrl_c()
         status = _main(argv)
         sys.stdout.flush()      # a pipe's buffer is written here, inside the try, not at the interpreter's exit
         return status
@@ -293,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         # on SIGPIPE"); 1, as Python itself exits on EPIPE.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if previous is not None:    # the caller's (a test calling main in-process) SIGTERM as it was
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -673,3 +673,32 @@ def test_plan_estimates_past_a_damaged_bundle_and_does_not_blame_the_configurati
     monkeypatch.chdir(tmp_path)
     assert cli.main(["plan", *TINY, f"results_dir={results}", f"cache_dir={a.parent.parent / 'c'}"]) == 0
     assert "audit; from a-good" in capsys.readouterr().out
+
+
+# A SIGTERM the command sends itself at one moment: while its parser is built (the first 0.2 s of `loopbench bench`,
+# before any stage installed a handler), while bench picks the preset (between the library imports and the checks),
+# while plan reads the results folder for its estimate (no stage's handler: plan changes nothing)
+_SELF_SIGTERM = """
+import os, signal, sys
+from loopbench.harness import cli, planning
+target, name = {target}
+real = getattr(target, name)
+def stopped(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a, **k)
+setattr(target, name, stopped)
+sys.exit(cli.main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("command, target", [("bench", "cli, 'build_parser'"), ("bench", "cli, '_preset'"),
+                                             ("plan", "planning, 'plan_text'")])
+def test_a_sigterm_before_any_stage_handles_it_is_one_line_and_exit_3(tmp_path, command, target):
+    """It killed the command with status 143 and no word (the shell's 128 + 15), as Ctrl-C there does not."""
+    argv = ["-q", command, *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"]
+    code = _SELF_SIGTERM.format(target=target, argv=argv)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert run.returncode == 3 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
+    assert run.stderr.strip().splitlines() == ["loopbench: interrupted"], run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
