@@ -311,7 +311,9 @@ def _drift(w: dict, summary: dict) -> list[str]:
                                               last=_num(spec["mib"], mib[1]), rho=_num(spec["stat"], c["statistic"]),
                                               p=_num(spec["p"], c["p"]),
                                               flag=spec["flag_creep"] if c["flag"] else spec["no_flag"]))
-    return ["", w["headings"]["drift"], "", spec["text"].format(**summary["evidence_rule"]), ""] \
+    # exact_up_to: the contract's documents.summary.trend_exact_up_to, by which audit/evidence.py takes a p exactly
+    text = spec["text"].format(**summary["evidence_rule"], exact_up_to=contract.DOCS["summary"]["trend_exact_up_to"])
+    return ["", w["headings"]["drift"], "", text, ""] \
         + _table(w, spec["columns"], rows) + [""] + _table(w, spec["creep_columns"], creep)
 
 

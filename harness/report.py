@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import natural, report_sections, roofline
+from . import natural, report_sections, roofline, stats
 from .evidence import FORMAT, atomic_write_bytes
 from .exit_status import exit_status_text
 
@@ -267,7 +267,9 @@ def _drift(summary: dict) -> list[str]:
         device=c["device"], n=c["n"], first=_fmt(spec["mib"], None if c["first"] is None else c["first"] / 2**20),
         last=_fmt(spec["mib"], None if c["last"] is None else c["last"] / 2**20), rho=_fmt(spec["stat"], c["statistic"]),
         p=_fmt(spec["p"], c["p"]), flag=spec["flag_creep"] if c["flag"] else spec["no_flag"]) for c in summary["memory_creep"]]
-    return (["", R["headings"]["drift"], "", spec["text"].format(**summary["evidence_rule"]), ""]
+    # exact_up_to: the most values whose Spearman p stats.trend_test takes exactly (format 12's sentence names it)
+    text = spec["text"].format(**summary["evidence_rule"], exact_up_to=stats.TREND_EXACT_UP_TO)
+    return (["", R["headings"]["drift"], "", text, ""]
             + table_lines(spec["columns"], rows) + [""] + table_lines(spec["creep_columns"], creep))
 
 

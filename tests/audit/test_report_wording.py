@@ -286,3 +286,16 @@ def test_a_format_8_report_with_format_7_exit_codes_is_named(bundle):
     rewrite_manifest(bundle)
     assert "(## Children) reads '| cpu0 | CPU | completed | 0 |" in failed(bundle)
     passes_as_version(bundle, 7)
+
+
+def test_the_drift_sentence_names_the_exact_spearman_limit_each_renderer_computes_by(monkeypatch):
+    """Format 12's drift sentence said "up to 8 values ... beyond 8" as a literal, whatever limit the statistics
+    (harness stats.TREND_EXACT_UP_TO, the auditor's documents.summary.trend_exact_up_to) took a p exactly by."""
+    summary = json.loads((REPO / "results" / "2026-12-07-ouro-1.4b-2cd50364" / "summary.json").read_text())
+    limit = stats.TREND_EXACT_UP_TO + 1
+    monkeypatch.setattr(stats, "TREND_EXACT_UP_TO", limit)
+    monkeypatch.setitem(contract.DOCS["summary"], "trend_exact_up_to", limit)
+    ours = report._drift(summary)[3]
+    theirs = render._drift(render.wording(contract.FORMAT["report"], contract.VERSION), summary)[3]
+    assert ours == theirs
+    assert f"A Spearman p of up to {limit} values is exact" in ours and f"beyond {limit}, the t approximation" in ours
