@@ -215,6 +215,7 @@ def check(plain: dict) -> None:
     positive_int("sessions", plain["sessions"])
     check_evidence(plain["evidence"])
     check_verdict(plain["verdict"])
+    check_sample_size(plain)
     if not (math.isfinite(plain["telemetry"]["sample_hz"]) and plain["telemetry"]["sample_hz"] >= 10):
         raise ValueError(f"telemetry.sample_hz must be >= 10 (issue 12: at least 10 Hz), got {plain['telemetry']['sample_hz']!r}")
     check_executor(plain["executor"])
@@ -368,6 +369,36 @@ def check_verdict(vd: dict) -> None:
     tol = vd["eager_fraction_tolerance"]
     if not (math.isfinite(tol) and 0.0 <= tol < 1.0):
         raise ValueError(f"verdict.eager_fraction_tolerance must be in [0, 1), got {tol!r}")
+
+
+# The most pairs one comparison may have on one device (pairs x sessions), and the most values the bootstrap may hold
+# at once (verdict.n_resamples x those pairs). Both bound what happens after everything is measured: the publisher
+# computes per result (point, comparison, device) the exact signed-rank p of its log ratios, and the auditor again,
+# whose cost grows about as n^3 (2 cores, scipy 1.17: 0.8 s at 1,000 pairs, 4 s at 2,000, 146 s at 5,000, so hours
+# to days beyond), and the bootstrap draws every resample at once (8 bytes a value, twice). Past these a run measured
+# for days and then could not publish its bundle. 1,000 pairs is also far past what a verdict needs: the detectable
+# effect shrinks as 1 / sqrt(n), to about 0.2% at a 2% pair noise.
+MAX_PAIRS_PER_COMPARISON = 1000
+MAX_RESAMPLED_VALUES = 10**8
+
+
+def check_sample_size(plain: dict) -> None:
+    """ValueError naming ``pairs`` / ``sessions`` when one comparison would have more pairs per device than
+    :data:`MAX_PAIRS_PER_COMPARISON`, and ``verdict.n_resamples`` when its bootstrap would hold more than
+    :data:`MAX_RESAMPLED_VALUES` values."""
+    pairs, sessions = plain["pairs"], plain["sessions"]
+    n = pairs * sessions
+    if n > MAX_PAIRS_PER_COMPARISON:
+        raise ValueError(f"pairs x sessions = {pairs} x {sessions} = {n} pairs per comparison and device, more than "
+                         f"the {MAX_PAIRS_PER_COMPARISON} whose statistics can be published (the exact signed-rank p "
+                         "of every result, computed by the publisher and again by the auditor, takes minutes at "
+                         "5,000 pairs and days at 100,000); lower pairs or sessions")
+    resamples = plain["verdict"]["n_resamples"]
+    if resamples * n > MAX_RESAMPLED_VALUES:
+        raise ValueError(f"verdict.n_resamples = {resamples} resamples of {n} pairs per comparison hold "
+                         f"{resamples * n:,} values at once, more than {MAX_RESAMPLED_VALUES:,} (the bootstrap's "
+                         f"memory, {8 * MAX_RESAMPLED_VALUES / 1e9:.1f} GB, in the publisher and again in the "
+                         f"auditor); at most {MAX_RESAMPLED_VALUES // n:,} resamples here")
 
 
 def check_evidence(ev: dict) -> None:

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from omegaconf import OmegaConf
 
-from loopbench.harness import cli, conf
+from loopbench.harness import cli, conf, rules
 
 BAD = "loopbench: bad configuration: "
 
@@ -62,3 +62,28 @@ def test_a_sweep_names_the_job_whose_switch_is_bad(tmp_path, monkeypatch, capsys
 def test_true_and_false_still_set_a_switch(override, value):
     key = override.split("=")[0]
     assert OmegaConf.select(conf.compose("cpu-smoke", [override]), key) is value
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("overrides, words", [
+    (["pairs=100000"], "pairs x sessions = 100000 x 1 = 100000 pairs per comparison and device, more than the 1000 "),
+    (["pairs=400", "sessions=3"], "pairs x sessions = 400 x 3 = 1200 pairs per comparison and device, more than "),
+    (["verdict.n_resamples=1000000000"], "verdict.n_resamples = 1000000000 resamples of 3 pairs per comparison hold "
+                                         "3,000,000,000 values at once, more than 100,000,000 "),
+])
+def test_a_sample_too_large_to_publish_is_refused_before_anything_is_measured(tmp_path, monkeypatch, capsys, command,
+                                                                              overrides, words):
+    """pairs=100000 was planned and run: days of measuring, then an exact signed-rank p per result that takes days
+    more (minutes already at 5,000 pairs) and a bootstrap that holds every resample at once, in the publisher and
+    again in the auditor."""
+    rc, out, err = _run(tmp_path, monkeypatch, capsys, command, "cpu-smoke", *overrides)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith(BAD + words), err
+
+
+@pytest.mark.parametrize("overrides", [[f"pairs={rules.MAX_PAIRS_PER_COMPARISON}"],
+                                       [f"pairs={rules.MAX_PAIRS_PER_COMPARISON // 4}", "sessions=4"],
+                                       [f"verdict.n_resamples={rules.MAX_RESAMPLED_VALUES // 3}"]])
+def test_a_sample_at_the_bounds_is_valid(overrides):
+    spec = conf.validate(conf.compose("cpu-smoke", overrides))
+    assert spec.pairs * spec.sessions <= rules.MAX_PAIRS_PER_COMPARISON
+    assert spec.verdict.n_resamples * spec.pairs * spec.sessions <= rules.MAX_RESAMPLED_VALUES
