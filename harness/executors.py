@@ -182,7 +182,12 @@ class LocalExecutor:
 
     @staticmethod
     def _stop(running: list[tuple], reason: str, grace_s: float) -> dict[str, ChildResult]:
-        """SIGTERM every running child's group, wait up to ``grace_s`` s, then SIGKILL the groups."""
+        """SIGTERM every running child's group, wait up to ``grace_s`` s, then SIGKILL the groups. A child that
+        exits 0 ended on its own with its job done (a session stopped by the signal ends by it, -15; the job file's
+        arms all recorded): it is ``completed``, not ``interrupted``, and so is any child that had ended before the
+        stop, in its own state. They had been marked interrupted by the stop when it came between a child's last
+        record and the controller's next poll, which made a bundle of every planned arm incomplete."""
+        ended = {spec.session_id for spec, proc, _, _ in running if proc.poll() is not None}
         for _, proc, _, _ in running:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -196,7 +201,10 @@ class LocalExecutor:
             _signal_group(proc, signal.SIGKILL)
             code = proc.wait()
             log.close()
-            out[spec.session_id] = _result(spec, code, "interrupted", time.monotonic() - t0, reason)
+            if code == 0 or spec.session_id in ended:
+                out[spec.session_id] = _result(spec, code, _state(code), time.monotonic() - t0)
+            else:
+                out[spec.session_id] = _result(spec, code, "interrupted", time.monotonic() - t0, reason)
         return out
 
 

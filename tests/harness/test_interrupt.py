@@ -282,6 +282,41 @@ def test_signals_become_a_stop_request_while_children_run():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_child_that_ended_on_its_own_before_the_stop_keeps_its_own_end(tmp_path, monkeypatch):
+    """A stop that came between a session's last record (its exit 0) and the controller's next poll marked it
+    interrupted by the signal: a bundle with every planned arm recorded was published incomplete, verdicts barred.
+    Here one child exits 0 and one fails before the stop, and one is still running when it comes."""
+    scripts = {"done": "pass", "failed": "raise SystemExit(1)", "running": "import time; time.sleep(60)"}
+    specs = []
+    for name, body in scripts.items():
+        job = tmp_path / f"{name}.py"
+        job.write_text(f"{body}\n")
+        specs.append(executors.ChildSpec(name, job, tmp_path / f"{name}.log", None, "CPU", 120.0))
+    real_popen = executors.subprocess.Popen
+    spawned = []
+
+    def popen(args, **kw):      # each child runs its job file as a script, not a session
+        spawned.append(real_popen([sys.executable, str(args[-1])], **kw))
+        return spawned[-1]
+
+    def stop():                 # the stop comes once the first two have ended, before any poll saw them end
+        if len(spawned) < len(specs):
+            return None
+        deadline = time.monotonic() + 30
+        while any(os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None for p in spawned[:2]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return "SIGTERM"
+
+    monkeypatch.setattr(executors.subprocess, "Popen", popen)
+    results = {r.name: r for r in executors.LocalExecutor().run(specs, poll_s=0.01, stop=stop, grace_s=5.0)}
+    assert (results["done"].state, results["done"].exit_code, results["done"].interrupted_by) == ("completed", 0, None)
+    assert (results["failed"].state, results["failed"].exit_code, results["failed"].interrupted_by) == ("failed", 1,
+                                                                                                      None)
+    assert (results["running"].state, results["running"].exit_code, results["running"].interrupted_by) == (
+        "interrupted", -signal.SIGTERM, "SIGTERM")
+
+
 def test_stops_held_deliver_one_keyboard_interrupt_after_the_block_and_keep_an_ignored_signal_ignored():
     """Code a KeyboardInterrupt cannot land in cleanly (triton's native initialisation aborted the interpreter on a
     new user's Ctrl-C) runs to its end; the stop comes after it."""
