@@ -356,7 +356,12 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "finish":
             from .bench import finish_main
 
-            return finish_main([str(args.bundle)])
+            try:
+                return finish_main([str(args.bundle)])
+            except KeyboardInterrupt:   # while publishing (a stop during its audit is bench.show's): nothing is lost
+                print(f"\nloopbench finish: interrupted before {args.bundle} was published; nothing measured was lost: "
+                      f"run `loopbench finish {args.bundle}` again", file=sys.stderr)
+                return 3
         from .controller import audit
 
         try:

@@ -702,3 +702,23 @@ def test_a_sigterm_before_any_stage_handles_it_is_one_line_and_exit_3(tmp_path, 
     assert run.returncode == 3 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
     assert run.stderr.strip().splitlines() == ["loopbench: interrupted"], run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_stop_while_finish_publishes_says_to_run_finish_again(tmp_path, monkeypatch, capsys):
+    """It said only "loopbench: interrupted", leaving a half-written bundle (a summary, no manifest) without a word of
+    what to do; finish completes such a bundle when run again."""
+    from loopbench.harness import resume
+
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "plan.json").write_text("{}")
+
+    def stopped(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume, "finish", stopped)
+    assert cli.main(["finish", str(bundle)]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        f"loopbench finish: interrupted before {bundle} was published; nothing measured was lost: run "
+        f"`loopbench finish {bundle}` again"], err
