@@ -54,3 +54,23 @@ def test_writer_and_auditor_draw_one_figure(honest_bundle, tmp_path, case):
                         & (pairs["comparison"] == first["comparison"]))]
     plot_ratios(summary, pairs, tmp_path / "writer.png")
     assert render(summary) == (tmp_path / "writer.png").read_bytes()
+
+
+def test_plot_under_another_matplotlib_is_counted_not_compared(bundle):
+    """A bundle written under another matplotlib (its environment.json says so) is not failed for its figure's
+    pixels, which that version may draw differently; the audit's counts say the figure was not compared. A file
+    that is no PNG is still named."""
+    from loopbench.audit.auditor import audit
+
+    env = json.loads((bundle / "environment.json").read_text())
+    env["packages"]["matplotlib"] = "0.0-other"
+    (bundle / "environment.json").write_text(json.dumps(env, indent=1))
+    _forged_plot(bundle)
+    rewrite_manifest(bundle)
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert verdict["checked"].get("plot_not_compared_other_matplotlib") == 1
+    assert "plot_pixels" not in verdict["checked"]
+    _not_a_png(bundle)
+    rewrite_manifest(bundle)
+    assert "pair_ratios.png: is not a PNG" in failed(bundle)
