@@ -184,7 +184,7 @@ def _bench(args, extra: list[str]) -> int:
     with stops_at_once():   # nothing is written while the configuration is checked: SIGTERM too ends it (main)
         if args.multirun:   # every job's config is checked before the first one runs
             try:
-                runs = planning.sweep_arm_runs(name, args.overrides)
+                runs = planning.sweep_arm_runs(name, args.overrides, warn=True)
             except planning.SweepError as exc:
                 return _bad(exc.cause, f" in sweep job {exc.job}" + planning.preset_holding(name, exc.cause))
             jobs = len(runs)
@@ -194,7 +194,7 @@ def _bench(args, extra: list[str]) -> int:
                 if extra:   # Hydra's flags (--cfg job...): composition only, so a config breaking a rule can be shown
                     conf.compose(name, args.overrides)
                 else:
-                    planning.check(name, args.overrides)
+                    planning.check(name, args.overrides, planning.warn_on_stderr())
             except planning.CONFIG_ERRORS as exc:
                 return _bad(exc, planning.preset_holding(name, exc))
     return bench.run_hydra(name, [*(["-m"] if args.multirun else []), *args.overrides, *extra], jobs, runs)

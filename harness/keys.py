@@ -69,7 +69,8 @@ MEANINGS: dict[str, str] = {
     "executor.gpus": "GPU indices of the local sessions; null = every visible GPU",
     "executor.cpu_threads": "torch threads of a CPU session",
     "executor.cpu_devices": "simulated devices of a CPU run (device=cpu): sessions cpu0..cpu<n-1> in parallel",
-    "executor.session_timeout_s": "a measuring session is killed after this many seconds",
+    "executor.session_timeout_s": "a measuring session is killed after this many seconds (plan and bench refuse "
+                                  "a plan whose longest session is estimated well past it, and warn near it)",
     "executor.reference_timeout_s": "the reference capture is killed after this many seconds",
     "executor.poll_s": "how often the controller polls its children, seconds",
     "executor.stop_grace_s": "on SIGTERM / Ctrl-C: seconds between the children's SIGTERM and SIGKILL",

@@ -13,11 +13,36 @@ With ``resume=<bundle>`` the plan runs every check the resume would make before 
 (``resume.check_resume``: a refusal is the same one line and exit 2 as ``loopbench bench``'s) and, in
 place of the fresh measurement order, says what the resume would do: arms kept, arms left, records
 discarded; its estimate is of the arms left (the bundle's references are frozen).
+
+The session timeout (:func:`session_timing`). A session child is killed at ``executor.session_timeout_s``
+whatever it has left (harness/executors.py), so a plan whose session cannot finish in time would measure for
+that long and then lose the arm in flight and every arm after it. The estimate of one session (its fixed cost
+plus its arm runs, the longest session of a device) is compared with that timeout before anything is measured:
+
+- estimate > ``TIMEOUT_MARGIN`` x timeout: refused (``loopbench plan`` and ``bench`` exit 2, one line naming
+  both figures, the bundle the estimate comes from and what to change);
+- estimate > timeout / ``TIMEOUT_MARGIN``: a warning (plan's text, bench's stderr), nothing refused;
+- no estimate (no earlier bundle of the same model, workload and devices): nothing is compared, and plan says so.
+
+Why a refusal only past a margin, and why this one: the estimate rests on one earlier bundle's wall times (per
+point the median warmup + measured seconds of an arm run, a session's fixed cost as the median over its
+sessions), measured on the same device labels but under whatever load that machine had then; runs on one idle
+machine agree within a few percent, while two runs on a shared one have differed by a third or more (README,
+"Compare two commits"). At 1.25 x the timeout a session is killed unless this run is at least 20% faster than the
+one the estimate comes from, far beyond idle-machine noise, so refusing is right there; the cost of a false
+refusal is one override (a larger timeout, or more sessions with fewer pairs each), the cost of a missed one is
+the whole run's time. Between timeout / 1.25 and 1.25 x timeout the outcome depends on the load: a warning. A
+resume is only warned: its plan, timeout included, must be the bundle's, so no override could satisfy a refusal
+(and a killed session's arms are kept; the next resume measures the rest).
 """
 from __future__ import annotations
 
 import json
+import math
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 from hydra.errors import HydraException
@@ -48,11 +73,34 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
-def check(config_name: str, overrides: list[str]):
-    """Compose, validate and check one job against its model and devices; (spec, inputs). Raises one of
-    ``CONFIG_ERRORS`` naming the key."""
+def check(config_name: str, overrides: list[str], warn: Callable[[str], None] | None = None):
+    """Compose, validate and check one job against its model and devices, and its sessions against
+    ``executor.session_timeout_s`` (:func:`session_timing`); (spec, inputs). Raises one of ``CONFIG_ERRORS``
+    naming the key (a ValueError naming the timeout and the estimate when a session cannot finish in time);
+    ``warn`` gets the warning of a session close to its timeout."""
+    spec, got, _ = _checked(config_name, overrides, warn)
+    return spec, got
+
+
+def _checked(config_name: str, overrides: list[str], warn: Callable[[str], None] | None = None):
+    """:func:`check`, and the earlier bundle its estimates come from (None: none); a resume's timing is left to
+    :func:`plan_text`, which knows the arms it has left."""
     spec = conf.validate(conf.compose(config_name, overrides))
-    return spec, inputs.gather(spec)
+    got = inputs.gather(spec)
+    earlier = _earlier_for(spec, got)
+    if spec.resume is None:
+        timing = session_timing(spec, got, earlier=earlier)
+        if timing.refused:
+            raise ValueError(timing.refusal())
+        if warn is not None and timing.warning() is not None:
+            warn(timing.warning())
+    return spec, got, earlier
+
+
+def warn_on_stderr(prefix: str = "") -> Callable[[str], None]:
+    """A ``warn`` for :func:`check`: ``loopbench: warning: <prefix><text>`` on stderr (never silenced by --quiet:
+    it says the run may be killed)."""
+    return lambda text: print(f"loopbench: warning: {prefix}{text}", file=sys.stderr, flush=True)
 
 
 def preset_holding(config_name: str, exc: Exception) -> str:
@@ -94,12 +142,13 @@ def check_sweep(config_name: str, overrides: list[str]) -> list[list[str]]:
     return [job for job, _ in _checked_jobs(config_name, overrides)]
 
 
-def sweep_arm_runs(config_name: str, overrides: list[str]) -> list[int]:
-    """Each job's measured arm runs per device (its measurement order), checked as :func:`check_sweep`."""
-    return [len(measurement_order(spec)) for _, spec in _checked_jobs(config_name, overrides)]
+def sweep_arm_runs(config_name: str, overrides: list[str], warn: bool = False) -> list[int]:
+    """Each job's measured arm runs per device (its measurement order), checked as :func:`check_sweep`;
+    ``warn``: a job's session-timeout warning on stderr, naming the job."""
+    return [len(measurement_order(spec)) for _, spec in _checked_jobs(config_name, overrides, warn)]
 
 
-def _checked_jobs(config_name: str, overrides: list[str]) -> list[tuple[list[str], object]]:
+def _checked_jobs(config_name: str, overrides: list[str], warn: bool = False) -> list[tuple[list[str], object]]:
     try:
         try:
             # a preset's hydra.sweeper.params sweep too: Hydra puts them before the command line's (which win)
@@ -111,11 +160,12 @@ def _checked_jobs(config_name: str, overrides: list[str]) -> list[tuple[list[str
         raise SweepError("(the sweep's overrides)", exc) from exc
     checked = []
     for i, job in enumerate(jobs):
+        swept = [o for o in job if not all(o in other for other in jobs)]   # what makes this job this job
+        name = f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})"
         try:
-            checked.append((job, check(config_name, job)[0]))
+            checked.append((job, check(config_name, job, warn_on_stderr(f"sweep job {name}: ") if warn else None)[0]))
         except CONFIG_ERRORS as exc:
-            swept = [o for o in job if not all(o in other for other in jobs)]   # what makes this job this job
-            raise SweepError(f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})", exc) from exc
+            raise SweepError(name, exc) from exc
     return checked
 
 
@@ -143,6 +193,13 @@ def estimate_s(earlier: compare.Bundle, order: list, sessions: int = 1) -> tuple
     measured (``tables/arms.parquet`` names each run's session), and the median of those: a bundle has several
     sessions per device where it planned restarts or was resumed, and one whose controller died has lost the
     first one's wall time."""
+    ref, fixed, run_of = _costs(earlier)
+    return ref, sessions * fixed + sum(run_of(item) for item in order)
+
+
+def _costs(earlier: compare.Bundle) -> tuple[float, float, Callable]:
+    """(reference capture s, one session's fixed cost s, arm run s of an order item) from ``earlier``'s wall times
+    (:func:`estimate_s`)."""
     arms = earlier.arms
     run_s = arms["warmup_elapsed_s"].fillna(0) + arms["elapsed_s"]
     per_point = run_s.groupby(arms["point"]).median()
@@ -152,8 +209,89 @@ def estimate_s(earlier: compare.Bundle, order: list, sessions: int = 1) -> tuple
     fixed = [max(0.0, c["wall_s"] - float(run_s[measured_in == c.get("session", c["name"])].sum()))
              for c in children if c["name"] != "reference" and c.get("wall_s")]
     ref = sum(c["wall_s"] or 0.0 for c in children if c["name"] == "reference")
-    return ref, sessions * (float(pd.Series(fixed).median()) if fixed else 0.0) + sum(
-        float(per_point.get(item.point, fallback)) for item in order)
+    return ref, float(pd.Series(fixed).median()) if fixed else 0.0, lambda item: float(per_point.get(item.point,
+                                                                                                       fallback))
+
+
+def longest_session_s(earlier: compare.Bundle, order: list, pairs_per_session: int) -> float:
+    """The estimated wall time of the longest session child that measures ``order`` (one device's items, over its
+    restarts: ``stats.restart_of``), each session its fixed cost plus its own arm runs (:func:`estimate_s`'s
+    figures). A session child, not the device's whole order, is what ``executor.session_timeout_s`` bounds."""
+    _, fixed, run_of = _costs(earlier)
+    per_session: dict[int, float] = {}
+    for item in order:
+        r = restart_of(item.pair, pairs_per_session)
+        per_session[r] = per_session.get(r, fixed) + run_of(item)
+    return max(per_session.values(), default=fixed)
+
+
+TIMEOUT_MARGIN = 1.25   # refuse past margin x timeout, warn past timeout / margin (module docstring: why)
+
+
+@dataclass(frozen=True)
+class SessionTiming:
+    """A plan's longest session against ``executor.session_timeout_s`` (module docstring, "The session timeout").
+    ``estimate_s`` None: no earlier bundle to estimate from, nothing compared."""
+
+    timeout_s: float
+    estimate_s: float | None
+    source: str | None          # the earlier bundle's folder name
+    resuming: bool = False
+
+    @property
+    def refused(self) -> bool:
+        return not self.resuming and self.estimate_s is not None and self.estimate_s > TIMEOUT_MARGIN * self.timeout_s
+
+    @property
+    def close(self) -> bool:
+        return self.estimate_s is not None and self.estimate_s > self.timeout_s / TIMEOUT_MARGIN
+
+    def needed_s(self) -> int:
+        """The least whole-second timeout that this plan is not warned about."""
+        return math.ceil(self.estimate_s * TIMEOUT_MARGIN)
+
+    def _figures(self) -> str:
+        own = f" ({progress.duration(self.timeout_s)})" if progress.duration(self.timeout_s) != f"{self.timeout_s:.0f} s" else ""
+        return (f"executor.session_timeout_s = {self.timeout_s:g} s{own}, but the "
+                f"longest session is estimated at about {progress.duration(self.estimate_s)} "
+                f"({self.estimate_s / self.timeout_s:.0%} of it; from {self.source})")
+
+    def refusal(self) -> str:
+        return (f"{self._figures()}, so it would be killed mid-run; raise executor.session_timeout_s to at least "
+                f"{self.needed_s()}, or measure fewer arms per session (sessions=k with pairs divided by k, or fewer "
+                f"pairs, points or comparisons)")
+
+    def warning(self) -> str | None:
+        if not self.close:
+            return None
+        if self.resuming:
+            return (f"{self._figures()}: a session may be killed mid-run (a resume keeps the bundle's timeout; the "
+                    "arms it records are kept)")
+        return (f"{self._figures()}: a session may be killed mid-run, depending on this run's speed; to be safe "
+                f"raise executor.session_timeout_s to at least {self.needed_s()}")
+
+    def line(self) -> str:
+        """plan's line."""
+        if self.estimate_s is None:
+            return (f"  session timeout: {self.timeout_s:g} s; not compared with the sessions (their duration is "
+                    "unknown)")
+        if self.close:
+            return f"  warning: {self.warning()}"
+        return (f"  session timeout: {self.timeout_s:g} s; the longest session is estimated at about "
+                f"{progress.duration(self.estimate_s)} ({self.estimate_s / self.timeout_s:.0%} of it)")
+
+
+def session_timing(spec, got, order: list | None = None, earlier=False) -> SessionTiming:
+    """The plan's :class:`SessionTiming`: its longest session (``order``: the device items it measures, by default
+    the whole measurement order) estimated from the earlier bundle ``earlier`` (default: :func:`_earlier_for`)."""
+    if earlier is False:
+        earlier = _earlier_for(spec, got)
+    order = measurement_order(spec) if order is None else order
+    timeout = float(spec.executor.session_timeout_s)
+    if earlier is None:
+        return SessionTiming(timeout, None, None, spec.resume is not None)
+    return SessionTiming(timeout, longest_session_s(earlier, order, spec.pairs), earlier.path.name,
+                         spec.resume is not None)
 
 
 def _n(count: int, noun: str) -> str:
@@ -205,7 +343,7 @@ def _resume_lines(check) -> list[str]:
 def plan_text(config_name: str, overrides: list[str]) -> str:
     """The plan of one configuration as text (nothing is written); raises one of ``CONFIG_ERRORS``
     (``resume.ResumeRefused`` among them, a ValueError, when ``resume=`` names a bundle a resume refuses)."""
-    spec, got = check(config_name, overrides)
+    spec, got, earlier = _checked(config_name, overrides)
     order = measurement_order(spec)
     resuming = None
     if spec.resume is not None:
@@ -243,7 +381,9 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
         order = [order[seq] for seq in max(resuming.todo.values(), key=len, default=())]
     from .online.plan import describe as describe_online   # the online track's line, when there is one
 
-    return "\n".join(lines + [_estimate_line(spec, got, order, plain, resuming is not None), _effect_line(spec)]
+    timing = session_timing(spec, got, order, earlier)
+    return "\n".join(lines + [_estimate_line(spec, got, order, plain, resuming is not None, earlier), timing.line(),
+                              _effect_line(spec)]
                      + _verdict_line(spec) + natural_lines(plain, spec) + describe_online(spec))
 
 
@@ -291,13 +431,21 @@ def _verdict_line(spec) -> list[str]:
     return [f"  verdicts: none possible: {_n(n, 'pair')} per comparison, {why}; every result will read inconclusive"]
 
 
-def _estimate_line(spec, got, order, plain, resuming: bool = False) -> str:
-    results = inputs.results_path(spec)
+def _earlier_for(spec, got) -> compare.Bundle | None:
+    """The earlier bundle the plan's estimates come from (:func:`_earlier_bundle`), None when there is none or the
+    checkpoint cannot be hashed without writing it."""
     from .fileio import sha256_bytes
 
-    plan_like = {"config": plain, "devices": got.devices, "prompts": {"sha256": sha256_bytes(got.prompts_text.encode())},
+    plan_like = {"config": spec.to_plain(), "devices": got.devices,
+                 "prompts": {"sha256": sha256_bytes(got.prompts_text.encode())},
                  "checkpoint": {"sha256": _cached_checkpoint_sha(spec, got)}}
-    earlier = _earlier_bundle(results, plan_like) if plan_like["checkpoint"]["sha256"] else None
+    return _earlier_bundle(inputs.results_path(spec), plan_like) if plan_like["checkpoint"]["sha256"] else None
+
+
+def _estimate_line(spec, got, order, plain, resuming: bool = False, earlier=False) -> str:
+    results = inputs.results_path(spec)
+    if earlier is False:
+        earlier = _earlier_for(spec, got)
     if earlier is None:
         return (f"  estimated duration: unknown (no complete earlier bundle of this model, workload and devices in "
                 f"{results}; one run gives the figures)")

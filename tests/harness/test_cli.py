@@ -1,5 +1,6 @@
 """The ``loopbench`` command: help, plan (creates nothing), a multirun checked up front, show, compare."""
 import json
+import math
 import os
 import re
 import shutil
@@ -271,6 +272,80 @@ def test_plan_estimate_counts_each_session_of_a_resumed_bundle_once():
         children[0], {"name": "cpu0", "session": "cpu0", "wall_s": 18 * 1.5 + 10.0},
         {"name": "cpu0", "session": "cpu0.s1", "wall_s": 18 * 1.5 + 10.0}]})
     assert planning.estimate_s(restarted, order, sessions=2) == (4.0, 36 * 1.5 + 20.0)
+
+
+def _earlier_of_tiny(run_s: float, fixed_s: float):
+    """A complete earlier bundle of TINY's point as the estimate reads one: every arm run ``run_s`` (warmup +
+    measured), its one session ``fixed_s`` more than its runs."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    arms = pd.DataFrame({"point": ["B2C2"] * 4, "job": ["cpu0"] * 4, "session": ["cpu0"] * 4,
+                         "warmup_elapsed_s": [run_s / 2] * 4, "elapsed_s": [run_s / 2] * 4})
+    children = [{"name": "reference", "session": "reference", "wall_s": 1.0},
+                {"name": "cpu0", "session": "cpu0", "wall_s": 4 * run_s + fixed_s}]
+    return SimpleNamespace(path=Path("2026-01-01-cli-earlier"), arms=arms, summary={"children": children})
+
+
+def test_the_timeout_bounds_one_session_its_fixed_cost_plus_its_own_arms():
+    """executor.session_timeout_s bounds each session child, so a plan of two sessions a device is held to its
+    longest session, not to the device's whole order."""
+    from types import SimpleNamespace
+
+    from loopbench.harness import planning
+
+    run_s, fixed_s = 1.5, 10.0
+    earlier = _earlier_of_tiny(run_s, fixed_s)
+    order = [SimpleNamespace(point="B2C2", pair=pair) for pair in (0, 0, 1, 1, 2, 2)]   # 2 pairs a session
+    assert planning.longest_session_s(earlier, order, pairs_per_session=2) == fixed_s + 4 * run_s
+    assert planning.longest_session_s(earlier, order, pairs_per_session=3) == fixed_s + 6 * run_s
+    # a resume keeps the bundle's timeout (its plan must be the bundle's): warned, never refused
+    over = planning.SessionTiming(timeout_s=1.0, estimate_s=10.0, source="b", resuming=True)
+    assert not over.refused and over.close and "a resume keeps the bundle's timeout" in over.warning()
+
+
+def test_a_session_that_cannot_finish_before_its_timeout_is_refused_before_anything_runs(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """plan estimated the sessions but never compared them with executor.session_timeout_s: a run whose session
+    was sure to be killed mid-run was planned and started. Past TIMEOUT_MARGIN x the timeout it is refused (exit 2,
+    one line naming both figures and what to change), close to it warned, well within it stated."""
+    from loopbench.harness import planning
+
+    run_s, fixed_s = 1.5, 10.0
+    estimate = fixed_s + 4 * run_s                     # TINY: 1 point x 1 comparison x 2 pairs x 2 arms, 1 session
+    monkeypatch.setattr(planning, "_cached_checkpoint_sha", lambda spec, got: "0" * 64)   # as if cached
+    monkeypatch.setattr(planning, "_earlier_bundle", lambda results, plan_like: _earlier_of_tiny(run_s, fixed_s))
+    monkeypatch.chdir(tmp_path)
+    results, cache = tmp_path / "r", tmp_path / "c"
+    base = [*TINY, f"results_dir={results}", f"cache_dir={cache}"]
+    too_short = estimate / 2                         # past the refusal margin (checked below)
+    for command in (["plan"], ["bench"], ["bench", "-m"]):
+        extra = [f"executor.session_timeout_s={too_short},{estimate * 10}"] if "-m" in command else [
+            f"executor.session_timeout_s={too_short}"]
+        assert cli.main([*command, *base, *extra]) == 2, command
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("loopbench: bad configuration" + (" in sweep job 1 of 2" if "-m" in command else ""))
+        assert f"executor.session_timeout_s = {too_short:g} s" in err and "2026-01-01-cli-earlier" in err, err
+        assert f"estimated at about {estimate:.0f} s" in err and "would be killed mid-run" in err, err
+        assert f"raise executor.session_timeout_s to at least {math.ceil(estimate * planning.TIMEOUT_MARGIN)}" in err
+    assert list(tmp_path.iterdir()) == []              # nothing measured or written
+    assert estimate / too_short > planning.TIMEOUT_MARGIN
+
+    close = estimate                                   # the estimate at the timeout: it may or may not fit
+    assert cli.main(["plan", *base, f"executor.session_timeout_s={close}"]) == 0
+    out = capsys.readouterr().out
+    assert f"  warning: executor.session_timeout_s = {close:g} s" in out and "may be killed mid-run" in out, out
+    warned = []
+    planning.check("cpu-smoke", [*base[2:], f"executor.session_timeout_s={close}"], warned.append)
+    assert len(warned) == 1 and "may be killed mid-run" in warned[0]     # bench prints it on stderr
+
+    ample = estimate * planning.TIMEOUT_MARGIN * 2
+    assert cli.main(["plan", *base, f"executor.session_timeout_s={ample}"]) == 0
+    out = capsys.readouterr().out
+    assert f"  session timeout: {ample:g} s; the longest session is estimated at about {estimate:.0f} s" in out
+    assert "warning" not in out
 
 
 def test_show_all_of_a_missing_folder_is_bad_usage(tmp_path, capsys):
