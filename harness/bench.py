@@ -110,10 +110,11 @@ def task(cfg) -> int:
         _EXIT_CODES.append(3)
         return 3
     if result.stopped is not None and not any(r["code"] == "stopped" for r in result.summary["incomplete_reasons"]):
-        # the stop came once every child had ended, while the bundle was written: the bundle holds all that ran,
-        # and the stop ends the command before the audit, as a stop during the audit does
-        _stop_the_sweep("a stop while the bundle was published")
-        print(f"\nloopbench: {result.stopped} received while the bundle was published: {result.bundle} is published "
+        # the stop came once every child had ended, while the bundle was written, or once every session had recorded
+        # all it was asked for (it then ends normally: harness/session.py): the bundle holds all that ran, and the stop
+        # ends the command before the audit, as a stop during the audit does
+        _stop_the_sweep("a stop after the children's last records")
+        print(f"\nloopbench: {result.stopped} received after the children's last records: {result.bundle} is published "
               f"({result.summary['status']}) but not audited; to audit it: loopbench audit {result.bundle}",
               file=sys.stderr)
         _EXIT_CODES.append(3)

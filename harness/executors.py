@@ -401,7 +401,8 @@ class StopSignals:
             self.signal = signal.Signals(signum).name
             what = ("the run ends before its first child" if self.before_children else
                     "publishing the bundle of what was measured, then ending without its audit" if self.publishing
-                    else "stopping the children, then publishing an incomplete bundle")
+                    else "stopping the children, then publishing the bundle of what they recorded (incomplete "
+                    "unless they had recorded every planned arm)")
             print(f"\nloopbench: {self.signal} received: {what}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignals":

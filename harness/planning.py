@@ -251,7 +251,8 @@ class SessionTiming:
         return math.ceil(self.estimate_s * TIMEOUT_MARGIN)
 
     def _figures(self) -> str:
-        own = f" ({progress.duration(self.timeout_s)})" if progress.duration(self.timeout_s) != f"{self.timeout_s:.0f} s" else ""
+        words = progress.duration(self.timeout_s)
+        own = f" ({words})" if words != f"{self.timeout_s:.0f} s" else ""
         return (f"executor.session_timeout_s = {self.timeout_s:g} s{own}, but the "
                 f"longest session is estimated at about {progress.duration(self.estimate_s)} "
                 f"({self.estimate_s / self.timeout_s:.0%} of it; from {self.source})")

@@ -24,7 +24,14 @@ through harness/fileio.py, and tests/test_layering.py holds it to that.
 
 Stopping: SIGTERM ends the child at once (an arm in flight is not recorded, and a record being written
 is either whole or absent); on Linux the kernel sends that SIGTERM when the controller dies, even by
-SIGKILL, so no child outlives its controller. While it runs, the child holds a shared lock on the
+SIGKILL, so no child outlives its controller. Two exceptions, both about work already done: a record and its
+log line are written together (a SIGTERM between them waits the few milliseconds until both are), and once a
+session job has recorded everything its job asked for (its last arm, and the online track where it has one) it
+has nothing left to lose, so SIGTERM is ignored from then on and the child ends normally, exit 0, within the
+controller's grace: a stop that came after the last record but before the child had exited ended it by the signal
+(-15), which the controller rightly recorded as ``interrupted`` and so published a bundle of every planned arm as
+incomplete, verdicts withheld. The controller keeps a child that exits 0 during a stop ``completed``
+(harness/executors.py), and the auditor derives the status from ``children.json`` and the records as before. While it runs, the child holds a shared lock on the
 bundle's ``jobs/`` folder, by which ``finish`` and a resume tell that no child of the bundle still runs.
 
 Timing: ``time.perf_counter`` around add_request ... run() (whose end synchronises the device and
@@ -36,11 +43,13 @@ through the measured run (not the warmup) and records its own CPU time, its cost
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,21 +307,31 @@ def measure(job: dict) -> None:
     covered = arm_coverage(s.frozen, s.config["arms"], s.model)
     kill_after = s.config["fault"]["kill_after_arms"]
     seqs = set(job["seqs"]) if job.get("seqs") is not None else None
-    done = 0
-    for item in s.order:
-        if seqs is not None and item.seq not in seqs:
-            continue
+    todo = [item for item in s.order if seqs is None or item.seq in seqs]
+    online = _online_track_here(job)
+    if not todo and not online:
+        _job_recorded()
+    for done, item in enumerate(todo):
         _exit_if_orphaned()
         if kill_after is not None and done >= kill_after:
             _log(f"fault.kill_after_arms={kill_after}: SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)
         rec = measure_arm(s, item, covered)
-        atomic_write_json(out_dir / item.file_name, rec.to_dict())
-        done += 1
-        _log(arm_log_line(item, rec))
+        with _record_and_log_line():
+            atomic_write_json(out_dir / item.file_name, rec.to_dict())
+            _log(arm_log_line(item, rec))
+            if done == len(todo) - 1 and not online:
+                _job_recorded()
     from .online.arms import measure_online   # the online track (harness/online/), when the plan has one
 
     measure_online(job, _log)
+    _job_recorded()
+
+
+def _online_track_here(job: dict) -> bool:
+    """Whether the plan's online track runs in this device's session (``online.arms.measure_online``)."""
+    online = json.loads((Path(job["bundle"]) / "plan.json").read_text()).get("online")
+    return online is not None and online.get("device") == job["name"]
 
 
 def write_ceiling(job: dict, device: dict) -> None:
@@ -369,10 +388,41 @@ class _Stopped(SystemExit):
         self.signum = signum
 
 
+# A stop while a record and its log line are written waits for both (``held``: the signal, if one came); once
+# everything the job asked for is recorded (``recorded``), SIGTERM is ignored (module docstring, "Stopping").
+_STOPS: dict = {"holding": False, "held": None, "recorded": False}
+
+
 def _stop_on_sigterm(signum, frame) -> None:
+    if _STOPS["holding"]:
+        _STOPS["held"] = signum
+        return
     _log(f"{signal.Signals(signum).name}: stopping; an arm in flight is not recorded")
     # SystemExit unwinds through atomic_write_bytes, which removes its temporary file: no half record.
     raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _record_and_log_line():
+    """A record and its log line, written as one: a SIGTERM that comes meanwhile stops the job after both (the
+    auditor holds a completed session to a log line per record), unless the job has then recorded everything."""
+    _STOPS["holding"] = True
+    try:
+        yield
+    finally:
+        _STOPS["holding"] = False
+    held, _STOPS["held"] = _STOPS["held"], None
+    if held is not None and not _STOPS["recorded"]:
+        _stop_on_sigterm(held, None)
+
+
+def _job_recorded() -> None:
+    """Everything the job asked for is recorded: a SIGTERM from now on is ignored, so the child ends normally (exit
+    0) rather than by the signal. SIG_IGN, not a Python handler: it holds through the interpreter's finalisation too,
+    where the signal module puts a Python handler's signal back to its default action."""
+    _STOPS["recorded"] = True
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _end_by_signal(signum: int) -> None:
@@ -396,6 +446,7 @@ def _hold_jobs_lock(bundle: Path) -> int:
 def run_job(job_path: str) -> int:
     """Run one job file; returns 0 (an exception propagates, so its exit code is non-zero)."""
     job = json.loads(Path(job_path).read_text())
+    _STOPS.update(holding=False, held=None, recorded=False)
     lock = _hold_jobs_lock(Path(job["bundle"]))
     try:
         if job["kind"] == "reference":

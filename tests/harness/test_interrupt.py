@@ -515,7 +515,7 @@ def test_a_stop_while_the_bundle_is_published_ends_the_command_before_the_audit(
     assert rc == 3, err
     assert f"loopbench: {how} received: publishing the bundle of what was measured, then ending without its audit\n" \
         in err
-    assert err.endswith(f"loopbench: {how} received while the bundle was published: {bundle} is published (complete) "
+    assert err.endswith(f"loopbench: {how} received after the children's last records: {bundle} is published (complete) "
                         f"but not audited; to audit it: loopbench audit {bundle}\n"), err
     assert (bundle / "manifest.json").is_file() and not (bundle / "audit.json").exists()
     assert audit(bundle)["status"] == "pass"

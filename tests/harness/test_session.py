@@ -259,3 +259,59 @@ def test_a_session_stopped_by_sigterm_ends_by_the_signal(tmp_path):
                           env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == -15, proc.stdout + proc.stderr
     assert "unwound" in proc.stdout and "SIGTERM: stopping" in proc.stdout + proc.stderr
+
+
+_SESSION_STOPPED_AT = (
+    "import json, os, signal, sys\n"
+    "from pathlib import Path\n"
+    "from types import SimpleNamespace\n"
+    "from loopbench.harness import session\n"
+    "from loopbench.harness.online import arms as online_arms\n"
+    "AT = sys.argv[1]   # where the SIGTERM lands: 'after_last_record' or 'in_last_arm'\n"
+    "order = [SimpleNamespace(seq=i, file_name=f'{i:03d}.json') for i in range(3)]\n"
+    "def measure_arm(s, item, covered):\n"
+    "    if AT == 'in_last_arm' and item is order[-1]:\n"
+    "        os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    return SimpleNamespace(to_dict=lambda: {'seq': item.seq})\n"
+    "write = session.atomic_write_json\n"
+    "def atomic_write_json(path, data):\n"
+    "    write(path, data)\n"
+    "    if AT == 'after_last_record' and data == {'seq': order[-1].seq}:\n"
+    "        os.kill(os.getpid(), signal.SIGTERM)   # the controller's stop, as the last record lands\n"
+    "session.load_session = lambda job: SimpleNamespace(order=order, device={}, frozen={}, model=None,\n"
+    "                                                   config={'arms': {}, 'fault': {'kill_after_arms': None}})\n"
+    "session.write_ceiling = lambda job, device: None\n"
+    "session.arm_coverage = lambda frozen, arms, model: None\n"
+    "session.measure_arm = measure_arm\n"
+    "session.atomic_write_json = atomic_write_json\n"
+    "session.arm_log_line = lambda item, rec: f'arm {item.seq}'\n"
+    "online_arms.measure_online = lambda job, log: None\n"
+    "sys.exit(session.main(['job.json']))\n")
+
+
+@pytest.mark.parametrize("at", ["after_last_record", "in_last_arm"])
+def test_a_stop_after_the_last_record_lets_the_session_complete_and_one_before_it_does_not(tmp_path, at):
+    """A SIGTERM that reached a session after it had written its last arm record but before it exited ended it by
+    the signal (-15): the controller recorded it interrupted, and a bundle of every planned arm was published
+    incomplete. With everything recorded the session now ends normally (0, which the controller keeps completed);
+    a stop during its last arm still ends it by the signal, that arm unrecorded."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "plan.json").write_text("{}")     # no online track
+    (tmp_path / "job.json").write_text(json.dumps({"kind": "session", "name": "cpu0", "bundle": str(tmp_path)}))
+    proc = subprocess.run([sys.executable, "-c", _SESSION_STOPPED_AT, at], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    out = proc.stdout + proc.stderr
+    recorded = sorted(p.name for p in (tmp_path / "raw" / "cpu0").iterdir())
+    logged = re.findall(r"\] (arm \d+)$", proc.stdout, re.M)
+    if at == "after_last_record":
+        assert proc.returncode == 0, out
+        assert recorded == ["000.json", "001.json", "002.json"] and logged == ["arm 0", "arm 1", "arm 2"], out
+    else:
+        assert proc.returncode == -15, out
+        assert recorded == ["000.json", "001.json"] and logged == ["arm 0", "arm 1"], out
+        assert "SIGTERM: stopping" in out
