@@ -43,7 +43,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
 11. logs (:mod:`.check_logs`): each record's elapsed_s and tokens/s are those its session printed to its log
    when it wrote the record;
 12. plot (:mod:`.check_plot`): ``pair_ratios.png`` is, pixel for pixel, the auditor's own drawing of the
-   re-derived ratios, medians and intervals;
+   re-derived ratios, medians and intervals, and ``online/latency.png`` its own drawing of the online records'
+   TTFTs and inter-token gaps and the re-derived SLO;
 13. report (:mod:`.render`): ``report.md`` equals, line for line, the auditor's own rendering of the
    re-derived figures (no extra, hidden or edited line; no raw HTML).
 
@@ -126,6 +127,7 @@ def _check_claims(ctx: Audit, plan: dict, summary: dict, records: list[dict], ch
             want = ctx.section("report.md", check_summary.expected_report, plan, expected, records, environment)
             if want is not None:
                 ctx.section("report.md", check_summary.check_report, want)
+    ctx.section(check_plot.LATENCY_FILE, check_plot.check_latency, environment)   # the online section's figure
     return complete
 
 

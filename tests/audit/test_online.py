@@ -528,3 +528,80 @@ def test_a_format_12_bundle_keeps_its_percentiles_over_the_completed_requests(bu
         got[version] = check_online.derived(ctx, plan, records)[0]["runs"][1]["p99_ttft_s"]
     assert contract.FORMAT["online"]["censored_since"] == 13
     assert got == {12: dropped, 13: None}, got
+
+
+def _forged_latency_plot(bundle):
+    """The harness's plot of TTFTs and gaps 40% lower than served (every token 40% nearer its planned arrival)."""
+    from loopbench.harness.online.report import plot_latency
+
+    records = online_evidence.load_online_records(bundle)
+    for q in (q for rec in records for q in rec["requests"]):
+        q["token_times_s"] = [q["planned_s"] + 0.6 * (t - q["planned_s"]) for t in q["token_times_s"]]
+    plot_latency(records, json.loads((bundle / "online" / "summary.json").read_text()),
+                 bundle / "online" / "latency.png")
+
+
+def _latency_not_a_png(bundle):
+    (bundle / "online" / "latency.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+
+
+@pytest.mark.parametrize("forge", [_forged_latency_plot, _latency_not_a_png])
+def test_a_forged_latency_plot_is_named(bundle, forge):
+    """online/latency.png, shown in the Online section, is the plot of the raw records' latencies and the re-derived
+    SLO: a plot of other latencies, or a file that is no PNG, is named even with the manifest rewritten."""
+    before = (bundle / "online" / "latency.png").read_bytes()
+    forge(bundle)
+    assert (bundle / "online" / "latency.png").read_bytes() != before
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert "online/latency.png: is not " in text, text
+    assert [d for d in text.split("\n") if not d.startswith("online/latency.png: ")] == []   # nothing else changed
+
+
+def test_a_latency_plot_under_another_matplotlib_is_counted_not_compared(bundle):
+    """As pair_ratios.png (test_plot.py): under another recorded matplotlib neither figure is compared, both are
+    counted; a latency file that is no PNG is still named."""
+    edit_json(bundle / "environment.json", lambda env: env["packages"].update(matplotlib="0.0-other"))
+    _forged_latency_plot(bundle)
+    rewrite_manifest(bundle)
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert verdict["checked"].get("plot_not_compared_other_matplotlib") == 2 and "plot_pixels" not in verdict["checked"]
+    _latency_not_a_png(bundle)
+    rewrite_manifest(bundle)
+    assert "online/latency.png: is not a PNG" in failed(bundle)
+
+
+def _fail_request(q):
+    q.update(token_times_s=[], token_ids=[], finish_reason=None, error=TIMEOUT_ERROR)
+
+
+@pytest.mark.parametrize("case", ["complete", "incomplete", "declared slo", "no slo", "a failed request",
+                                  "one chunk", "nothing completed"])
+def test_writer_and_auditor_draw_one_latency_figure(honest_online, tmp_path, case):
+    """The auditor's drawing (audit/check_plot.py render_latency) is the writer's (harness/online/report.py
+    plot_latency), byte for byte, from the same records and summary: also for an incomplete track, a declared SLO
+    or none, a failed request, a request whose tokens came in one chunk (gaps of 0 on the log axis), and runs that
+    completed nothing."""
+    from loopbench.audit.check_plot import render_latency
+    from loopbench.harness.online.report import plot_latency
+
+    records = online_evidence.load_online_records(honest_online)
+    summary = json.loads((honest_online / "online" / "summary.json").read_text())
+    if case == "incomplete":
+        records, summary["status"] = records[:-1], "incomplete"
+    elif case == "declared slo":
+        summary["slo"].update(source="declared", ttft_s=summary["slo"]["ttft_s"] / 3, tpot_s=summary["slo"]["tpot_s"] * 2)
+    elif case == "no slo":
+        summary["slo"] = {k: v for k, v in summary["slo"].items() if k not in ("ttft_s", "tpot_s")}
+    elif case == "a failed request":
+        _fail_request(records[1]["requests"][0])
+    elif case == "one chunk":
+        q = records[-1]["requests"][-1]
+        q["token_times_s"] = [q["token_times_s"][0]] * len(q["token_times_s"])
+    elif case == "nothing completed":
+        summary["slo"] = {k: v for k, v in summary["slo"].items() if k not in ("ttft_s", "tpot_s")}
+        for q in (q for rec in records for q in rec["requests"]):
+            _fail_request(q)
+    plot_latency(records, summary, tmp_path / "writer.png")
+    assert render_latency(records, summary) == (tmp_path / "writer.png").read_bytes()
