@@ -81,6 +81,9 @@ def check_folders(spec: BenchSpec) -> None:
     if not spec.results_dir.strip():   # '' resolved to the repository root, where the bundle folders then landed
         raise ValueError(f"results_dir must name a folder, got {spec.results_dir!r} (the default is 'results')")
     rules.check_folder("results_dir", spec.results_dir, results_path(spec))
+    if spec.cache_dir is not None and not spec.cache_dir.strip():   # '' fell back to the default cache unsaid
+        raise ValueError(f"cache_dir must name a folder, got {spec.cache_dir!r} (null, the default, is "
+                         "$LOOPBENCH_CACHE or ~/.cache/loopbench)")
     source = cache_source(spec)
     if source:
         rules.check_folder(*source, conf.cache_dir(spec))

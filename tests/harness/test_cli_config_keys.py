@@ -325,6 +325,18 @@ def test_an_empty_results_dir_is_named(tmp_path, monkeypatch, capsys, command, v
     assert err == BAD + f"results_dir must name a folder, got {value} (the default is 'results')\n", err
 
 
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("value", ["''", "' '"])
+def test_an_empty_cache_dir_is_named(tmp_path, monkeypatch, capsys, command, value):
+    """`cache_dir=` (an unset shell variable) passed plan and bench used $LOOPBENCH_CACHE or ~/.cache/loopbench
+    unsaid, where an empty results_dir is refused; null is the key's way to ask for the default."""
+    monkeypatch.setenv("LOOPBENCH_CACHE", str(tmp_path / "env-cache"))
+    err = _refusal(tmp_path, monkeypatch, capsys, command, f"cache_dir={value}")
+    assert err == BAD + (f"cache_dir must name a folder, got {value} (null, the default, is $LOOPBENCH_CACHE or "
+                         "~/.cache/loopbench)\n"), err
+    assert not (tmp_path / "env-cache").exists()
+
+
 def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bundle_folder(tmp_path, monkeypatch,
                                                                                             capsys):
     """cache_dir=/proc/foo/c passes the folder check as root (os.access) and was a traceback with exit 1 from the
