@@ -373,15 +373,28 @@ def _check_schema_keys(config_name: str, cfg: DictConfig) -> None:
                          + ", ".join(missing))
 
 
-def _extends(preset: str) -> list[str]:
-    """The presets of ``configs/`` that preset ``preset``'s defaults list names (none for a file that does not read)."""
+def _preset_data(preset: str) -> dict | None:
+    """Preset ``preset``'s YAML as plain data; None for a file that does not read as YAML or holds no mapping (Hydra,
+    composing it, says why)."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         data = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{preset}.yaml"))
     except (OSError, yaml.YAMLError, OmegaConfBaseException):
-        return []
-    entries = (data.get("defaults") or []) if isinstance(data, dict) else []
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _preset_settings(preset: str) -> dict | None:
+    """Preset ``preset``'s own settings (:func:`_preset_data` without Hydra's ``defaults`` and ``hydra`` nodes)."""
+    data = _preset_data(preset)
+    return None if data is None else {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+
+
+def _extends(preset: str) -> list[str]:
+    """The presets of ``configs/`` that preset ``preset``'s defaults list names (none for a file that does not read)."""
+    data = _preset_data(preset)
+    entries = (data.get("defaults") or []) if data is not None else []
     return [e for e in entries if isinstance(e, str) and (CONFIG_DIR / f"{e}.yaml").is_file()]
 
 
@@ -428,20 +441,13 @@ def sweeper_params(config_name: str) -> list[str]:
 def preset_files(name: str) -> list[str]:
     """Preset ``name`` and every preset its ``defaults`` list extends, each once, a preset after the ones it extends
     (``cpu-context`` -> ``['cpu-smoke', 'cpu-context']``); a file that does not read as YAML extends nothing."""
-    import yaml
-    from omegaconf.errors import OmegaConfBaseException
-
     out: list[str] = []
     seen: set[str] = set()
 
     def walk(preset: str) -> None:
         seen.add(preset)
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{preset}.yaml"))
-        except (OSError, yaml.YAMLError, OmegaConfBaseException):
-            data = None
-        for entry in (data.get("defaults") or []) if isinstance(data, dict) else []:
-            if isinstance(entry, str) and entry not in seen and (CONFIG_DIR / f"{entry}.yaml").is_file():
+        for entry in _extends(preset):
+            if entry not in seen:
                 walk(entry)
         out.append(preset)
 
@@ -452,22 +458,14 @@ def preset_files(name: str) -> list[str]:
 def _check_preset_keys(name: str, seen: set[str]) -> None:
     """The keys of preset ``name``'s YAML and of the presets its defaults list extends, each file on its
     own (``rules.check_keys``: ValueError naming the file); Hydra's ``defaults`` and ``hydra`` nodes aside."""
-    import yaml
-    from omegaconf.errors import OmegaConfBaseException
-
     seen.add(name)
-    path = CONFIG_DIR / f"{name}.yaml"
-    try:
-        data = OmegaConf.to_container(OmegaConf.load(path))
-    except (OSError, yaml.YAMLError, OmegaConfBaseException):
+    settings = _preset_settings(name)
+    if settings is None:
         return    # Hydra could not read it either, and says why
-    if not isinstance(data, dict):
-        return
-    for entry in data.pop("defaults", None) or []:
-        if isinstance(entry, str) and entry not in seen and (CONFIG_DIR / f"{entry}.yaml").is_file():
+    for entry in _extends(name):
+        if entry not in seen:
             _check_preset_keys(entry, seen)
-    data.pop("hydra", None)
-    rules.check_keys(data, BenchConf, where=f" in {CONFIG_DIR.name}/{path.name}")
+    rules.check_keys(settings, BenchConf, where=f" in {CONFIG_DIR.name}/{name}.yaml")
 
 
 def _check_switches(config_name: str, overrides: list[str]) -> None:
@@ -476,17 +474,11 @@ def _check_switches(config_name: str, overrides: list[str]) -> None:
     already turned ``2``, ``0`` or ``yes`` into a bool by then. Hydra's own nodes and deletions aside; a sweep's
     values are checked job by job, each job composed with its own."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf.errors import OmegaConfBaseException
 
     for preset in preset_files(config_name):
-        path = CONFIG_DIR / f"{preset}.yaml"
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(path))
-        except (OSError, yaml.YAMLError, OmegaConfBaseException):
-            continue
-        if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
-            rules.check_bools(data, BenchConf, where=f" in {CONFIG_DIR.name}/{path.name}")
+        settings = _preset_settings(preset)
+        if settings is not None:
+            rules.check_bools(settings, BenchConf, where=f" in {CONFIG_DIR.name}/{preset}.yaml")
     for override in OverridesParser.create().parse_overrides(overrides):
         if override.is_delete() or override.is_sweep_override() or _hydras_own(override):
             continue
