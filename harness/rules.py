@@ -125,26 +125,33 @@ def _node(hint: Any) -> Any:
     return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 
 
+def _children(data: Any, schema: Any) -> list[tuple[str, Any, Any]]:
+    """(name, value, its schema) for each child of ``data`` that ``schema`` (a structured-config dataclass, or a type
+    hint of one: ``Dict[str, ArmConf]``, ``List[PointConf]``, ``Optional[...]``) describes as a container: a
+    dataclass's keys (schema None for a key it does not have), a dict's values, a list's items (named by index), in
+    ``data``'s order; [] for anything else. The one walk of :func:`check_keys` and :func:`check_bools`."""
+    schema = _node(schema)
+    origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if dataclasses.is_dataclass(schema) and isinstance(data, dict):
+        hints = typing.get_type_hints(schema)
+        return [(str(key), value, hints.get(key)) for key, value in data.items()]
+    if origin in (dict, typing.Dict) and isinstance(data, dict):
+        return [(str(name), item, args[1]) for name, item in data.items()]
+    if origin in (list, typing.List) and isinstance(data, list):
+        return [(str(i), item, args[0]) for i, item in enumerate(data)]
+    return []
+
+
 def check_keys(data: Any, schema: Any, prefix: str = "", where: str = "") -> None:
     """ValueError (:func:`unknown_key`) for the first key of ``data`` that ``schema`` (a structured-config
     dataclass, or a type hint of one: ``Dict[str, ArmConf]``, ``List[PointConf]``, ``Optional[...]``) does
     not have. Checks what Hydra lets through (a ``+key=`` append lifts its struct flag) and locates what it
     refuses; ``prefix`` is the dotted path of ``data`` (list items by index, ``points.0.``), ``where`` says
     where it was written (`` in configs/cpu-smoke.yaml``)."""
-    schema = _node(schema)
-    origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if dataclasses.is_dataclass(schema) and isinstance(data, dict):
-        hints = typing.get_type_hints(schema)
-        for key, value in data.items():
-            if key not in hints:
-                raise unknown_key(f"{prefix}{key}", hints, where=where)
-            check_keys(value, hints[key], f"{prefix}{key}.", where)
-    elif origin in (dict, typing.Dict) and isinstance(data, dict):
-        for name, item in data.items():
-            check_keys(item, args[1], f"{prefix}{name}.", where)
-    elif origin in (list, typing.List) and isinstance(data, list):
-        for i, item in enumerate(data):
-            check_keys(item, args[0], f"{prefix}{i}.", where)
+    for name, value, hint in _children(data, schema):
+        if hint is None:
+            raise unknown_key(f"{prefix}{name}", typing.get_type_hints(_node(schema)), where=where)
+        check_keys(value, hint, f"{prefix}{name}.", where)
 
 
 def check_bools(data: Any, schema: Any, path: str = "", where: str = "") -> None:
@@ -155,22 +162,13 @@ def check_bools(data: Any, schema: Any, path: str = "", where: str = "") -> None
     converts it. ``path`` is the dotted path of ``data`` (list items by index), ``where`` where it was written
     (`` in configs/cpu-smoke.yaml``); null (where the schema allows it, else OmegaConf refuses it) and an
     interpolation (``${...}``, resolved later) pass."""
-    schema = _node(schema)
-    origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if schema is bool:
+    if _node(schema) is bool:
         if data is not None and not isinstance(data, bool) and not (isinstance(data, str) and "${" in data):
             raise ValueError(f"{path or 'the value'}{where} must be true or false, got {data!r}")
-    elif dataclasses.is_dataclass(schema) and isinstance(data, dict):
-        hints = typing.get_type_hints(schema)
-        for key, value in data.items():
-            if key in hints:
-                check_bools(value, hints[key], f"{path}.{key}" if path else str(key), where)
-    elif origin in (dict, typing.Dict) and isinstance(data, dict):
-        for name, item in data.items():
-            check_bools(item, args[1], f"{path}.{name}" if path else str(name), where)
-    elif origin in (list, typing.List) and isinstance(data, list):
-        for i, item in enumerate(data):
-            check_bools(item, args[0], f"{path}.{i}" if path else str(i), where)
+        return
+    for name, value, hint in _children(data, schema):
+        if hint is not None:   # a key the schema lacks is check_keys' to name
+            check_bools(value, hint, f"{path}.{name}" if path else name, where)
 
 
 def check_key_path(path: str, value: Any, schema: type) -> None:
