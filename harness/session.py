@@ -307,8 +307,10 @@ def measure(job: dict) -> None:
     covered = arm_coverage(s.frozen, s.config["arms"], s.model)
     kill_after = s.config["fault"]["kill_after_arms"]
     seqs = set(job["seqs"]) if job.get("seqs") is not None else None
+    from .online.arms import measure_online, track_here   # the online track (harness/online/), when the plan has one
+
     todo = [item for item in s.order if seqs is None or item.seq in seqs]
-    online = _online_track_here(job)
+    online = track_here(json.loads((Path(job["bundle"]) / "plan.json").read_text()), job) is not None
     if not todo and not online:
         _job_recorded()
     for done, item in enumerate(todo):
@@ -322,16 +324,8 @@ def measure(job: dict) -> None:
             _log(arm_log_line(item, rec))
             if done == len(todo) - 1 and not online:
                 _job_recorded()
-    from .online.arms import measure_online   # the online track (harness/online/), when the plan has one
-
     measure_online(job, _log)
     _job_recorded()
-
-
-def _online_track_here(job: dict) -> bool:
-    """Whether the plan's online track runs in this device's session (``online.arms.measure_online``)."""
-    online = json.loads((Path(job["bundle"]) / "plan.json").read_text()).get("online")
-    return online is not None and online.get("device") == job["name"]
 
 
 def write_ceiling(job: dict, device: dict) -> None:

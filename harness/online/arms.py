@@ -110,14 +110,20 @@ def _capacity(calibration: dict, out_dir: Path) -> float:
     return figs["request_rate_rps"]
 
 
+def track_here(plan: dict, job: dict) -> dict | None:
+    """The plan's online track where it runs in this session job (on the track's device), else None."""
+    online = plan.get("online")
+    return online if online is not None and job["name"] == online["device"] else None
+
+
 def measure_online(job: dict, log) -> None:
     """The session's online track: every online run of the plan not yet recorded, in order (nothing without
     one or on another device). The device's first session records them all; a later one (a resume's, after a
     stop in the middle of the track) runs those left, at the capacity of the recorded calibration run."""
     bundle = Path(job["bundle"])
     plan = json.loads((bundle / "plan.json").read_text())
-    online = plan.get("online")
-    if online is None or job["name"] != online["device"]:
+    online = track_here(plan, job)
+    if online is None:
         return
     prompts = json.loads((bundle / plan["prompts"]["file"]).read_text())
     out_dir = bundle / "online" / job["name"]
