@@ -89,7 +89,7 @@ def _checked(config_name: str, overrides: list[str], warn: Callable[[str], None]
     got = inputs.gather(spec)
     earlier = _earlier_for(spec, got)
     if spec.resume is None:
-        timing = session_timing(spec, got, earlier=earlier)
+        timing = session_timing(spec, earlier)
         if timing.refused:
             raise ValueError(timing.refusal())
         if warn is not None and timing.warning() is not None:
@@ -282,11 +282,9 @@ class SessionTiming:
                 f"{progress.duration(self.estimate_s)} ({self.estimate_s / self.timeout_s:.0%} of it)")
 
 
-def session_timing(spec, got, order: list | None = None, earlier=False) -> SessionTiming:
+def session_timing(spec, earlier: compare.Bundle | None, order: list | None = None) -> SessionTiming:
     """The plan's :class:`SessionTiming`: its longest session (``order``: the device items it measures, by default
-    the whole measurement order) estimated from the earlier bundle ``earlier`` (default: :func:`_earlier_for`)."""
-    if earlier is False:
-        earlier = _earlier_for(spec, got)
+    the whole measurement order) estimated from the earlier bundle ``earlier`` (:func:`_earlier_for`; None: none)."""
     order = measurement_order(spec) if order is None else order
     timeout = float(spec.executor.session_timeout_s)
     if earlier is None:
@@ -382,8 +380,8 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
         order = [order[seq] for seq in max(resuming.todo.values(), key=len, default=())]
     from .online.plan import describe as describe_online   # the online track's line, when there is one
 
-    timing = session_timing(spec, got, order, earlier)
-    return "\n".join(lines + [_estimate_line(spec, got, order, plain, resuming is not None, earlier), timing.line(),
+    timing = session_timing(spec, earlier, order)
+    return "\n".join(lines + [_estimate_line(spec, order, earlier, resuming is not None), timing.line(),
                               _effect_line(spec)]
                      + _verdict_line(spec) + natural_lines(plain, spec) + describe_online(spec))
 
@@ -443,10 +441,8 @@ def _earlier_for(spec, got) -> compare.Bundle | None:
     return _earlier_bundle(inputs.results_path(spec), plan_like) if plan_like["checkpoint"]["sha256"] else None
 
 
-def _estimate_line(spec, got, order, plain, resuming: bool = False, earlier=False) -> str:
+def _estimate_line(spec, order, earlier: compare.Bundle | None, resuming: bool = False) -> str:
     results = inputs.results_path(spec)
-    if earlier is False:
-        earlier = _earlier_for(spec, got)
     if earlier is None:
         return (f"  estimated duration: unknown (no complete earlier bundle of this model, workload and devices in "
                 f"{results}; one run gives the figures)")
