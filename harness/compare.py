@@ -44,6 +44,7 @@ from scipy import stats as sps
 
 from . import evidence
 from .fileio import canonical_json, sha256_bytes, try_lock
+from .stats import rng_kwargs
 
 # plan.json fields that decide what a run measured; any difference makes two bundles not comparable
 SAME_FIELDS = ("config.model", "checkpoint.sha256", "config.workload", "prompts.sha256", "config.exit",
@@ -156,7 +157,7 @@ def ratio_interval(a: np.ndarray, b: np.ndarray, confidence: float, n_resamples:
         return None
     res = sps.bootstrap((a, b), lambda x, y, axis: np.median(y, axis=axis) / np.median(x, axis=axis),
                         paired=False, vectorized=True, confidence_level=confidence, n_resamples=n_resamples,
-                        method="percentile", rng=np.random.default_rng(seed))
+                        method="percentile", **rng_kwargs(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

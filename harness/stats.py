@@ -106,8 +106,9 @@ def distinct_resamples(n: int) -> int:
     return math.comb(2 * n - 1, n)
 
 
-def _rng_kwargs(seed: int) -> dict:
-    # scipy >= 1.15 takes ``rng``; older releases only ``random_state``. Same generator either way.
+def rng_kwargs(seed: int) -> dict:
+    """The seed argument of ``scipy.stats.bootstrap``: a fresh ``numpy.random.default_rng(seed)`` as ``rng``
+    (scipy >= 1.15) or as ``random_state`` (older releases, which pyproject allows); the same draws either way."""
     rng = np.random.default_rng(seed)
     params = inspect.signature(scipy.stats.bootstrap).parameters
     return {"rng": rng} if "rng" in params else {"random_state": rng}
@@ -130,7 +131,7 @@ def bootstrap_median_ci(ratios: Sequence[float], confidence: float = 0.95, n_res
     with warnings.catch_warnings():  # degenerate data: scipy warns and returns NaN, handled below
         warnings.simplefilter("ignore")
         res = scipy.stats.bootstrap((x,), np.median, n_resamples=n_resamples, confidence_level=confidence,
-                                    method=method, vectorized=True, **_rng_kwargs(seed))
+                                    method=method, vectorized=True, **rng_kwargs(seed))
     low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
     if not (math.isfinite(low) and math.isfinite(high)):
         return None

@@ -135,3 +135,18 @@ def test_the_line_after_the_table_counts_the_intervals_and_says_they_are_uncorre
     assert compare.multiplicity_note(1, 0.9) == "1 interval shown, a 90% interval"
     assert "20 intervals shown, each a 90% interval" in compare.multiplicity_note(20, 0.9)
     assert "about 2.0 of them" in compare.multiplicity_note(20, 0.9)
+
+
+def test_the_interval_takes_a_seed_on_every_scipy_the_project_allows(monkeypatch):
+    # pyproject allows scipy >= 1.11; scipy.stats.bootstrap takes ``rng`` only from 1.15, ``random_state`` before
+    real = compare.sps.bootstrap
+
+    def bootstrap_before_1_15(data, statistic, *, n_resamples=9999, confidence_level=0.95, method="BCa",
+                              paired=False, vectorized=None, random_state=None):
+        return real(data, statistic, n_resamples=n_resamples, confidence_level=confidence_level, method=method,
+                    paired=paired, vectorized=vectorized, rng=random_state)
+
+    a = np.array([100.0, 101.0, 99.0, 100.5, 100.2])
+    want = compare.ratio_interval(a, a * 1.10, 0.95, seed=4)
+    monkeypatch.setattr(compare.sps, "bootstrap", bootstrap_before_1_15)
+    assert compare.ratio_interval(a, a * 1.10, 0.95, seed=4) == want

@@ -104,7 +104,7 @@ def test_the_verdict_without_a_test_level_is_the_interval_and_the_effect_alone()
 def test_bootstrap_is_scipy_percentile_with_the_seed():
     ratios = np.array([0.98, 0.97, 0.99, 0.985, 0.975, 0.99, 0.96, 0.995])
     res = scipy.stats.bootstrap((ratios,), np.median, n_resamples=10_000, method="percentile",
-                                vectorized=True, **stats._rng_kwargs(3))
+                                vectorized=True, **stats.rng_kwargs(3))
     assert stats.bootstrap_median_ci(ratios, seed=3) == (res.confidence_interval.low, res.confidence_interval.high)
 
 
