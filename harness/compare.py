@@ -3,8 +3,8 @@
 A comparison of two bundles (two commits, two machines) is unpaired: their runs come from different
 sessions, so the change is the ratio of B's median tokens/s to A's, per point and arm, with a
 percentile bootstrap interval that resamples each bundle's measured runs independently
-(``scipy.stats.bootstrap``, ``paired=False``). As in pyperf's ``compare_to``, a change whose interval
-contains 1 is "not significant"; nothing is guessed.
+(``scipy.stats.bootstrap``, ``paired=False``). A change whose interval contains 1 is "not significant", in
+the words of pyperf's ``compare_to`` (which decides by a two-sample t-test, not an interval); nothing is guessed.
 
 Two bundles are comparable only when what they measured is the same: model (config and checkpoint
 sha256), workload (config and prompts sha256), exit policy and warmup. Otherwise the comparison is
@@ -162,7 +162,8 @@ def ratio_interval(a: np.ndarray, b: np.ndarray, confidence: float, n_resamples:
 
 
 def change_words(ratio: float, ci: tuple[float, float] | None) -> str:
-    """pyperf's wording: "1.0123x faster", "1.0500x slower" or "not significant" (interval contains 1)."""
+    """pyperf's words, decided by the interval: "1.0123x faster", "1.0500x slower" or "not significant" (the
+    interval contains 1; pyperf itself decides by a t-test)."""
     if ci is None:
         return "no interval (fewer than 2 runs)"
     if ci[0] <= 1.0 <= ci[1]:
