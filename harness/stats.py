@@ -398,8 +398,11 @@ def spearman_exact_p(values: Sequence[float]) -> float:
 def order_test(ratios: Sequence[float], firsts: Sequence[str], alpha: float) -> dict:
     """Order effect: pair ratios of baseline-first pairs against candidate-first pairs, two-sided
     Mann-Whitney U (``scipy.stats.mannwhitneyu``, method "auto": exact for small samples without ties;
-    Mann & Whitney 1947), flagged when p < ``alpha``. None when either group is empty. ValueError for ``alpha``
-    outside (0, 1) or ``firsts`` that do not name one of the two arms per ratio."""
+    Mann & Whitney 1947), flagged when p < ``alpha``. The exact p is at least 2 / C(n, n_candidate_first), so up
+    to 7 pairs in all nothing can flag at 0.05 (balanced: 6, 3 against 3, 2 / 20 = 0.1; 7, 4 against 3, 2 / 35 =
+    0.057; 8 pairs can, 2 / 70 = 0.029); with tied ratios "auto" takes the normal approximation, which can fall
+    below that bound. None when either group is empty. ValueError for ``alpha`` outside (0, 1) or ``firsts`` that
+    do not name one of the two arms per ratio."""
     _level("alpha", alpha)
     x = np.asarray(ratios, dtype=float)
     f = np.asarray(firsts)

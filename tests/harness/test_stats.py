@@ -292,6 +292,15 @@ def test_order_test_flags_an_order_effect_and_not_noise():
         stats.order_test([1.0], ["sideways"], 0.05)
 
 
+
+@pytest.mark.parametrize("n_pairs, smallest_p, can_flag", [(6, 2 / 20, False), (7, 2 / 35, False), (8, 2 / 70, True)])
+def test_the_order_test_of_one_session_of_7_pairs_can_never_flag_at_0_05(n_pairs, smallest_p, can_flag):
+    # the most extreme split (every baseline-first ratio above every candidate-first one), balanced_first's counts
+    firsts = sorted(stats.balanced_first(n_pairs, 0))
+    ratios = [1.1 + 0.01 * i if f == "baseline" else 0.9 + 0.01 * i for i, f in enumerate(firsts)]
+    most = stats.order_test(ratios, firsts, alpha=0.05)
+    assert most["p"] == pytest.approx(smallest_p) and most["flag"] is can_flag
+
 def test_creep_test_flags_only_a_rising_peak():
     rising = stats.creep_test([100 + 10 * i for i in range(8)], 0.05)
     assert rising["flag"] and rising["first"] == 100 and rising["last"] == 170
