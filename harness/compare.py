@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,8 +249,18 @@ def multiplicity_note(shown: int, level: float) -> str:
         return f"1 interval shown, a {level_text(level)} interval"
     return (fill("{shown:interval|intervals} shown, each a {level} interval on its own with no multiplicity "
                  "correction: with no real change anywhere, about {chance:.1f} of them would exclude no change (0%) by chance alone "
-                 "(--confidence {family:.4g} makes them a Bonferroni family at {level})",
-                 shown=shown, level=level_text(level), chance=shown * alpha, family=1 - alpha / shown))
+                 "(--confidence {family} makes them a Bonferroni family at {level})",
+                 shown=shown, level=level_text(level), chance=shown * alpha, family=_at_least(1 - alpha / shown)))
+
+
+def _at_least(level: float) -> str:
+    """``level`` written with 4 or more decimals, rounded up (never down, which would make a family level fall
+    short: 1 - 0.05 / 3 = 0.98333... is 0.9834, not 0.9833) and short of 1, which ``--confidence`` refuses."""
+    for decimals in range(4, 16):
+        up = math.ceil(level * 10 ** decimals) / 10 ** decimals
+        if up < 1:
+            return f"{up:.{decimals}f}".rstrip("0")
+    return repr(level)
 
 
 def _pct(x: float) -> str:

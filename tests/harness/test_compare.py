@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from loopbench.harness import compare
 
@@ -150,3 +151,13 @@ def test_the_interval_takes_a_seed_on_every_scipy_the_project_allows(monkeypatch
     want = compare.ratio_interval(a, a * 1.10, 0.95, seed=4)
     monkeypatch.setattr(compare.sps, "bootstrap", bootstrap_before_1_15)
     assert compare.ratio_interval(a, a * 1.10, 0.95, seed=4) == want
+
+
+@pytest.mark.parametrize("shown, level", [(3, 0.95), (6, 0.95), (7, 0.9), (100, 0.999), (2, 0.5)])
+def test_the_bonferroni_level_suggested_is_rounded_up_so_the_family_reaches_its_level(shown, level):
+    note = compare.multiplicity_note(shown, level)
+    suggested = float(note.split("--confidence ")[1].split(" ")[0])
+    assert suggested < 1
+    # k intervals each at c cover together with at least 1 - k (1 - c): the suggestion must reach the family level
+    assert 1 - shown * (1 - suggested) >= level - 1e-12, note
+    assert suggested - (1 - (1 - level) / shown) < 1e-4, note
