@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .fileio import bundle_format
+
 
 def _nvml():
     try:
@@ -114,7 +116,9 @@ def fast_sample(nv, h) -> dict:
 
 # ------------------------------------------------------------------ per-arm summary (format 5)
 
-IDLE_REASON = 0x1   # nvmlClocksEventReasonGpuIdle: not a throttle; every other set bit is (report flags it)
+# nvmlClocksEventReasonGpuIdle is not a throttle; every other set bit is (the report flags it). The auditor reads the
+# same contract value.
+IDLE_REASON = bundle_format()["telemetry"]["ignored_reasons_mask"]
 
 
 def _span(values: list) -> tuple[Any, Any]:
