@@ -186,7 +186,7 @@ def _bench(args, extra: list[str]) -> int:
             try:
                 runs = planning.sweep_arm_runs(name, args.overrides, warn=True)
             except planning.SweepError as exc:
-                return _bad(exc.cause, f" in sweep job {exc.job}" + planning.preset_holding(name, exc.cause))
+                return _bad(exc.cause, exc.where + planning.preset_holding(name, exc.cause))
             jobs = len(runs)
             progress.say("sweep", f"{jobs} jobs, every configuration valid")
         else:     # a key Hydra refuses gets the same one line and exit 2 as our own checks
@@ -208,7 +208,7 @@ def _plan(args) -> int:
         jobs = planning.check_sweep(name, args.overrides) if args.multirun else [args.overrides]
         texts = [planning.plan_text(name, job) for job in jobs]
     except planning.SweepError as exc:
-        return _bad(exc.cause, f" in sweep job {exc.job}" + planning.preset_holding(name, exc.cause))
+        return _bad(exc.cause, exc.where + planning.preset_holding(name, exc.cause))
     except planning.CONFIG_ERRORS as exc:
         return _bad(exc, planning.preset_holding(name, exc))
     print("\n\n".join(texts))

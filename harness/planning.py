@@ -56,11 +56,17 @@ CONFIG_ERRORS = (ValueError, TypeError, HydraException, OmegaConfBaseException)
 
 
 class SweepError(Exception):
-    """A job of a sweep whose configuration is bad: ``job`` names it (number and overrides)."""
+    """A job of a sweep whose configuration is bad: ``job`` names it (number and overrides), or is None where no
+    override makes the job (the preset alone: its error, or a preset that does not compose, whose sweep is unread)."""
 
-    def __init__(self, job: str, cause: Exception):
-        super().__init__(f"sweep job {job}: {cause}")
+    def __init__(self, job: str | None, cause: Exception):
+        super().__init__(f"sweep job {job}: {cause}" if job else str(cause))
         self.job, self.cause = job, cause
+
+    @property
+    def where(self) -> str:
+        """" in sweep job N of M (...)" for the one-line refusal; "" where no job is to blame."""
+        return f" in sweep job {self.job}" if self.job else ""
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
@@ -161,9 +167,11 @@ def _checked_jobs(config_name: str, overrides: list[str], warn: bool = False) ->
     checked = []
     for i, job in enumerate(jobs):
         swept = [o for o in job if not all(o in other for other in jobs)]   # what makes this job this job
-        name = f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})"
+        # no override: the preset alone (or one that does not compose, so its own sweep could not be read)
+        name = f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})" if job else None
         try:
-            checked.append((job, check(config_name, job, warn_on_stderr(f"sweep job {name}: ") if warn else None)[0]))
+            prefix = f"sweep job {name}: " if name else ""
+            checked.append((job, check(config_name, job, warn_on_stderr(prefix) if warn else None)[0]))
         except CONFIG_ERRORS as exc:
             raise SweepError(name, exc) from exc
     return checked

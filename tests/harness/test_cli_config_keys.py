@@ -109,6 +109,24 @@ def test_a_misspelt_key_in_a_preset_names_its_file(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
 
 
+@pytest.mark.parametrize("command", ["plan", "bench"])
+def test_a_misspelt_key_in_a_preset_with_its_own_sweep_is_not_blamed_on_a_job(tmp_path, monkeypatch, capsys,
+                                                                             command):
+    """A preset that does not compose has no sweep to read: -m named its error 'sweep job 1 of 1 ()', one job of a
+    sweep that declares two, and no override. The error is the preset's, named as a run without -m names it."""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    (configs / "my-sweep.yaml").write_text("defaults:\n  - cpu-smoke\n  - _self_\nname: my-sweep\npair: 6\n"
+                                           "hydra:\n  sweeper:\n    params:\n      order_seed: 0,1\n")
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", command, "--config-name", "my-sweep", "-m"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        BAD + "unknown config key pair in configs/my-sweep.yaml; did you mean pairs?"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
 @pytest.mark.parametrize("preset, overrides, line", [
     ("cpu-smoke", [], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),
     ("cpu-smoke", ["pairs=4"], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),
@@ -116,6 +134,7 @@ def test_a_misspelt_key_in_a_preset_names_its_file(tmp_path, monkeypatch, capsys
     ("cpu-context", [], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),
     # an override's own bad value: the user has it in front of them, and no preset holds it
     ("cpu-smoke", ["exit.threshold=2"], BAD + "exit.threshold must be in (0, 1], got 2.0"),
+    ("cpu-smoke", ["-m"], IN_SMOKE + "exit.threshold must be in (0, 1], got 1.5"),   # no job to name
     ("cpu-smoke", ["-m", "pairs=4,5"], "loopbench: bad configuration in sweep job 1 of 2 (pairs=4) in "
                                        "configs/cpu-smoke.yaml: exit.threshold must be in (0, 1], got 1.5"),
 ])
