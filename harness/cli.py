@@ -207,6 +207,9 @@ def _plan(args) -> int:
     try:
         jobs = planning.check_sweep(name, args.overrides) if args.multirun else [args.overrides]
         texts = [planning.plan_text(name, job) for job in jobs]
+        if args.multirun:   # which job each plan is, as a refusal names it
+            texts = [f"sweep job {job}:\n{text}" if (job := planning.job_name(i, jobs)) else text
+                     for i, text in enumerate(texts)]
     except planning.SweepError as exc:
         return _bad(exc.cause, exc.where + planning.preset_holding(name, exc.cause))
     except planning.CONFIG_ERRORS as exc:

@@ -154,6 +154,17 @@ def sweep_arm_runs(config_name: str, overrides: list[str], warn: bool = False) -
     return [len(measurement_order(spec)) for _, spec in _checked_jobs(config_name, overrides, warn)]
 
 
+def job_name(i: int, jobs: list[list[str]]) -> str | None:
+    """Job ``i`` (from 0) of a sweep as its refusals and plans name it: "2 of 2 (pairs=0)", the overrides that set it
+    apart from the others (all of its own where none does); None for a job of no override: the preset alone (or one
+    that does not compose, so that its own sweep could not be read)."""
+    job = jobs[i]
+    if not job:
+        return None
+    swept = [o for o in job if not all(o in other for other in jobs)]
+    return f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})"
+
+
 def _checked_jobs(config_name: str, overrides: list[str], warn: bool = False) -> list[tuple[list[str], object]]:
     try:
         try:
@@ -166,9 +177,7 @@ def _checked_jobs(config_name: str, overrides: list[str], warn: bool = False) ->
         raise SweepError("(the sweep's overrides)", exc) from exc
     checked = []
     for i, job in enumerate(jobs):
-        swept = [o for o in job if not all(o in other for other in jobs)]   # what makes this job this job
-        # no override: the preset alone (or one that does not compose, so its own sweep could not be read)
-        name = f"{i + 1} of {len(jobs)} ({' '.join(swept or job)})" if job else None
+        name = job_name(i, jobs)
         try:
             prefix = f"sweep job {name}: " if name else ""
             checked.append((job, check(config_name, job, warn_on_stderr(prefix) if warn else None)[0]))

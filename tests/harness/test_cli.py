@@ -167,6 +167,9 @@ def test_a_presets_own_sweep_is_checked_and_planned_job_by_job(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert [line.split(" = ")[1].split(",")[0] for line in out.splitlines() if line.startswith("  arms: ")] == [
         "2 points x 3 comparisons x 1 pair x 1 session x 2 arms", "2 points x 3 comparisons x 2 pairs x 1 session x 2 arms"]
+    # each plan named its job only by "1 override", which the user never typed: now as the sweep's refusals name it
+    assert [line for line in out.splitlines() if line.startswith("sweep job")] == [
+        "sweep job 1 of 2 (pairs=1):", "sweep job 2 of 2 (pairs=2):"], out
     assert cli.main(["-q", "plan", "--config-name", "my-sweep", "-m", "pairs=4"]) == 0     # the command line wins
     assert capsys.readouterr().out.count("  arms: ") == 1
     assert cli.main(["-q", "plan", "--config-name", "my-sweep"]) == 0     # without -m Hydra sweeps nothing
