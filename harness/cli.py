@@ -53,8 +53,10 @@ def _run_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
                        epilog=f"{RUN_EPILOG}\n\n{keys.help_text()}\n\n{EXIT_STATUS}")
     p.add_argument("--config-name", "-cn", dest="config_name", metavar="PRESET",
                    help=f"preset of configs/ ({', '.join(conf.presets())})")
+    sweep = "of KEY=A,B overrides and of the preset's own hydra.sweeper.params"
     p.add_argument("-m", "--multirun", action="store_true",
-                   help="Hydra multirun: KEY=A,B runs one benchmark per combination, each into its own bundle")
+                   help=f"Hydra multirun: one benchmark per combination {sweep}, each into its own bundle"
+                   if name == "bench" else f"the plan of each job of a multirun: one per combination {sweep}")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (keys below)")
     if name == "bench":   # declared so that their values are not taken for overrides, wherever they are written
         hydra = p.add_argument_group("Hydra's flags (show the composed config: nothing runs, our rules are not "

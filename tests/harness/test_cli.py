@@ -39,6 +39,23 @@ def test_every_config_key_has_a_meaning_and_help_lists_them(capsys):
         assert "exit status:" in capsys.readouterr().out, command
 
 
+def _multirun_help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    start = out.index("-m, --multirun")
+    return " ".join(out[start:out.index("\n\n", start)].split())   # the option's help, up to its section's end
+
+
+def test_multirun_help_says_what_each_command_does_with_a_sweep(capsys):
+    """plan's -m said bench's words, 'runs one benchmark per combination, each into its own bundle', of a command
+    that creates nothing; neither said that a preset's own hydra.sweeper.params sweep is one -m runs too."""
+    plan, bench = _multirun_help("plan", capsys), _multirun_help("bench", capsys)
+    assert "runs one benchmark" not in plan and "plan of each job" in plan, plan
+    assert "each into its own bundle" in bench, bench
+    assert all("hydra.sweeper.params" in text for text in (plan, bench)), (plan, bench)
+
+
 def test_plan_prints_the_order_and_creates_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     rc = cli.main(["plan", *TINY, f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"])
