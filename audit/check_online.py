@@ -151,6 +151,38 @@ def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str, sessions: lis
                            f"config.arms.{arm} says {'nothing' if want is contract.ABSENT else repr(want)}")
 
 
+def _timestamps_problem(q: dict) -> str | None:
+    """Why a request's times cannot come from one run's clock (time.perf_counter: a request is planned, sent, streams
+    its tokens in order and ends, each time read after the one before), or None. Written so that a NaN fails too."""
+    t, planned, sent, end = q["token_times_s"], q["planned_s"], q["sent_s"], q["end_s"]
+    if len(t) != len(q["token_ids"]) or not all(contract.is_kind(x, "number") for x in t):
+        return f"{len(t)} token_times_s for {len(q['token_ids'])} token_ids: one time, a number, per token"
+    back = next((i for i in range(1, len(t)) if not t[i - 1] <= t[i]), None)
+    if back is not None:
+        return f"token_times_s go back in time at token {back} ({t[back - 1]} s, then {t[back]} s)"
+    if not t:
+        return None if sent is None or sent <= end else f"it was sent at {sent} s, after its end_s {end}"
+    if not planned <= t[0]:
+        return f"its first token at {t[0]} s comes before its planned arrival (planned_s {planned})"
+    if sent is None or not sent <= t[0]:
+        return f"its first token at {t[0]} s comes before it was sent (sent_s {sent})"
+    if not t[-1] <= end:
+        return f"its last token at {t[-1]} s comes after its end_s {end}"
+    return None
+
+
+def check_timestamps(ctx: Audit, records: list[dict]) -> None:
+    """Each request's raw times in the order one clock gives them (:func:`_timestamps_problem`): every figure is
+    re-derived from those times, so forged ones (a negative TTFT or inter-token gap, fewer times than tokens)
+    agree with a bundle republished from them; they do not agree with a run that happened."""
+    for rec in records:
+        for q in rec["requests"]:
+            problem = _timestamps_problem(q)
+            if problem is not None:
+                ctx.fail("online", f"record seq {rec['seq']} request {q['index']}: {problem}")
+        ctx.count("online_request_timestamps", len(rec["requests"]))
+
+
 def latencies(q: dict) -> dict:
     """One request's figures, from the planned arrival (contract ``online.requests_columns``)."""
     t = q["token_times_s"]
@@ -393,6 +425,7 @@ def check(ctx: Audit, plan: dict, children: list) -> None:
     records = load_records(ctx, plan, sessions)
     check_pair_sessions(ctx, records)
     check_session_order(ctx, records, sessions)
+    check_timestamps(ctx, records)
     ctx.online_records = records   # format 10: their engine_settings (check_settings.check_online, report_lines)
     ctx.count("online_records", len(records))
     summary, slo = derived(ctx, plan, records)

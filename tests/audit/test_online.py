@@ -605,3 +605,39 @@ def test_writer_and_auditor_draw_one_latency_figure(honest_online, tmp_path, cas
             _fail_request(q)
     plot_latency(records, summary, tmp_path / "writer.png")
     assert render_latency(records, summary) == (tmp_path / "writer.png").read_bytes()
+
+
+def _shift_tokens(q: dict, by_s: float) -> None:
+    q["token_times_s"] = [t + by_s for t in q["token_times_s"]]
+
+
+@pytest.mark.parametrize("forge, named", [
+    # every token of the request before it was planned: a negative TTFT
+    (lambda q: _shift_tokens(q, -(q["token_times_s"][0] - q["planned_s"]) - 0.01),
+     "its first token at {first} s comes before its planned arrival (planned_s {planned})"),
+    # the tokens' times out of order: negative inter-token gaps
+    (lambda q: q.update(token_times_s=q["token_times_s"][::-1]), "token_times_s go back in time at token 1"),
+    # fewer times than tokens: the ITL and TPOT of a few tokens, the throughput of all
+    (lambda q: q.update(token_times_s=q["token_times_s"][:4]), "4 token_times_s for {tokens} token_ids"),
+    # the request ends before its last token: an end-to-end latency shorter than its TTFT
+    (lambda q: q.update(end_s=q["planned_s"]), "its last token at {last} s comes after its end_s {end}"),
+    # its first token before it was sent
+    (lambda q: q.update(sent_s=q["token_times_s"][0] + 0.01), "its first token at {first} s comes before it was sent"),
+])
+def test_online_request_timestamps_that_contradict_each_other_are_named(bundle, forge, named):
+    """Every figure is re-derived from the raw timestamps, so a raw record forged and the bundle republished from it
+    agrees with itself; but one run's clock (time.perf_counter) orders a request's times, so a request planned, sent,
+    streamed and ended out of that order never ran. Each such forgery passed the audit."""
+    path = _raw(bundle, 1)
+    rec = json.loads(path.read_text())
+    q = rec["requests"][2]
+    tokens = len(q["token_times_s"])
+    forge(q)
+    path.write_text(json.dumps(rec))
+    want = named.format(first=q["token_times_s"][0], planned=q["planned_s"], last=q["token_times_s"][-1],
+                        end=q["end_s"], tokens=tokens)
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    problems = audit(bundle)["discrepancies"]
+    assert any(p.startswith("online: record seq 1 request 2: ") and want in p for p in problems), problems
