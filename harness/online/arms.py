@@ -2,7 +2,8 @@
 
 For each item of the plan's online order (harness/online/plan.py), on the plan's online device, after
 the session's offline arms: start a fresh server of the item's arm (harness/online/process.py; its own
-process, engine and natural exit policy on this device), send ``warmup_requests`` untimed requests, then
+process, engine and natural exit policy on this device), send ``warmup_requests`` untimed requests (the trace's
+requests in turn, again from the first where it asks for more), then
 
 - the calibration run: every trace request, closed loop at concurrency B; its completed requests per
   second are the capacity the rates multiply, its p99s the derived SLO (metrics.derived_slo);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..fileio import atomic_write_json
@@ -65,9 +67,8 @@ def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capaci
     server.start()
     try:
         settings = server.engine_settings()
-        if online["warmup_requests"]:
-            warm = [loadgen.Job(-1 - i, j.prompt_index, j.prompt, j.max_tokens)
-                    for i, j in enumerate(jobs[:online["warmup_requests"]])]
+        if online["warmup_requests"]:   # the trace's requests in turn, from the first again past its end
+            warm = [replace(jobs[i % len(jobs)], index=-1 - i) for i in range(online["warmup_requests"])]
             asyncio.run(loadgen.closed_loop(server.url, warm, online["max_num_seqs"], online["max_duration_s"]))
         if item["kind"] == "calibration":
             rate_rps = None

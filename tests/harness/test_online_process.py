@@ -130,3 +130,24 @@ def test_an_online_run_whose_server_crashes_fails_with_the_servers_log_tail(tmp_
         arms.run_item(plan, job, item, [], None, tmp_path / "online")
     assert (tmp_path / "online" / "00000-calibration-native.log").is_file() and "missing" in str(err.value)
     assert not (tmp_path / "online" / "00000-calibration-native.json").exists()   # no record of a failed run
+
+
+def test_an_online_run_sends_every_warmup_request_it_records_even_past_the_traces_length(tmp_path):
+    """``warmup_requests`` larger than the trace: the record says 5 warmup requests, and the server accepted 5 besides
+    the trace's 2 (it sent only the trace's 2 again, so a run asking for more warmup than requests got less than its
+    record claims)."""
+    from loopbench.harness.online import arms
+
+    ckpt = write_synthetic_checkpoint(tmp_path / "tiny", "tiny", seed=0, dtype=torch.float32)
+    plan = {"checkpoint": {"path": str(ckpt)}, "max_model_len": 64,
+            "config": {"model": {"dtype": "float32"}, "arms": {"native": ARM},
+                       "exit": {"policy": "ouro", "min_loops": 1, "max_loops": 4, "threshold": 0.55}},
+            "online": {"point": "B2C2", "max_num_seqs": 2, "health_timeout_s": 120, "max_tokens": 3,
+                       "requests": [{"index": i, "prompt_index": i} for i in range(2)],
+                       "warmup_requests": 5, "max_duration_s": 60, "calibration": {"concurrency": 2}}}
+    job = {"name": "cpu0", "device": {"kind": "cpu", "gpu_index": None, "cpu_threads": 1}}
+    item = {"seq": 0, "kind": "calibration", "arm": "native", "rate_index": None, "rate_multiple": None,
+            "pair": None, "position": None, "slot": None}
+    rec = arms.run_item(plan, job, item, [[1, 2, 3], [4, 5, 6, 7]], None, tmp_path / "online")
+    assert rec["warmup_requests"] == 5 and [q["error"] for q in rec["requests"]] == [None, None]
+    assert (rec["server"]["health"]["accepted"], rec["server"]["health"]["completed"]) == (7, 7)
