@@ -149,6 +149,20 @@ def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str, sessions: lis
     for path, got, want in field_diffs(rec["arm_config"], plan["config"]["arms"].get(arm, {}), "arm_config"):
         ctx.fail("online", f"{rel}: {path} is {'missing' if got is contract.ABSENT else repr(got)}, plan.json "
                            f"config.arms.{arm} says {'nothing' if want is contract.ABSENT else repr(want)}")
+    for key, want in _planned_run(plan["online"], rec["kind"]).items():
+        if not same(rec[key], want):
+            ctx.fail("online", f"{rel}: {key} is {rec[key]!r}, plan.json online gives a {rec['kind']} run {want!r}")
+
+
+def _planned_run(on: dict, kind: str) -> dict:
+    """What plan.json ``online`` sets of a run of ``kind``: the calibration run is closed loop at its concurrency and
+    has no capacity or rate (it measures the capacity); an arm run is open loop (its capacity and rate:
+    :func:`check_arrivals`)."""
+    calibration = kind == "calibration"
+    fixed = {"point": on["point"], "mode": "closed" if calibration else "open",
+             "concurrency": on["calibration"]["concurrency"] if calibration else None,
+             "warmup_requests": on["warmup_requests"], "max_duration_s": on["max_duration_s"]}
+    return {**fixed, "capacity_rps": None, "rate_rps": None} if calibration else fixed
 
 
 def _timestamps_problem(q: dict) -> str | None:

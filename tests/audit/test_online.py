@@ -641,3 +641,25 @@ def test_online_request_timestamps_that_contradict_each_other_are_named(bundle, 
     controller.publish(bundle, plan, children, env)
     problems = audit(bundle)["discrepancies"]
     assert any(p.startswith("online: record seq 1 request 2: ") and want in p for p in problems), problems
+
+
+@pytest.mark.parametrize("seq, key, forged", [
+    (0, "rate_rps", 5.0),              # the closed-loop calibration run shown as an open-loop run at 5 requests/s
+    (0, "capacity_rps", 5.0),
+    (0, "concurrency", 1),
+    (1, "mode", "closed"),
+    (1, "concurrency", 3),
+    (1, "warmup_requests", 0),
+    (1, "max_duration_s", 1e9),
+    (1, "point", "B2C2"),
+])
+def test_an_online_record_whose_run_is_not_the_one_the_plan_sets_is_named(bundle, seq, key, forged):
+    """A record's point, mode, concurrency, warmup and time bound are the plan's for its kind of run (a calibration run
+    has no capacity or rate to scale by); a record forged to claim others, the bundle republished from it, passed."""
+    edit_json(_raw(bundle, seq), lambda rec: rec.update({key: forged}))
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    rel = _raw(bundle, seq).relative_to(bundle).as_posix()
+    problems = audit(bundle)["discrepancies"]
+    assert any(p.startswith(f"online: {rel}: {key} is {forged!r}, plan.json online") for p in problems), problems
