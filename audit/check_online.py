@@ -85,7 +85,29 @@ def check_plan(ctx: Audit, plan: dict) -> None:
         ctx.fail("online", f"plan.json online.device is {on['device']!r}, not the first device")
     if not same(on["order"], expected_order(on, plan["config"]["order_seed"])):
         ctx.fail("online", "plan.json online.order is not the seeded balanced order of its rates and pairs")
+    for path, got, want in field_diffs({k: on[k] for k in SPEC["plan_fields"] if k not in ("order", "requests")},
+                                       configured(plan), "online"):
+        if want is not contract.ABSENT:   # fields the config does not set are checked above
+            ctx.fail("online", f"plan.json {path} is {got!r}, the config gives {want!r}")
     ctx.count("online_plan")
+
+
+def configured(plan: dict) -> dict:
+    """plan.json ``online`` as ``config.online`` asks for it (a null point, baseline or candidate: the first point's,
+    the first comparison's): its point, size, trace seed, rates, arms, pairs, SLO (declared, or derived by its
+    factor), warmup and bounds, and the calibration run (the baseline, closed loop at the point's B)."""
+    c, on = plan["config"]["online"], plan["online"]
+    first = plan["config"]["comparisons"][0]
+    baseline = first["baseline"] if c["baseline"] is None else c["baseline"]
+    slo = {"source": "declared", "ttft_s": c["slo_ttft_s"], "tpot_s": c["slo_tpot_s"], "factor": None} \
+        if c["slo_ttft_s"] is not None else {"source": "calibration", "ttft_s": None, "tpot_s": None,
+                                             "factor": on["slo"].get("factor")}
+    return {"point": plan["points"][0]["key"] if c["point"] is None else c["point"], "num_requests": c["num_requests"],
+            "trace": {"seed": c["trace_seed"]}, "rates": {"unit": "capacity", "multiples": c["rates"]},
+            "baseline": baseline, "candidate": first["candidate"] if c["candidate"] is None else c["candidate"],
+            "pairs": c["pairs"], "slo": slo, "warmup_requests": c["warmup_requests"],
+            "max_duration_s": c["max_duration_s"], "health_timeout_s": c["health_timeout_s"],
+            "calibration": {"arm": baseline, "mode": "closed", "concurrency": on["max_num_seqs"]}}
 
 
 # --------------------------------------------------------------------------------------- records

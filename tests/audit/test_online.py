@@ -663,3 +663,32 @@ def test_an_online_record_whose_run_is_not_the_one_the_plan_sets_is_named(bundle
     rel = _raw(bundle, seq).relative_to(bundle).as_posix()
     problems = audit(bundle)["discrepancies"]
     assert any(p.startswith(f"online: {rel}: {key} is {forged!r}, plan.json online") for p in problems), problems
+
+
+def _slo_declared(on: dict) -> None:
+    on["slo"] = {"source": "declared", "ttft_s": 10.0, "tpot_s": 10.0, "factor": None}
+
+
+@pytest.mark.parametrize("forge, named", [
+    # every request then meets the SLO: goodput = request rate, while the config derives it from the calibration run
+    (_slo_declared, "online.slo.source is 'declared', the config gives 'calibration'"),
+    (lambda on: on.update(warmup_requests=0), "online.warmup_requests is 0, the config gives 2"),
+    (lambda on: on.update(max_duration_s=1e9), "online.max_duration_s is 1000000000.0, the config gives 120.0"),
+    (lambda on: on.update(health_timeout_s=1.0), "online.health_timeout_s is 1.0, the config gives 120.0"),
+    (lambda on: on["calibration"].update(concurrency=1), "online.calibration.concurrency is 1, the config gives 4"),
+])
+def test_a_plans_online_track_that_is_not_the_configs_is_named(bundle, forge, named):
+    """plan.json online is what the run was asked for, derived from config.online (hashed in config_sha256): a plan
+    forged to say another SLO, warmup, bound or calibration, the bundle republished from it, passed the audit."""
+    plan = json.loads((bundle / "plan.json").read_text())
+    forge(plan["online"])
+    for path in (bundle / "online" / "cpu0").glob("*.json"):    # the records agree with the forged plan
+        edit_json(path, lambda rec: rec.update({k: plan["online"][k] for k in ("warmup_requests", "max_duration_s")},
+                                               **({"concurrency": plan["online"]["calibration"]["concurrency"]}
+                                                  if rec["kind"] == "calibration" else {})))
+    (bundle / "plan.json").write_text(json.dumps(plan, indent=1))
+    children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("children", "environment"))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    problems = audit(bundle)["discrepancies"]
+    assert any(p == f"online: plan.json {named}" for p in problems), problems
