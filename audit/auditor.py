@@ -66,12 +66,13 @@ from . import (check_files, check_logs, check_natural, check_online, check_plan,
                evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 13  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+AUDITOR_VERSION = 14  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
                       # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
                       # 12: format 13, failed requests in the online percentiles; 13: each record against its
                       # session's log line (documents.log), pair_ratios.png against its own drawing, environment.json GPUs
-                      # against the records' cards, every format
+                      # against the records' cards, every format; 14: online request times in one clock's order, each
+                      # online record's run settings against plan.json online, plan.json online against config.online
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
