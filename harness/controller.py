@@ -426,6 +426,9 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
                 raise
             lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
             print(f"loopbench: bundle {bundle}", flush=True)
+            busy = machine.busy_warning(got.devices)
+            if busy:
+                print(f"loopbench: {busy}", file=sys.stderr, flush=True)
             prepared = prepare_model(spec, got, bundle)
             executor = make_executor(spec, bundle, got.cache, got.devices)
         stop.before_children = False

@@ -70,6 +70,40 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (Linux), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load_average_1m() -> float | None:
+    """The machine's 1-minute load average, or None where the OS gives none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_cpu_warning(load_1m: float | None, cores: int) -> str | None:
+    """The one-line warning of a CPU run (the throughput probe, a bench on CPU devices) on a machine busier than
+    its cores (``load_1m`` above ``cores``), where its timings say more about the other processes than about the
+    runtime, and two arms' pair ratios can read a change that is not there; else None."""
+    if load_1m is None or load_1m <= cores:
+        return None
+    return (f"warning: the 1-minute load average {load_1m:.2f} exceeds the {cores} usable "
+            f"core{'' if cores == 1 else 's'}: CPU timings are for smoke checks, not performance evidence")
+
+
+def busy_warning(devices: list[dict]) -> str | None:
+    """:func:`busy_cpu_warning` for a run on ``devices`` (:func:`planned_devices`' dicts): only where one is a CPU,
+    since a GPU session's timings are the GPU's."""
+    if not any(d["kind"] == "cpu" for d in devices):
+        return None
+    return busy_cpu_warning(load_average_1m(), usable_cores())
+
+
 def planned_devices(executor) -> list[dict]:
     """One entry per session: {name, kind, gpu_index, label, cpu_threads}; ValueError naming the key.
 

@@ -60,7 +60,7 @@ from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import config_of, write_calibrated_checkpoint
 from .identity import code_identity
-from .machine import cpu_name, visible_gpus
+from .machine import busy_cpu_warning, cpu_name, load_average_1m, usable_cores, visible_gpus
 from .profile import annotate_runner, figure_lines, profile_call, summarize, write_report
 from .records import ArmSpec
 from .sampler import Sampler
@@ -857,31 +857,6 @@ def pin_cpu_threads(device: str, threads: int) -> Callable[[], None]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     return lambda: torch.set_num_threads(before)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask where the OS has one (Linux), else every core."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def load_average_1m() -> float | None:
-    """The machine's 1-minute load average, or None where the OS gives none."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
-def busy_cpu_warning(load_1m: float | None, cores: int) -> str | None:
-    """The one-line warning of a CPU probe on a machine busier than the probe's cores (``load_1m`` above
-    ``cores``), where its timings say more about the other processes than about the runtime; else None."""
-    if load_1m is None or load_1m <= cores:
-        return None
-    return (f"warning: the 1-minute load average {load_1m:.2f} exceeds the {cores} usable "
-            f"core{'' if cores == 1 else 's'}: CPU timings are for smoke checks, not performance evidence")
 
 
 def device_name(device: str) -> str:

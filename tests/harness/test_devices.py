@@ -230,3 +230,15 @@ def test_each_gpu_child_reports_its_own_physical_card(mask):
     children = [_python(_CHILD, child_env(d["gpu_index"]), str(d["gpu_index"])) for d in devices]
     assert [c["uuid"] for c in children] == [telemetry.device_info(g)["uuid"] for g in want]
     assert len({c["uuid"] for c in children}) == len(want)
+
+
+def test_a_run_on_cpu_devices_warns_of_a_machine_busier_than_its_cores_and_a_gpu_run_does_not(monkeypatch):
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(machine, "load_average_1m", lambda: 6.5)
+    cpu, gpu = machine.cpu_devices(1, 1), [{"name": "gpu0", "kind": "cuda", "gpu_index": 0}]
+    assert machine.busy_warning(cpu).startswith("warning: the 1-minute load average 6.50 exceeds the 2 usable cores")
+    assert machine.busy_warning(gpu) is None
+    monkeypatch.setattr(machine, "load_average_1m", lambda: 1.5)
+    assert machine.busy_warning(cpu) is None
+    monkeypatch.setattr(machine, "load_average_1m", lambda: None)    # an OS without a load average
+    assert machine.busy_warning(cpu) is None
