@@ -115,17 +115,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_model_len", "tile_size", "graph_cache_size"):
-            _check_int(f"EngineConfig.{name}", getattr(self, name), 1)
+            _set_int(self, name, f"EngineConfig.{name}", 1)
         if self.prefill_gemm_rows is not None:
-            _check_int("EngineConfig.prefill_gemm_rows", self.prefill_gemm_rows, 1)
+            _set_int(self, "prefill_gemm_rows", "EngineConfig.prefill_gemm_rows", 1)
         if self.num_blocks is not None:
-            _check_int("EngineConfig.num_blocks", self.num_blocks, 2)   # block 0 is reserved
+            _set_int(self, "num_blocks", "EngineConfig.num_blocks", 2)   # block 0 is reserved
         for name in ("prefix_tiles", "cuda_graphs", "batch_invariant", "prefill_stream", "keep_logits", "poison_kv",
                      "trace_loops"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"EngineConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.eos_token_id is not None:
-            _check_int("EngineConfig.eos_token_id", self.eos_token_id, 0)
+            _set_int(self, "eos_token_id", "EngineConfig.eos_token_id", 0)
         if self.kv_layout not in choice_values(KVLayout):
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}; expected one of {choice_values(KVLayout)}")
         if self.prefix_tiles and self.kv_layout != KVLayout.ALIAS:
@@ -178,10 +178,12 @@ class Request:
             _check_int(f"{where}: prompt token id", t, 0)
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
         for name in ("max_tokens", "min_loops", "max_loops"):
-            _check_int(f"{where}: {name}", getattr(self, name), 1)
+            _set_int(self, name, f"{where}: {name}", 1)
         thr = self.exit_threshold
         if isinstance(thr, bool) or not isinstance(thr, numbers.Real) or not 0.0 < float(thr) <= 1.0:
             raise ValueError(f"{where}: exit_threshold must be a number in (0, 1], got {thr!r}")
+        # a numpy float (np.float32 is no float) kept as given would not serialise into a schedule
+        object.__setattr__(self, "exit_threshold", int(thr) if isinstance(thr, numbers.Integral) else float(thr))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"{where}: ignore_eos must be true or false, got {self.ignore_eos!r}")
 
@@ -192,6 +194,14 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _set_int(obj, attr: str, name: str, minimum: int) -> None:
+    """:func:`_check_int` on the frozen dataclass field ``obj.attr``, then store it as a plain int: a numpy
+    integer passes the check but would not serialise into a schedule or a settings record."""
+    value = getattr(obj, attr)
+    _check_int(name, value, minimum)
+    object.__setattr__(obj, attr, int(value))
 
 
 @dataclass(frozen=True)

@@ -419,6 +419,27 @@ def test_first_difference_names_position_wanted_and_got():
     assert first_difference([1, 2, 3], [1, 2]) == (2, "<end>", 3)
 
 
+def test_numpy_scalars_are_kept_as_plain_numbers_so_a_capture_serialises(model64):
+    """numpy integers and floats pass the type checks (they are numbers) but must not be stored as such: a
+    schedule captured from them has to serialise to JSON, and replay them, like plain ones."""
+    import numpy as np
+    req = Request("x", np.array([1, 2]), np.int64(3), min_loops=np.int32(2), max_loops=np.int64(4),
+                  exit_threshold=np.float32(0.3))
+    assert [type(getattr(req, f)) for f in ("max_tokens", "min_loops", "max_loops", "exit_threshold")] == \
+        [int, int, int, float]
+    cfg = EngineConfig(max_num_seqs=np.int64(2), block_size=np.int32(4), max_model_len=np.int64(64),
+                       num_blocks=np.int64(40), tile_size=np.int64(8), prefill_gemm_rows=np.int64(16),
+                       eos_token_id=np.int64(3))
+    for f in ("max_num_seqs", "block_size", "max_model_len", "num_blocks", "tile_size", "prefill_gemm_rows",
+              "eos_token_id"):
+        assert type(getattr(cfg, f)) is int, f
+    eng, outs = run_engine(model64, [req], **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    sched = Schedule.from_json(eng.capture_schedule().to_json())
+    _, replayed = run_engine(model64, [req], max_num_seqs=2, block_size=4, max_model_len=64, exit_policy="replay",
+                             schedule=sched)
+    sched.verify(replayed)
+
+
 def test_a_schedule_that_is_no_schedule_is_a_type_error():
     with pytest.raises(TypeError, match="EngineConfig.schedule must be a Schedule or None, got str"):
         EngineConfig(exit_policy="replay", schedule="x")
