@@ -54,6 +54,9 @@ class LoopEngine:
             raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
                              f"{positions} rotary positions (max_position_embeddings="
                              f"{cfg.max_position_embeddings}, rope_len={model.cos.shape[0]})")
+        if config.eos_token_id is not None and config.eos_token_id >= cfg.vocab_size:
+            raise ValueError(f"EngineConfig.eos_token_id={config.eos_token_id} is outside the model's vocabulary "
+                             f"[0, {cfg.vocab_size}): no request would ever stop at it")
         S = config.max_num_seqs
         max_blocks = -(-config.max_model_len // config.block_size)
         num_blocks = config.num_blocks or S * self.num_planes * max_blocks + 1

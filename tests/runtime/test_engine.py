@@ -397,6 +397,13 @@ def test_max_model_len_beyond_rotary_positions_is_refused(tiny_ckpt):
         LoopEngine(model, EngineConfig(max_model_len=2048))
 
 
+def test_eos_token_id_outside_the_vocabulary_is_refused(model64):
+    """An EOS id the model can never sample would let every ignore_eos=False request run to max_tokens."""
+    with pytest.raises(ValueError, match="eos_token_id=256 is outside the model's vocabulary"):
+        LoopEngine(model64, EngineConfig(max_model_len=64, eos_token_id=256))
+    LoopEngine(model64, EngineConfig(max_model_len=64, eos_token_id=255))
+
+
 def test_stats_minus_subtracts_counters_and_keeps_peaks():
     from loopbench.runtime.api import EngineStats, GraphCounters
     before = EngineStats(rows_per_depth=[1, 2], steps=3, peak_kv_blocks=5, decode_graphs=GraphCounters(1, 2, 0))
