@@ -72,6 +72,7 @@ class LoopEngine:
         self.runner = Runner(model, config, self.kv, self.policy, self.stats)
         self._finished: dict[str, tuple[Request, torch.Tensor | None, list[int], str]] = {}
         self._aborted = False
+        self._run_start_step = 0        # stats.steps when the current run began (stats are cumulative)
         self.logits_log: dict[str, list[torch.Tensor]] = {}   # filled only with keep_logits
         # filled only with trace_loops: request id -> {"survival": per output token the S_r of each loop
         # it ran ([] for the first token: prefill runs every loop, no gate decides), "top2": per output
@@ -109,6 +110,7 @@ class LoopEngine:
         self.logits_log.clear()
         self.loop_trace.clear()
         self._aborted = False
+        self._run_start_step = self.stats.steps
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -285,5 +287,6 @@ class LoopEngine:
             raise RuntimeError("a run with aborted requests cannot be frozen as a schedule")
         outs = self.outputs()
         runs = [(self._finished[rid][0], outs[rid]) for rid in self.scheduler.admission_order]
-        return Schedule.from_run(runs, max_num_seqs=self.config.max_num_seqs, num_steps=self.stats.steps,
+        return Schedule.from_run(runs, max_num_seqs=self.config.max_num_seqs,
+                                 num_steps=self.stats.steps - self._run_start_step,
                                  trace_sha256=self.trace_sha256)

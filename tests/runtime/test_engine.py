@@ -270,6 +270,19 @@ def test_reset_run_repeats_the_same_workload_identically(model64):
     assert eng.run() == first and eng.trace_sha256 == trace
 
 
+def test_a_capture_after_reset_run_is_the_runs_own_schedule(model64):
+    """The measured run after a warmup freezes the same schedule as a fresh engine's run (num_steps included):
+    the cumulative stats count the warmup's steps too."""
+    reqs = make_requests(3, 4, "ouro_delayed", seed=2)
+    eng, _ = run_engine(model64, reqs, max_num_seqs=2, exit_policy="ouro_delayed")
+    fresh = eng.capture_schedule()
+    eng.reset_run()
+    for r in reqs:
+        eng.add_request(r)
+    eng.run()
+    assert eng.capture_schedule() == fresh
+
+
 @pytest.mark.slow      # about 100 s a layout on 2 cores (the interpreter)
 @pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
 def test_triton_backend_and_fused_ops_match_reference_under_interpreter(tiny_ckpt, naive, layout):
