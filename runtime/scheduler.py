@@ -72,6 +72,8 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- requests
     def add(self, req: Request) -> None:
         """Queue a request (FIFO). ValueError names the offending field."""
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request needs a Request, got {type(req).__name__} {req!r}")
         if req.request_id in self._ids:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
         if not req.prompt_token_ids:

@@ -217,6 +217,14 @@ def test_bad_requests_and_configs_are_refused(model64):
         EngineConfig(descriptor_mode="zero")
 
 
+@pytest.mark.parametrize("bad", [("a", [1], 2), {"request_id": "a", "prompt_token_ids": [1], "max_tokens": 2}, None])
+def test_add_request_takes_only_a_request(model64, bad):
+    eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64))
+    with pytest.raises(TypeError, match="add_request needs a Request, got"):
+        eng.add_request(bad)
+    assert not eng.has_unfinished()
+
+
 def test_config_choices_are_enums_that_accept_plain_strings():
     members = EngineConfig(kv_layout=KVLayout.ALIAS, exit_policy=ExitPolicyName.FIXED,
                            attention_backend=AttentionBackendName.TRITON, descriptor_mode=DescriptorMode.MAPPED)
