@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping, Set
 from dataclasses import astuple, dataclass, field, replace
 from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
@@ -171,7 +172,9 @@ class Request:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise TypeError(f"Request.request_id must be a non-empty string, got {self.request_id!r}")
         where = f"request {self.request_id!r}"
-        if isinstance(self.prompt_token_ids, (str, bytes)) or not hasattr(self.prompt_token_ids, "__iter__"):
+        # a set or a dict iterates in an order of its own: the prompt's order would be lost without a word
+        if (isinstance(self.prompt_token_ids, (str, bytes, Set, Mapping))
+                or not hasattr(self.prompt_token_ids, "__iter__")):
             raise TypeError(f"{where}: prompt_token_ids must be a sequence of ints, got {self.prompt_token_ids!r}")
         ids = tuple(self.prompt_token_ids)
         for t in ids:

@@ -374,6 +374,7 @@ def test_stats_snapshot_is_not_aliased(model64):
 @pytest.mark.parametrize("field,value,error", [
     ("prompt_token_ids", [1.7, 2.2], TypeError), ("prompt_token_ids", "123", TypeError),
     ("prompt_token_ids", [True], TypeError), ("prompt_token_ids", [-1], ValueError),
+    ("prompt_token_ids", {3, 1, 2}, TypeError), ("prompt_token_ids", {3: 0, 1: 0}, TypeError),   # no order
     ("max_tokens", 2.5, TypeError), ("max_tokens", True, TypeError), ("max_tokens", 0, ValueError),
     ("min_loops", 1.5, TypeError), ("max_loops", "4", TypeError), ("exit_threshold", "0.5", ValueError),
     ("exit_threshold", float("nan"), ValueError), ("ignore_eos", "no", TypeError), ("request_id", None, TypeError),
