@@ -105,6 +105,11 @@ class Schedule:
             if a != b:
                 raise ValueError(f"schedule does not fit: request {request.request_id!r} has {name} {a!r}, "
                                  f"the schedule has {b!r}")
+        # a depth no loop reaches would only show mid-run, as a row the replay never lets exit
+        for i, depth in enumerate(entry.exit_depths):
+            if not 1 <= depth <= entry.max_loops:
+                raise ValueError(f"schedule is damaged: request {request.request_id!r} has exit depth {depth!r} at "
+                                 f"token {i}, outside 1..{entry.max_loops} (its max_loops)")
         return entry
 
     def verify(self, outputs: dict, trace_sha256: str | None = None) -> None:

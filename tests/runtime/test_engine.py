@@ -147,6 +147,14 @@ def test_schedule_that_does_not_fit_is_refused(model64):
     with pytest.raises(ValueError, match="not in the schedule"):
         run_engine(model64, [dataclasses.replace(reqs[0], request_id="zz")], max_num_seqs=2,
                    exit_policy="replay", schedule=sched)
+    # exit depths no loop can reach are refused at add_request, not found mid-run by the host's depth check
+    r0 = sched.requests[0]
+    for depths in ((r0.exit_depths[0], r0.max_loops + 1) + r0.exit_depths[2:], (r0.exit_depths[0], 0)):
+        bad = dataclasses.replace(sched, requests=(dataclasses.replace(r0, exit_depths=depths),) + sched.requests[1:])
+        eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=128, exit_policy="replay", schedule=bad))
+        with pytest.raises(ValueError, match=rf"request 'r0' has exit depth {depths[1]} at token 1, outside 1\.\.4"):
+            eng.add_request(reqs[0])
+        assert eng.stats.steps == 0 and not eng.has_unfinished()
 
 
 @pytest.mark.parametrize("layout", [dict(kv_layout="native"), dict(kv_layout="alias", prefix_tiles=True)])
