@@ -75,6 +75,7 @@ from . import pdl
 from .gemm import l2_prefetch_if, sm_count
 
 LAYOUTS = ("native", "alias")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # of q and the caches (no float64: the CPU reference's)
 
 # A split covers at least MIN_SPLIT_TOKENS keys and a row has at most MAX_SPLITS splits; both are
 # constants so the split of a row's key range is a pure function of its context length.
@@ -499,7 +500,7 @@ def _validate(q, k_cache, v_cache, block_tables, row_slot, row_depth, row_pos, e
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if q.dtype not in DTYPES:
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "

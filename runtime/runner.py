@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from loopbench.kernels import exit_rule, step_state
+from loopbench.kernels.decode_attention import DTYPES as DECODE_DTYPES
 from loopbench.kernels.prefill_attention import DEFAULT_BLOCK_M as PREFILL_BLOCK_M
 from loopbench.kernels.prefill_attention import max_prefill_tiles, packed_prefill_attention, prefill_tiles
 
-from .api import EngineConfig, EngineStats, KVLayout
+from .api import AttentionBackendName, EngineConfig, EngineStats, KVLayout
 from .attention import get_backend
 from .descriptors import PADDING_COLUMNS, DescriptorBanks, to_device_async, unpack_prefill_descriptor
 from .exit_policy import NaturalPolicy, ReplayPolicy
@@ -93,6 +94,10 @@ class Runner:
         self.model, self.config, self.kv, self.policy = model, config, kv, policy
         cfg, dev, S, acc = model.cfg, model.device, config.max_num_seqs, model.rope_dtype
         self.backend = get_backend(config.attention_backend)
+        if config.attention_backend == AttentionBackendName.TRITON and model.dtype not in DECODE_DTYPES:
+            # else the first decode step would fail, after every prefill loop
+            raise ValueError(f"attention_backend='triton' needs a float32, bfloat16 or float16 model, got "
+                             f"{model.dtype} (use attention_backend='torch')")
         # RoPE and the KV write in one launch per layer where both are Triton kernels (the fused loop).
         self.fused_kv_write = model.fused and config.attention_backend == "triton"
         # The slot state around each loop in one Triton launch per side where the loop runs on Triton kernels

@@ -434,6 +434,14 @@ def test_eos_token_id_outside_the_vocabulary_is_refused(model64):
     LoopEngine(model64, EngineConfig(max_model_len=64, eos_token_id=255))
 
 
+def test_triton_backend_refuses_a_float64_model_at_construction(model64):
+    """The Triton decode kernel takes fp32/bf16/fp16: an fp64 engine must fail before it admits anything, not at
+    its first decode step after every prefill loop has run."""
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a float32, bfloat16 or float16 model, "
+                                         "got torch.float64"):
+        LoopEngine(model64, EngineConfig(max_model_len=64, attention_backend="triton"))
+
+
 def test_stats_minus_subtracts_counters_and_keeps_peaks():
     from loopbench.runtime.api import EngineStats, GraphCounters
     before = EngineStats(rows_per_depth=[1, 2], steps=3, peak_kv_blocks=5, decode_graphs=GraphCounters(1, 2, 0))
