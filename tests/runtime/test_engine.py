@@ -225,6 +225,12 @@ def test_bad_requests_and_configs_are_refused(model64):
         EngineConfig(descriptor_mode="zero")
 
 
+@pytest.mark.parametrize("bad", [{"max_num_seqs": 2}, None])
+def test_loop_engine_takes_only_an_engine_config(model64, bad):
+    with pytest.raises(TypeError, match="LoopEngine needs an EngineConfig, got"):
+        LoopEngine(model64, bad)
+
+
 @pytest.mark.parametrize("bad", [("a", [1], 2), {"request_id": "a", "prompt_token_ids": [1], "max_tokens": 2}, None])
 def test_add_request_takes_only_a_request(model64, bad):
     eng = LoopEngine(model64, EngineConfig(max_num_seqs=2, max_model_len=64))
