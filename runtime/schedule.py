@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 class ScheduleMismatchError(ValueError):
@@ -32,6 +32,19 @@ def first_difference(got, want) -> tuple[int, object, object] | None:
         i = min(len(got), len(want))
         return i, (want[i] if i < len(want) else "<end>"), (got[i] if i < len(got) else "<end>")
     return None
+
+
+def _check_fields(raw, kind: type, where: str) -> None:
+    """ValueError unless ``raw`` (parsed JSON) is an object with exactly the fields of dataclass ``kind``."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    names = [f.name for f in fields(kind)]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(map(repr, missing))}")
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise ValueError(f"{where} has unknown field {', '.join(map(repr, unknown))}")
 
 
 @dataclass(frozen=True)
@@ -70,9 +83,14 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
+        """The schedule ``to_json`` wrote; ValueError naming the version, or the fields missing or unknown."""
         raw = json.loads(text)
-        if raw.get("version") != cls.FORMAT_VERSION:
-            raise ValueError(f"schedule format version {raw.get('version')!r}, expected {cls.FORMAT_VERSION}")
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if version != cls.FORMAT_VERSION:
+            raise ValueError(f"schedule format version {version!r}, expected {cls.FORMAT_VERSION} (a JSON object)")
+        _check_fields(raw, cls, "schedule")
+        for i, r in enumerate(raw["requests"]):
+            _check_fields(r, ScheduledRequest, f"schedule request {i}")
         reqs = tuple(ScheduledRequest(**{**r, "token_ids": tuple(r["token_ids"]),
                                          "exit_depths": tuple(r["exit_depths"])}) for r in raw["requests"])
         return cls(version=raw["version"], max_num_seqs=raw["max_num_seqs"],

@@ -132,6 +132,18 @@ def test_replay_reproduces_capture_and_drift_fails(model64):
         sched.verify(outs2, rep2.trace_sha256)
 
 
+@pytest.mark.parametrize("text, match", [
+    ('[1]', "a JSON object"), ('{"version": 1}', "lacks 'max_num_seqs'"),
+    ('{"version": 1, "max_num_seqs": 1, "admission_order": [], "requests": [{"request_id": "r0"}], "num_steps": 0, '
+     '"trace_sha256": ""}', "request 0 lacks 'prompt_sha256', .*'exit_depths'"),
+    ('{"version": 1, "max_num_seqs": 1, "admission_order": [], "requests": [], "num_steps": 0, "trace_sha256": "", '
+     '"steps": 3}', "unknown field 'steps'"),
+])
+def test_a_malformed_schedule_file_is_a_value_error_naming_what_lacks(text, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule.from_json(text)
+
+
 def test_schedule_that_does_not_fit_is_refused(model64):
     reqs = make_requests(3, 4, "ouro_delayed")
     eng, _ = run_engine(model64, reqs, max_num_seqs=2, exit_policy="ouro_delayed")
