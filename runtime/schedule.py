@@ -35,7 +35,8 @@ def first_difference(got, want) -> tuple[int, object, object] | None:
 
 
 def _check_fields(raw, kind: type, where: str) -> None:
-    """ValueError unless ``raw`` (parsed JSON) is an object with exactly the fields of dataclass ``kind``."""
+    """ValueError unless ``raw`` (parsed JSON) is an object with exactly the fields of dataclass ``kind``, each of
+    its tuple fields a JSON array (else a dict's keys or a string's characters would be taken for its items)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(raw).__name__}")
     names = [f.name for f in fields(kind)]
@@ -45,6 +46,9 @@ def _check_fields(raw, kind: type, where: str) -> None:
     unknown = sorted(set(raw) - set(names))
     if unknown:
         raise ValueError(f"{where} has unknown field {', '.join(map(repr, unknown))}")
+    for f in fields(kind):
+        if str(f.type).startswith("tuple") and not isinstance(raw[f.name], list):
+            raise ValueError(f"{where} field {f.name!r} must be a JSON array, got {type(raw[f.name]).__name__}")
 
 
 @dataclass(frozen=True)

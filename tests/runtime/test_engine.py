@@ -1,6 +1,7 @@
 """The runtime on the CPU: engine == naive reference, native == alias == alias+prefix bitwise,
 schedule capture/replay, aborts and slot reuse, checkpoint round trip, the 1.4B preset's size."""
 import dataclasses
+import json
 import re
 
 import pytest
@@ -142,6 +143,24 @@ def test_replay_reproduces_capture_and_drift_fails(model64):
 def test_a_malformed_schedule_file_is_a_value_error_naming_what_lacks(text, match):
     with pytest.raises(ValueError, match=match):
         Schedule.from_json(text)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: d.update(requests=None), "schedule field 'requests' must be a JSON array, got NoneType"),
+    (lambda d: d.update(requests={"r0": d["requests"][0]}), "schedule field 'requests' must be a JSON array, got dict"),
+    (lambda d: d.update(admission_order="r0"), "schedule field 'admission_order' must be a JSON array, got str"),
+    (lambda d: d["requests"][0].update(exit_depths=4), "schedule request 0 field 'exit_depths' must be a JSON array"),
+])
+def test_a_schedule_field_that_is_no_json_array_is_a_value_error_naming_it(damage, match):
+    """A list field of another type failed with TypeError ('NoneType' object is not iterable), was misread (a dict's
+    keys taken for its requests) or taken apart (the string "r0" as the admission order ('r', '0'))."""
+    data = {"version": 1, "max_num_seqs": 1, "admission_order": ["r0"], "num_steps": 2, "trace_sha256": "",
+            "requests": [{"request_id": "r0", "prompt_sha256": "", "prompt_len": 1, "max_tokens": 2, "min_loops": 1,
+                          "max_loops": 4, "exit_threshold": 1.0, "token_ids": [5, 6], "exit_depths": [4, 2]}]}
+    assert Schedule.from_json(json.dumps(data)).admission_order == ("r0",)
+    damage(data)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        Schedule.from_json(json.dumps(data))
 
 
 def test_schedule_that_does_not_fit_is_refused(model64):
