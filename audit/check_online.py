@@ -173,7 +173,7 @@ def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str, sessions: lis
                            f"config.arms.{arm} says {'nothing' if want is contract.ABSENT else repr(want)}")
     for key, want in _planned_run(plan["online"], rec["kind"]).items():
         if not same(rec[key], want):
-            ctx.fail("online", f"{rel}: {key} is {rec[key]!r}, plan.json online gives a {rec['kind']} run {want!r}")
+            ctx.fail("online", f"{rel}: {key} is {rec[key]!r}, plan.json online gives the {rec['kind']} run {want!r}")
 
 
 def _planned_run(on: dict, kind: str) -> dict:
