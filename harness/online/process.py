@@ -44,7 +44,16 @@ class ServerProcess:
         self._tmp = tempfile.TemporaryDirectory(prefix="loopbench-server-")
 
     def start(self) -> str:
-        """Start the child and wait until it is healthy; returns its base URL."""
+        """Start the child and wait until it is healthy; returns its base URL. Whatever ends the wait (the child's
+        exit, the health timeout, a Ctrl-C or a stop raised in it) stops the child and removes its temporary files
+        first: the child runs in a session of its own, so no signal to ours reaches it."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
         import httpx
 
         port_file = Path(self._tmp.name) / "port"
@@ -65,7 +74,6 @@ class ServerProcess:
                 except httpx.HTTPError:
                     pass
             time.sleep(0.1)
-        self.stop()
         raise ServerFailed(f"the server was not healthy within {self.health_timeout_s:g} s; last lines of "
                            f"{self.log_path}:\n{log_tail(self.log_path)}")
 
@@ -101,6 +109,7 @@ class ServerProcess:
         """SIGTERM, then SIGKILL after ``grace_s``; the exit status as harness/exit_status.py records one
         (negative: killed by that signal; None: never started)."""
         if self.proc is None:
+            self._tmp.cleanup()
             return None
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

@@ -1,4 +1,6 @@
 """The server as a separate process (harness/online/process.py), the online plan and its config rules."""
+import os
+
 import httpx
 import pytest
 import torch
@@ -8,6 +10,7 @@ from loopbench.harness import conf
 from loopbench.harness.fixtures import write_synthetic_checkpoint
 from loopbench.harness.online.plan import online_order, online_plan
 from loopbench.harness.plan import point_entries
+from loopbench.harness.online import process
 from loopbench.harness.online.process import ServerFailed, ServerProcess
 
 ARM = {"kv_layout": "native", "prefix_tiles": False, "attention_backend": "torch", "cuda_graphs": False,
@@ -151,3 +154,30 @@ def test_an_online_run_sends_every_warmup_request_it_records_even_past_the_trace
     rec = arms.run_item(plan, job, item, [[1, 2, 3], [4, 5, 6, 7]], None, tmp_path / "online")
     assert rec["warmup_requests"] == 5 and [q["error"] for q in rec["requests"]] == [None, None]
     assert (rec["server"]["health"]["accepted"], rec["server"]["health"]["completed"]) == (7, 7)
+
+
+def test_a_server_that_crashes_while_starting_leaves_no_temporary_files(tmp_path):
+    server = ServerProcess(_spec(str(tmp_path / "no-such-checkpoint")), tmp_path / "server.log", health_timeout_s=120)
+    tmp = server._tmp.name
+    with pytest.raises(ServerFailed):
+        server.start()
+    assert server.exit_code == 1 and not os.path.exists(tmp)
+
+
+def test_a_ctrl_c_while_the_server_starts_stops_it(tmp_path, monkeypatch):
+    ckpt = write_synthetic_checkpoint(tmp_path / "tiny", "tiny", seed=0, dtype=torch.float32)
+    server = ServerProcess(_spec(str(ckpt)), tmp_path / "server.log", health_timeout_s=120)
+    tmp = server._tmp.name
+
+    real_sleep, calls = process.time.sleep, []
+
+    def interrupted(seconds):           # the first wait for health; later sleeps (the stop's wait) are real
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+    monkeypatch.setattr(process.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    assert server.proc is not None and server.proc.poll() is not None    # reaped, not left to run on
+    assert not os.path.exists(tmp)
