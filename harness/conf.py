@@ -385,17 +385,20 @@ def _preset_data(preset: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _preset_settings(preset: str) -> dict | None:
-    """Preset ``preset``'s own settings (:func:`_preset_data` without Hydra's ``defaults`` and ``hydra`` nodes)."""
-    data = _preset_data(preset)
-    return None if data is None else {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+def _own_settings(data: dict) -> dict:
+    """A preset's own settings: its :func:`_preset_data` without Hydra's ``defaults`` and ``hydra`` nodes."""
+    return {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+
+
+def _extended(data: dict | None) -> list[str]:
+    """The presets of ``configs/`` that a preset's defaults list names (its :func:`_preset_data`; none for None)."""
+    entries = (data.get("defaults") or []) if data is not None else []
+    return [e for e in entries if isinstance(e, str) and (CONFIG_DIR / f"{e}.yaml").is_file()]
 
 
 def _extends(preset: str) -> list[str]:
     """The presets of ``configs/`` that preset ``preset``'s defaults list names (none for a file that does not read)."""
-    data = _preset_data(preset)
-    entries = (data.get("defaults") or []) if data is not None else []
-    return [e for e in entries if isinstance(e, str) and (CONFIG_DIR / f"{e}.yaml").is_file()]
+    return _extended(_preset_data(preset))
 
 
 def _check_defaults_cycle(config_name: str) -> None:
@@ -459,13 +462,13 @@ def _check_preset_keys(name: str, seen: set[str]) -> None:
     """The keys of preset ``name``'s YAML and of the presets its defaults list extends, each file on its
     own (``rules.check_keys``: ValueError naming the file); Hydra's ``defaults`` and ``hydra`` nodes aside."""
     seen.add(name)
-    settings = _preset_settings(name)
-    if settings is None:
+    data = _preset_data(name)
+    if data is None:
         return    # Hydra could not read it either, and says why
-    for entry in _extends(name):
+    for entry in _extended(data):
         if entry not in seen:
             _check_preset_keys(entry, seen)
-    rules.check_keys(settings, BenchConf, where=f" in {CONFIG_DIR.name}/{name}.yaml")
+    rules.check_keys(_own_settings(data), BenchConf, where=f" in {CONFIG_DIR.name}/{name}.yaml")
 
 
 def _check_switches(config_name: str, overrides: list[str]) -> None:
@@ -476,9 +479,9 @@ def _check_switches(config_name: str, overrides: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for preset in preset_files(config_name):
-        settings = _preset_settings(preset)
-        if settings is not None:
-            rules.check_bools(settings, BenchConf, where=f" in {CONFIG_DIR.name}/{preset}.yaml")
+        data = _preset_data(preset)
+        if data is not None:
+            rules.check_bools(_own_settings(data), BenchConf, where=f" in {CONFIG_DIR.name}/{preset}.yaml")
     for override in OverridesParser.create().parse_overrides(overrides):
         if override.is_delete() or override.is_sweep_override() or _hydras_own(override):
             continue
