@@ -230,6 +230,7 @@ class SessionInputs:
 
     job: dict
     device: dict
+    plan: dict                    # plan.json, read once per session
     config: dict                  # the plan's resolved config
     points: dict[str, dict]       # the plan's points by key
     max_model_len: int
@@ -255,7 +256,7 @@ def load_session(job: dict) -> SessionInputs:
     model = load_model(plan["checkpoint"]["path"], cfg["model"]["dtype"], device, plan["max_model_len"])
     frozen = {key: (bundle / pt["reference"]["file"]).read_text() for key, pt in points.items()}
     return SessionInputs(
-        job=job, device=device, config=cfg, points=points, max_model_len=plan["max_model_len"], model=model,
+        job=job, device=device, plan=plan, config=cfg, points=points, max_model_len=plan["max_model_len"], model=model,
         frozen=frozen, schedules={key: Schedule.from_json(text) for key, text in frozen.items()},
         requests={key: point_requests(prompts, pt, cfg["workload"]["output_len"], cfg["exit"])
                   for key, pt in points.items()},
@@ -310,7 +311,7 @@ def measure(job: dict) -> None:
     from .online.arms import measure_online, track_here   # the online track (harness/online/), when the plan has one
 
     todo = [item for item in s.order if seqs is None or item.seq in seqs]
-    online = track_here(json.loads((Path(job["bundle"]) / "plan.json").read_text()), job) is not None
+    online = track_here(s.plan, job) is not None
     if not todo and not online:
         _job_recorded()
     for done, item in enumerate(todo):
@@ -324,7 +325,7 @@ def measure(job: dict) -> None:
             _log(arm_log_line(item, rec))
             if done == len(todo) - 1 and not online:
                 _job_recorded()
-    measure_online(job, _log)
+    measure_online(job, _log, s.plan)
     _job_recorded()
 
 

@@ -117,12 +117,12 @@ def track_here(plan: dict, job: dict) -> dict | None:
     return online if online is not None and job["name"] == online["device"] else None
 
 
-def measure_online(job: dict, log) -> None:
-    """The session's online track: every online run of the plan not yet recorded, in order (nothing without
-    one or on another device). The device's first session records them all; a later one (a resume's, after a
-    stop in the middle of the track) runs those left, at the capacity of the recorded calibration run."""
+def measure_online(job: dict, log, plan: dict) -> None:
+    """The session's online track: every online run of ``plan`` (the bundle's plan.json) not yet recorded, in order
+    (nothing without one or on another device). The device's first session records them all; a later one (a
+    resume's, after a stop in the middle of the track) runs those left, at the capacity of the recorded calibration
+    run."""
     bundle = Path(job["bundle"])
-    plan = json.loads((bundle / "plan.json").read_text())
     online = track_here(plan, job)
     if online is None:
         return

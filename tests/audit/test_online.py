@@ -257,7 +257,7 @@ def test_a_resume_after_a_calibration_run_that_completed_no_request_names_it_bef
         mp.setattr(arms.ServerProcess, "start", lambda self: started.append(self) or (_ for _ in ()).throw(
             AssertionError("a server started")))
         with pytest.raises(RuntimeError, match="the online calibration run completed no request"):
-            arms.measure_online(job, lambda line: None)
+            arms.measure_online(job, lambda line: None, json.loads((bundle / "plan.json").read_text()))
     assert not started and sorted(p.name for p in (bundle / "online" / "cpu0").glob("*.json")) == [_raw(bundle, 0).name]
 
 

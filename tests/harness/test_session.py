@@ -278,14 +278,14 @@ _SESSION_STOPPED_AT = (
     "    write(path, data)\n"
     "    if AT == 'after_last_record' and data == {'seq': order[-1].seq}:\n"
     "        os.kill(os.getpid(), signal.SIGTERM)   # the controller's stop, as the last record lands\n"
-    "session.load_session = lambda job: SimpleNamespace(order=order, device={}, frozen={}, model=None,\n"
+    "session.load_session = lambda job: SimpleNamespace(order=order, device={}, frozen={}, model=None, plan={},\n"
     "                                                   config={'arms': {}, 'fault': {'kill_after_arms': None}})\n"
     "session.write_ceiling = lambda job, device: None\n"
     "session.arm_coverage = lambda frozen, arms, model: None\n"
     "session.measure_arm = measure_arm\n"
     "session.atomic_write_json = atomic_write_json\n"
     "session.arm_log_line = lambda item, rec: f'arm {item.seq}'\n"
-    "online_arms.measure_online = lambda job, log: None\n"
+    "online_arms.measure_online = lambda job, log, plan: None\n"
     "sys.exit(session.main(['job.json']))\n")
 
 
@@ -301,7 +301,6 @@ def test_a_stop_after_the_last_record_lets_the_session_complete_and_one_before_i
 
     repo = Path(__file__).resolve().parents[2]
     (tmp_path / "jobs").mkdir()
-    (tmp_path / "plan.json").write_text("{}")     # no online track
     (tmp_path / "job.json").write_text(json.dumps({"kind": "session", "name": "cpu0", "bundle": str(tmp_path)}))
     proc = subprocess.run([sys.executable, "-c", _SESSION_STOPPED_AT, at], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
