@@ -1,6 +1,7 @@
 """Sessions against the runtime: a captured reference replays exactly, twice on one engine."""
 import json
 import re
+import signal
 from dataclasses import replace
 
 import pytest
@@ -211,7 +212,14 @@ def test_measured_time_covers_submission_to_synchronised_drain_only(tmp_path, mo
             "points": [{"key": "B2C3", "max_num_seqs": 2, "num_requests": 3, "reference": {"file": "ref.json"}}],
             "order": {"gpu0": [item, {**item, "seq": 1, "position": "candidate", "slot": 1}]}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    session.measure({"name": "gpu0", "bundle": str(tmp_path), "device": {"kind": "cuda", "gpu_index": 0}})
+    # a session that recorded all it was asked ignores SIGTERM from then on (session._job_recorded): put this
+    # process back, or every later test's children would inherit SIG_IGN and end by SIGKILL when stopped
+    monkeypatch.setitem(session._STOPS, "recorded", False)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        session.measure({"name": "gpu0", "bundle": str(tmp_path), "device": {"kind": "cuda", "gpu_index": 0}})
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
 
     names = [name for name, _ in dev.events]
     assert names.count("construct") == 2
