@@ -46,6 +46,8 @@ class LoopEngine:
     """Continuously batched looped decoding over ``max_num_seqs`` resident slots."""
 
     def __init__(self, model: OuroModel, config: EngineConfig):
+        if not isinstance(model, OuroModel):
+            raise TypeError(f"LoopEngine needs an OuroModel, got {type(model).__name__} {model!r}")
         if not isinstance(config, EngineConfig):
             raise TypeError(f"LoopEngine needs an EngineConfig, got {type(config).__name__} {config!r}")
         self.model, self.config = model, config

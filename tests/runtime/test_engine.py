@@ -150,10 +150,22 @@ def test_a_malformed_schedule_file_is_a_value_error_naming_what_lacks(text, matc
     (lambda d: d.update(requests={"r0": d["requests"][0]}), "schedule field 'requests' must be a JSON array, got dict"),
     (lambda d: d.update(admission_order="r0"), "schedule field 'admission_order' must be a JSON array, got str"),
     (lambda d: d["requests"][0].update(exit_depths=4), "schedule request 0 field 'exit_depths' must be a JSON array"),
+    (lambda d: d["requests"][0].update(exit_depths=[4, 2.5]),
+     "schedule request 0 field 'exit_depths' item 1 must be a JSON int, got 2.5"),
+    (lambda d: d["requests"][0].update(token_ids=[5, True]),
+     "schedule request 0 field 'token_ids' item 1 must be a JSON int, got True"),
+    (lambda d: d.update(admission_order=[7]), "schedule field 'admission_order' item 0 must be a JSON str, got 7"),
+    (lambda d: d.update(max_num_seqs="1"), "schedule field 'max_num_seqs' must be a JSON int, got '1'"),
+    (lambda d: d["requests"][0].update(max_loops=4.0), "schedule request 0 field 'max_loops' must be a JSON int, got 4.0"),
+    (lambda d: d["requests"][0].update(exit_threshold="1"),
+     "schedule request 0 field 'exit_threshold' must be a JSON float, got '1'"),
+    (lambda d: d["requests"][0].update(prompt_sha256=None),
+     "schedule request 0 field 'prompt_sha256' must be a JSON str, got None"),
 ])
-def test_a_schedule_field_that_is_no_json_array_is_a_value_error_naming_it(damage, match):
+def test_a_schedule_field_of_the_wrong_json_type_is_a_value_error_naming_it(damage, match):
     """A list field of another type failed with TypeError ('NoneType' object is not iterable), was misread (a dict's
-    keys taken for its requests) or taken apart (the string "r0" as the admission order ('r', '0'))."""
+    keys taken for its requests) or taken apart (the string "r0" as the admission order ('r', '0')); a scalar of
+    another type was taken as it was (an exit depth of 2.5, which no loop reaches, failed only mid-run)."""
     data = {"version": 1, "max_num_seqs": 1, "admission_order": ["r0"], "num_steps": 2, "trace_sha256": "",
             "requests": [{"request_id": "r0", "prompt_sha256": "", "prompt_len": 1, "max_tokens": 2, "min_loops": 1,
                           "max_loops": 4, "exit_threshold": 1.0, "token_ids": [5, 6], "exit_depths": [4, 2]}]}
@@ -520,6 +532,11 @@ def test_numpy_scalars_are_kept_as_plain_numbers_so_a_capture_serialises(model64
     _, replayed = run_engine(model64, [req], max_num_seqs=2, block_size=4, max_model_len=64, exit_policy="replay",
                              schedule=sched)
     sched.verify(replayed)
+
+
+def test_an_engine_over_no_model_is_a_type_error():
+    with pytest.raises(TypeError, match="LoopEngine needs an OuroModel, got str 'x'"):
+        LoopEngine("x", EngineConfig())
 
 
 def test_a_schedule_that_is_no_schedule_is_a_type_error():
