@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import sys
+import time
 from pathlib import Path
 
 from . import telemetry
@@ -86,22 +87,77 @@ def load_average_1m() -> float | None:
         return None
 
 
-def busy_cpu_warning(load_1m: float | None, cores: int) -> str | None:
-    """The one-line warning of a CPU run (the throughput probe, a bench on CPU devices) on a machine busier than
-    its cores (``load_1m`` above ``cores``), where its timings say more about the other processes than about the
-    runtime, and two arms' pair ratios can read a change that is not there; else None."""
-    if load_1m is None or load_1m <= cores:
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)     # /proc/stat cpuN: user nice system (idle iowait) irq softirq steal
+
+
+def _core_ticks(cores: set[int], stat: Path) -> tuple[int, int] | None:
+    """(busy, total) clock ticks so far of the cores ``cores``, summed over their ``cpuN`` lines of ``stat``
+    (proc(5)); None where the file is missing or lacks one of them."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
         return None
-    return (f"warning: the 1-minute load average {load_1m:.2f} exceeds the {cores} usable "
-            f"core{'' if cores == 1 else 's'}: CPU timings are for smoke checks, not performance evidence")
+    busy = total = seen = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            ticks = [int(x) for x in rest.split()[:8]]
+            busy += sum(ticks[i] for i in _BUSY_FIELDS if i < len(ticks))
+            total += sum(ticks)
+            seen += 1
+    return (busy, total) if seen == len(cores) else None
+
+
+def busy_cores_now(window_s: float = 0.2, stat: Path = Path("/proc/stat")) -> float | None:
+    """How many of this process's usable cores other work kept busy over the next ``window_s`` seconds, while this
+    process sleeps: the busy share of their ticks in /proc/stat (Linux; proc(5)) times their number. None where
+    there is no /proc/stat. Unlike the load average, which decays over a minute, it does not count a run that
+    has just ended, such as the previous job of a sweep."""
+    try:
+        cores = set(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    before = _core_ticks(cores, stat)
+    if before is None:
+        return None
+    time.sleep(window_s)
+    after = _core_ticks(cores, stat)
+    if after is None or after[1] <= before[1]:
+        return None
+    return len(cores) * (after[0] - before[0]) / (after[1] - before[1])
+
+
+def busy_cpu_warning(threads: int) -> str | None:
+    """The one-line warning of a CPU run of ``threads`` threads (the throughput probe, a bench on CPU devices) on a
+    machine whose other work leaves it fewer idle usable cores than that (by more than half a core; a run of more
+    threads than cores is held to all of them), where its timings say more about the
+    other processes than about the runtime, and two arms' pair ratios can read a change that is not there; else
+    None. Measured now (:func:`busy_cores_now`); where the OS has no per-core ticks, the 1-minute load average
+    against the usable cores instead."""
+    cores = usable_cores()
+    plural = "" if cores == 1 else "s"
+    busy = busy_cores_now()
+    if busy is None:
+        load_1m = load_average_1m()
+        if load_1m is None or load_1m <= cores:
+            return None
+        return (f"warning: the 1-minute load average {load_1m:.2f} exceeds the {cores} usable "
+                f"core{plural}: CPU timings are for smoke checks, not performance evidence")
+    if busy <= cores - min(threads, cores) + 0.5:     # half a core's allowance for the odd daemon
+        return None
+    return (f"warning: other work keeps {busy:.1f} of the {cores} usable core{plural} busy, leaving fewer idle than the run's "
+            f"{threads} thread{'' if threads == 1 else 's'}: CPU timings are for smoke checks, not "
+            "performance evidence")
 
 
 def busy_warning(devices: list[dict]) -> str | None:
     """:func:`busy_cpu_warning` for a run on ``devices`` (:func:`planned_devices`' dicts): only where one is a CPU,
-    since a GPU session's timings are the GPU's."""
-    if not any(d["kind"] == "cpu" for d in devices):
+    since a GPU session's timings are the GPU's; the threads are every CPU session's (a round's sessions run at once,
+    harness/executors.py)."""
+    cpus = [d for d in devices if d["kind"] == "cpu"]
+    if not cpus:
         return None
-    return busy_cpu_warning(load_average_1m(), usable_cores())
+    return busy_cpu_warning(sum(d.get("cpu_threads", 1) for d in cpus))
 
 
 def planned_devices(executor) -> list[dict]:

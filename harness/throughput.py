@@ -60,7 +60,7 @@ from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
 from .fixtures import config_of, write_calibrated_checkpoint
 from .identity import code_identity
-from .machine import busy_cpu_warning, cpu_name, load_average_1m, usable_cores, visible_gpus
+from .machine import busy_cpu_warning, cpu_name, visible_gpus
 from .profile import annotate_runner, figure_lines, profile_call, summarize, write_report
 from .records import ArmSpec
 from .sampler import Sampler
@@ -895,7 +895,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(header_line(device), flush=True)
-        warning = busy_cpu_warning(load_average_1m(), usable_cores()) if device == "cpu" else None
+        warning = busy_cpu_warning(args.cpu_threads) if device == "cpu" else None
         if warning:
             print(warning, file=sys.stderr, flush=True)
         if args.variant:

@@ -232,13 +232,43 @@ def test_each_gpu_child_reports_its_own_physical_card(mask):
     assert len({c["uuid"] for c in children}) == len(want)
 
 
-def test_a_run_on_cpu_devices_warns_of_a_machine_busier_than_its_cores_and_a_gpu_run_does_not(monkeypatch):
+def test_a_run_on_cpu_devices_warns_where_other_work_leaves_fewer_idle_cores_than_its_threads(monkeypatch):
     monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(machine, "busy_cores_now", lambda: 0.8)
+    one, two = machine.cpu_devices(1, 1), machine.cpu_devices(2, 1)
+    gpu = [{"name": "gpu0", "kind": "cuda", "gpu_index": 0, "cpu_threads": 1}]
+    assert machine.busy_warning(two) == (      # two sessions of a round run at once: 2 threads, 1.2 cores idle
+        "warning: other work keeps 0.8 of the 2 usable cores busy, leaving fewer idle than the run's 2 threads: "
+        "CPU timings are for smoke checks, not performance evidence")
+    assert machine.busy_warning(machine.cpu_devices(1, 2)) == machine.busy_warning(two)
+    assert machine.busy_warning(one) is None and machine.busy_warning(gpu) is None
+    # a run of more threads than cores is not told the machine is busy when it is not (half a core's allowance)
+    monkeypatch.setattr(machine, "busy_cores_now", lambda: 0.4)
+    assert machine.busy_warning(machine.cpu_devices(1, 3)) is None and machine.busy_warning(two) is None
+    monkeypatch.setattr(machine, "busy_cores_now", lambda: 1.6)
+    assert machine.busy_warning(one).startswith("warning: other work keeps 1.6 of the 2 usable cores busy")
+    # where no per-core ticks are readable, the 1-minute load average against the usable cores
+    monkeypatch.setattr(machine, "busy_cores_now", lambda: None)
     monkeypatch.setattr(machine, "load_average_1m", lambda: 6.5)
-    cpu, gpu = machine.cpu_devices(1, 1), [{"name": "gpu0", "kind": "cuda", "gpu_index": 0}]
-    assert machine.busy_warning(cpu).startswith("warning: the 1-minute load average 6.50 exceeds the 2 usable cores")
-    assert machine.busy_warning(gpu) is None
+    assert machine.busy_warning(one).startswith("warning: the 1-minute load average 6.50 exceeds the 2 usable cores")
     monkeypatch.setattr(machine, "load_average_1m", lambda: 1.5)
-    assert machine.busy_warning(cpu) is None
+    assert machine.busy_warning(one) is None
     monkeypatch.setattr(machine, "load_average_1m", lambda: None)    # an OS without a load average
-    assert machine.busy_warning(cpu) is None
+    assert machine.busy_warning(one) is None
+
+
+def test_busy_cores_are_the_busy_share_of_the_usable_cores_ticks_over_the_window(tmp_path, monkeypatch):
+    """/proc/stat per core: user nice system idle iowait irq softirq steal guest guest_nice (proc(5)); iowait counts
+    as idle, guest is already in user, and a core outside the affinity mask (cpu2) does not count."""
+    stat = tmp_path / "stat"
+    before = "cpu 1 1 1 1 1 1 1 1 1 1\ncpu0 100 5 10 900 3 1 2 0 50 0\ncpu1 50 0 0 900 0 0 1 4 0 0\ncpu2 7 0 0 0 0 0 0 0 0 0\n"
+    after = "cpu 9 9 9 9 9 9 9 9 9 9\ncpu0 130 5 20 960 13 1 2 0 70 0\ncpu1 60 0 0 950 39 0 2 13 0 0\ncpu2 99 0 0 0 0 0 0 0 0 0\n"
+    stat.write_text(before + "intr 5\n")
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(machine.time, "sleep", lambda s: stat.write_text(after))
+    # cpu0: busy +30 user +10 system of 110 ticks (+60 idle, +10 iowait); cpu1: +10 user +1 softirq +9 steal of 109
+    assert machine.busy_cores_now(0.2, stat) == pytest.approx(2 * (40 + 20) / (110 + 109))
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {0, 3})    # a core the file lacks
+    stat.write_text(before)
+    assert machine.busy_cores_now(0.2, stat) is None
+    assert machine.busy_cores_now(0.2, tmp_path / "none") is None

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from loopbench.harness import throughput
+from loopbench.harness import machine, throughput
 from loopbench.runtime.model import OuroModel
 from loopbench.runtime.schedule import Schedule, ScheduleMismatchError
 
@@ -19,7 +19,7 @@ HAS_CUDA = torch.cuda.is_available()
 def _an_idle_machine(monkeypatch):
     """The probe sees an idle machine (no busy-CPU warning on stderr) unless a test says otherwise: the CI
     machine's load is not the test's input."""
-    monkeypatch.setattr(throughput, "load_average_1m", lambda: 0.0)
+    monkeypatch.setattr(machine, "busy_cores_now", lambda: 0.0)
 
 
 def test_both_policies_with_a_profile_write_two_sections(tmp_path, capsys):
@@ -132,15 +132,13 @@ def test_cpu_threads_pin_the_cpu_only():
 
 @pytest.mark.skipif(HAS_CUDA, reason="the warning is of CPU timings")
 def test_a_cpu_probe_on_a_machine_busier_than_its_cores_warns_once_on_stderr(tmp_path, capsys, monkeypatch):
-    assert 1 <= throughput.usable_cores() <= (os.cpu_count() or 1)
-    monkeypatch.setattr(throughput, "usable_cores", lambda: 2)
-    monkeypatch.setattr(throughput, "load_average_1m", lambda: 6.5)
-    _threads_at_load(monkeypatch, [], tmp_path)
-    assert capsys.readouterr().err == ("warning: the 1-minute load average 6.50 exceeds the 2 usable cores: CPU "
-                                       "timings are for smoke checks, not performance evidence\n")
-    assert throughput.busy_cpu_warning(2.0, 2) is None and throughput.busy_cpu_warning(None, 2) is None
-    assert throughput.busy_cpu_warning(1.01, 1).startswith("warning: the 1-minute load average 1.01 exceeds the 1 "
-                                                           "usable core: ")
+    assert 1 <= machine.usable_cores() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(machine, "busy_cores_now", lambda: 1.7)
+    _threads_at_load(monkeypatch, [], tmp_path)       # the probe's default --cpu-threads 1: 0.3 cores idle
+    assert capsys.readouterr().err == ("warning: other work keeps 1.7 of the 2 usable cores busy, leaving fewer idle "
+                                       "than the run's 1 thread: CPU timings are for smoke checks, not performance "
+                                       "evidence\n")
 
 
 def test_bad_profile_path_and_non_integer_are_argparse_errors(tmp_path, capsys):
