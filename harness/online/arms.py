@@ -13,7 +13,11 @@ then stop the server and write one raw record ``online/<device>/<seq:05d>-<kind>
 (atomic) with every request's timestamps and tokens and what the server's engine ran with
 (``engine_settings``, read once it is healthy: bundle format 10); the server's log sits beside it (same stem, .log).
 A server that crashes or never gets healthy raises ``ServerFailed`` with its log tail: the session
-fails, and the bundle is incomplete. A device's first session runs the track; a resume's session of that
+fails, and the bundle is incomplete. So does a warmup request that fails (``WarmupFailed``): the timed run's premise
+is a warm server, and a cold one's first requests would carry compilation or capture time into the latencies with
+nothing in the bundle to say so; a count in the record would still publish figures whose premise failed. The timed
+run's own failed requests, by contrast, are the measurement (a request cut off under load is a result) and are
+recorded. A device's first session runs the track; a resume's session of that
 device runs the runs it left unrecorded (a stop or failure in the middle of the track), so a resume completes it;
 the resume discards a pair's lone run first (harness/resume.py), so that a pair's two runs share one session.
 """
@@ -26,9 +30,13 @@ from pathlib import Path
 
 from ..fileio import atomic_write_json
 from . import loadgen, metrics
-from .process import ServerProcess
+from .process import ServerProcess, log_tail
 
 RECORD_SCHEMA = 1
+
+
+class WarmupFailed(RuntimeError):
+    """A warmup request of an online run failed; the message names it and ends with the server log's tail."""
 
 
 def record_stem(item: dict) -> str:
@@ -57,6 +65,19 @@ def calibration_figures(record: dict) -> dict:
     return metrics.run_figures(record["requests"], None)
 
 
+def _check_warmup(server: ServerProcess, stem: str, warmed: list[loadgen.RequestResult]) -> None:
+    """ServerFailed where the server ended during the warmup, WarmupFailed where a warmup request failed (see the
+    module docstring); warmup request i (index -1 - i) is the trace's request i modulo its length."""
+    server.check("during the warmup")
+    bad = [r for r in warmed if r.error is not None]
+    if bad:
+        first = bad[0]
+        raise WarmupFailed(f"online run {stem}: {len(bad)} of {len(warmed)} warmup requests failed, so its timed run "
+                           f"would not start on a warm server; the first, warmup request {-1 - first.index} (prompt "
+                           f"{first.prompt_index}): {first.error}; last lines of {server.log_path}:\n"
+                           f"{log_tail(server.log_path)}")
+
+
 def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capacity_rps: float | None,
              out_dir: Path) -> dict:
     """One online run of the order; returns its raw record (also written to ``out_dir``)."""
@@ -69,7 +90,9 @@ def run_item(plan: dict, job: dict, item: dict, prompts: list[list[int]], capaci
         settings = server.engine_settings()
         if online["warmup_requests"]:   # the trace's requests in turn, from the first again past its end
             warm = [replace(jobs[i % len(jobs)], index=-1 - i) for i in range(online["warmup_requests"])]
-            asyncio.run(loadgen.closed_loop(server.url, warm, online["max_num_seqs"], online["max_duration_s"]))
+            _, warmed = asyncio.run(loadgen.closed_loop(server.url, warm, online["max_num_seqs"],
+                                                        online["max_duration_s"]))
+            _check_warmup(server, stem, warmed)
         if item["kind"] == "calibration":
             rate_rps = None
             start, results = asyncio.run(loadgen.closed_loop(server.url, jobs, online["calibration"]["concurrency"],

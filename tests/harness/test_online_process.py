@@ -139,6 +139,13 @@ def test_an_online_run_sends_every_warmup_request_it_records_even_past_the_trace
     """``warmup_requests`` larger than the trace: the record says 5 warmup requests, and the server accepted 5 besides
     the trace's 2 (it sent only the trace's 2 again, so a run asking for more warmup than requests got less than its
     record claims)."""
+    rec = _calibrate_two_requests(tmp_path, warmup_requests=5)
+    assert rec["warmup_requests"] == 5 and [q["error"] for q in rec["requests"]] == [None, None]
+    assert (rec["server"]["health"]["accepted"], rec["server"]["health"]["completed"]) == (7, 7)
+
+
+def _calibrate_two_requests(tmp_path, warmup_requests: int) -> dict:
+    """The record of a calibration run of two requests on a fresh tiny server, after ``warmup_requests``."""
     from loopbench.harness.online import arms
 
     ckpt = write_synthetic_checkpoint(tmp_path / "tiny", "tiny", seed=0, dtype=torch.float32)
@@ -147,13 +154,30 @@ def test_an_online_run_sends_every_warmup_request_it_records_even_past_the_trace
                        "exit": {"policy": "ouro", "min_loops": 1, "max_loops": 4, "threshold": 0.55}},
             "online": {"point": "B2C2", "max_num_seqs": 2, "health_timeout_s": 120, "max_tokens": 3,
                        "requests": [{"index": i, "prompt_index": i} for i in range(2)],
-                       "warmup_requests": 5, "max_duration_s": 60, "calibration": {"concurrency": 2}}}
+                       "warmup_requests": warmup_requests, "max_duration_s": 60, "calibration": {"concurrency": 2}}}
     job = {"name": "cpu0", "device": {"kind": "cpu", "gpu_index": None, "cpu_threads": 1}}
     item = {"seq": 0, "kind": "calibration", "arm": "native", "rate_index": None, "rate_multiple": None,
             "pair": None, "position": None, "slot": None}
-    rec = arms.run_item(plan, job, item, [[1, 2, 3], [4, 5, 6, 7]], None, tmp_path / "online")
-    assert rec["warmup_requests"] == 5 and [q["error"] for q in rec["requests"]] == [None, None]
-    assert (rec["server"]["health"]["accepted"], rec["server"]["health"]["completed"]) == (7, 7)
+    return arms.run_item(plan, job, item, [[1, 2, 3], [4, 5, 6, 7]], None, tmp_path / "online")
+
+
+def test_a_failed_warmup_request_fails_the_online_run_naming_it(tmp_path, monkeypatch):
+    """The second of three warmup requests fails (the server answered it, the client marks it failed): no timed run
+    on a server whose warmup failed, and no record that would present one as measured after a warmup."""
+    from loopbench.harness.online import arms, loadgen
+
+    closed_loop = loadgen.closed_loop
+
+    async def warmup_fails(url, jobs, concurrency, max_duration_s):
+        start, results = await closed_loop(url, jobs, concurrency, max_duration_s)
+        if jobs[0].index < 0:   # the warmup's requests (index -1 - i); the calibration run's are the trace's
+            results[1].error = "HTTP 503: the server was overloaded"
+        return start, results
+    monkeypatch.setattr(loadgen, "closed_loop", warmup_fails)
+    with pytest.raises(arms.WarmupFailed, match=r"online run 00000-calibration-native: 1 of 3 warmup requests failed"
+                                                r".*warmup request 1 \(prompt 1\): HTTP 503: the server was overloaded"):
+        _calibrate_two_requests(tmp_path, warmup_requests=3)
+    assert not (tmp_path / "online" / "00000-calibration-native.json").exists()
 
 
 def test_a_server_that_crashes_while_starting_leaves_no_temporary_files(tmp_path):
