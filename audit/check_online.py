@@ -6,8 +6,8 @@ and their sha256) and the balanced order; each record's place in that order, its
 calibration run's completed requests per second) and rate, and every open-loop request's planned
 arrival (unit arrival / rate); every request's TTFT, end-to-end latency, TPOT and inter-token gaps
 (from the planned arrival); every run's percentiles, throughput and goodput against the SLO (declared,
-or the factor x the calibration run's p99s); the paired medians per rate; and the served tokens
-against the frozen reference. ``online/requests.parquet`` and ``online/summary.json`` must equal that
+or the contract's ``online.slo_factor`` x the calibration run's p99s); the paired medians per rate; and the
+served tokens against the frozen reference. ``online/requests.parquet`` and ``online/summary.json`` must equal that
 cell for cell and leaf for leaf, and :func:`report_lines` renders the report's Online section from it.
 The rules are the contract's ``online`` section (bundle_format.json); nothing of the harness is used.
 """
@@ -26,6 +26,7 @@ from .values import field_diffs, plain, same
 
 SPEC = contract.FORMAT["online"]
 R = SPEC["report"]
+SLO_FACTOR = SPEC["slo_factor"]   # a derived SLO's, whatever factor the bundle claims
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -85,6 +86,9 @@ def check_plan(ctx: Audit, plan: dict) -> None:
         ctx.fail("online", f"plan.json online.device is {on['device']!r}, not the first device")
     if not same(on["order"], expected_order(on, plan["config"]["order_seed"])):
         ctx.fail("online", "plan.json online.order is not the seeded balanced order of its rates and pairs")
+    if on["slo"].get("source") == "calibration" and not same(on["slo"].get("factor"), SLO_FACTOR):
+        ctx.fail("online", f"plan.json online.slo.factor is {on['slo'].get('factor')!r}; the contract derives an SLO as "
+                           f"online.slo_factor = {SLO_FACTOR!r} x the calibration run's p99 TTFT and TPOT")
     for path, got, want in field_diffs({k: on[k] for k in SPEC["plan_fields"] if k not in ("order", "requests")},
                                        configured(plan), "online"):
         if want is not contract.ABSENT:   # fields the config does not set are checked above
@@ -95,13 +99,14 @@ def check_plan(ctx: Audit, plan: dict) -> None:
 def configured(plan: dict) -> dict:
     """plan.json ``online`` as ``config.online`` asks for it (a null point, baseline or candidate: the first point's,
     the first comparison's): its point, size, trace seed, rates, arms, pairs, SLO (declared, or derived by its
-    factor), warmup and bounds, and the calibration run (the baseline, closed loop at the point's B)."""
+    factor, which the config does not set: :func:`check_plan` holds it to the contract's), warmup and bounds, and the
+    calibration run (the baseline, closed loop at the point's B)."""
     c, on = plan["config"]["online"], plan["online"]
     first = plan["config"]["comparisons"][0]
     baseline = first["baseline"] if c["baseline"] is None else c["baseline"]
     slo = {"source": "declared", "ttft_s": c["slo_ttft_s"], "tpot_s": c["slo_tpot_s"], "factor": None} \
         if c["slo_ttft_s"] is not None else {"source": "calibration", "ttft_s": None, "tpot_s": None,
-                                             "factor": on["slo"].get("factor")}
+                                             "factor": contract.ABSENT}
     return {"point": plan["points"][0]["key"] if c["point"] is None else c["point"], "num_requests": c["num_requests"],
             "trace": {"seed": c["trace_seed"]}, "rates": {"unit": "capacity", "multiples": c["rates"]},
             "baseline": baseline, "candidate": first["candidate"] if c["candidate"] is None else c["candidate"],
@@ -360,13 +365,14 @@ def token_check(ctx: Audit, on: dict, records: list[dict]) -> dict:
 
 
 def _slo(declared: dict, calib_figs: dict | None) -> dict | None:
-    """The SLO of plan.json ``online.slo``: declared, or the factor x the calibration run's p99 TTFT and TPOT;
-    None without a calibration run or where it has neither p99 (no request, or none of two tokens, completed)."""
+    """The SLO of plan.json ``online.slo``: declared, or the contract's ``online.slo_factor`` x the calibration run's
+    p99 TTFT and TPOT (re-derived from its raw records); None without a calibration run or where it has neither p99
+    (no request, or none of two tokens, completed)."""
     if declared["source"] == "declared":
         return {"ttft_s": declared["ttft_s"], "tpot_s": declared["tpot_s"]}
     if calib_figs is None or calib_figs["p99_ttft_s"] is None or calib_figs["p99_tpot_s"] is None:
         return None
-    return {"ttft_s": declared["factor"] * calib_figs["p99_ttft_s"], "tpot_s": declared["factor"] * calib_figs["p99_tpot_s"]}
+    return {"ttft_s": SLO_FACTOR * calib_figs["p99_ttft_s"], "tpot_s": SLO_FACTOR * calib_figs["p99_tpot_s"]}
 
 
 def derived(ctx: Audit, plan: dict, records: list[dict]) -> tuple[dict, dict | None]:

@@ -21,9 +21,9 @@ class OnlineConf:
     trace uses (None: the first); ``num_requests`` requests (at most that point's C, so every served request
     has a reference), its first requests on their prompts, of its D tokens each.
     ``rates`` are multiples of the native capacity that the calibration run measures (completed requests
-    per s at concurrency B). The SLO is ``slo_ttft_s`` and ``slo_tpot_s`` when both are set, else 1.5 x
-    the calibration run's p99 TTFT and p99 TPOT. ``baseline`` / ``candidate`` default to the first
-    comparison's arms. Each run is bounded by ``max_duration_s``; a server that is not healthy within
+    per s at concurrency B). The SLO is ``slo_ttft_s`` and ``slo_tpot_s`` when both are set, else the
+    contract's ``online.slo_factor`` (1.5) x the calibration run's p99 TTFT and p99 TPOT. ``baseline`` /
+    ``candidate`` default to the first comparison's arms. Each run is bounded by ``max_duration_s``; a server that is not healthy within
     ``health_timeout_s`` fails its arm.
     """
 

@@ -692,3 +692,25 @@ def test_a_plans_online_track_that_is_not_the_configs_is_named(bundle, forge, na
     controller.publish(bundle, plan, children, env)
     problems = audit(bundle)["discrepancies"]
     assert any(p == f"online: plan.json {named}" for p in problems), problems
+
+
+def test_a_derived_slo_by_another_factor_than_the_contracts_is_named(bundle):
+    """A forger's plan with its derived SLO at 3 x the calibration run's p99s, every online figure, table cell and
+    report line republished from it by the writer: the auditor derives the SLO by the contract's factor
+    (online.slo_factor) from the calibration run's raw records, not by the factor the bundle claims."""
+    plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
+    assert plan["online"]["slo"] == {"source": "calibration", "ttft_s": None, "tpot_s": None,
+                                     "factor": contract.FORMAT["online"]["slo_factor"]} == {
+        "source": "calibration", "ttft_s": None, "tpot_s": None, "factor": metrics.SLO_FACTOR}
+    plan["online"]["slo"]["factor"] = 3.0
+    (bundle / "plan.json").write_text(json.dumps(plan, indent=1))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    summary = json.loads((bundle / "online" / "summary.json").read_text())
+    calibration = summary["runs"][0]
+    assert summary["slo"]["ttft_s"] == 3.0 * calibration["p99_ttft_s"]
+    text = failed(bundle)
+    assert "online: plan.json online.slo.factor is 3.0; the contract derives an SLO as online.slo_factor = 1.5 x the " \
+           "calibration run's p99 TTFT and TPOT" in text
+    assert f"online/summary.json: slo.ttft_s is {summary['slo']['ttft_s']!r}, re-derived from the raw timestamps " \
+           f"{1.5 * calibration['p99_ttft_s']!r}" in text
