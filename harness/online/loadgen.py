@@ -1,8 +1,10 @@
 """The load generator: an async HTTP client (httpx) that drives the online server with a frozen trace.
 
 - **Trace** (:func:`unit_trace`): seeded Poisson arrivals at rate 1 request/s, i.e. the offsets of
-  exponential(1) inter-arrival gaps from a ``numpy.random.default_rng(seed)``, the first at 0; the plan
-  freezes it with its sha256 (:func:`trace_sha256`). At rate r requests/s request i arrives at
+  exponential(1) inter-arrival gaps, the first at 0, by the contract's ``online.trace_rule`` (format 14):
+  inversion of uniforms drawn from SHA-256, so no library's version changes the trace of a seed (numpy's
+  Generator, which drew it before, does not promise its stream across versions); the plan freezes it with its
+  sha256 (:func:`trace_sha256`). At rate r requests/s request i arrives at
   ``unit[i] / r`` (a Poisson process of rate r).
 - **Open loop** (:func:`open_loop`): request i is sent at its planned arrival whatever the server is
   doing; its latencies count from that planned time (so a client that falls behind cannot hide queueing,
@@ -21,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+from ..fileio import bundle_format
 
+TRACE_MESSAGE = bundle_format()["online"]["trace_message"]
 TIMEOUT_ERROR = "timeout: the run's max_duration_s passed"
 
 
@@ -33,8 +37,19 @@ def unit_trace(num_requests: int, seed: int) -> list[float]:
     """Arrival offsets (s) of ``num_requests`` Poisson arrivals at 1 request/s, the first at 0.0."""
     if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1:
         raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
-    gaps = np.random.default_rng(seed).exponential(1.0, size=num_requests - 1)
-    return [0.0] + np.cumsum(gaps).tolist()
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    unit = [0.0]
+    for i in range(1, num_requests):
+        unit.append(unit[-1] - math.log(_uniform(seed, i)))
+    return unit
+
+
+def _uniform(seed: int, index: int) -> float:
+    """The trace's ``index``-th uniform in (0, 1] (contract ``online.trace_rule``): 53 bits of a SHA-256 digest, so
+    ``(k + 1) / 2**53`` is exact and never 0, whose log would be infinite."""
+    digest = hashlib.sha256(TRACE_MESSAGE.format(seed=seed, index=index).encode("utf-8")).digest()
+    return ((int.from_bytes(digest[:8], "big") >> 11) + 1) / 2.0 ** 53
 
 
 def trace_sha256(unit: list[float]) -> str:

@@ -1,10 +1,12 @@
 """The online track's evidence against the auditor (audit/check_online.py): an honest cpu-online bundle
 passes; changing one latency, timestamp, figure, token or report line fails the audit and names it. From format
 10 each online record says what its server's engine ran with (audit/check_settings.py check_online)."""
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -19,13 +21,28 @@ from .tamper import (REPO, audit, edit_json, edit_report, failed, forge_settings
 SMALL = ["online.num_requests=6", "online.rates=[1.0]", "online.warmup_requests=2", "executor.poll_s=0.1"]
 
 
-@pytest.fixture(scope="module")
-def honest_online(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("online")
+def _run_online(root: Path) -> Path:
     cfg = conf.compose("cpu-online", SMALL + [f"results_dir={root / 'results'}", f"cache_dir={root / 'cache'}"])
     result = controller.run(cfg)
     assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
     return result.bundle
+
+
+@pytest.fixture(scope="module")
+def honest_online(tmp_path_factory) -> Path:
+    return _run_online(tmp_path_factory.mktemp("online"))
+
+
+@pytest.fixture(scope="module")
+def numpy_trace_online(tmp_path_factory) -> Path:
+    """An honest cpu-online bundle whose plan drew its trace as formats 5 to 13 did (numpy's Generator,
+    online.trace_rule_before; the auditor's own copy of that rule stands in for the old writer)."""
+    from loopbench.audit import check_online
+    from loopbench.harness.online import loadgen
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loadgen, "unit_trace", check_online.numpy_unit_arrivals)
+        return _run_online(tmp_path_factory.mktemp("online-numpy-trace"))
 
 
 @pytest.fixture
@@ -332,7 +349,9 @@ def test_a_forged_online_settings_line_is_named(bundle):
     assert "(## Online serving) reads '| kv_layout | alias | alias |'" in failed(bundle)
 
 
-def test_a_format_9_online_bundle_has_no_online_settings_and_audits_as_before(bundle):
+def test_a_format_9_online_bundle_has_no_online_settings_and_audits_as_before(numpy_trace_online, tmp_path):
+    """A format-9 bundle's trace is numpy's (online.trace_rule_before), as its writer drew it."""
+    bundle = Path(shutil.copytree(numpy_trace_online, tmp_path / numpy_trace_online.name))
     strip_version_10(bundle)
     assert "### Runtime settings of the online runs" not in (bundle / "report.md").read_text()
     passes_as_version(bundle, 9)
@@ -714,3 +733,62 @@ def test_a_derived_slo_by_another_factor_than_the_contracts_is_named(bundle):
            "calibration run's p99 TTFT and TPOT" in text
     assert f"online/summary.json: slo.ttft_s is {summary['slo']['ttft_s']!r}, re-derived from the raw timestamps " \
            f"{1.5 * calibration['p99_ttft_s']!r}" in text
+
+
+class _AnotherNumpysGenerator:
+    """numpy.random.default_rng as another numpy version might give it: the bit generator's stream the same, its
+    exponential draws not (numpy promises the former across versions, not the latter)."""
+
+    def __init__(self, seed=None):
+        self._gen = _DEFAULT_RNG(seed)
+
+    def exponential(self, *args, **kwargs):
+        return self._gen.exponential(*args, **kwargs) * (1 + 1e-6)
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+
+_DEFAULT_RNG = np.random.default_rng
+
+
+def test_the_online_trace_is_re_derived_without_numpys_generator(bundle, monkeypatch):
+    """Format 14: the auditor re-derives the trace by the contract's SHA-256 rule, so an auditor on a numpy whose
+    exponential draws differ passes the sound bundle (format 13's numpy rule named it)."""
+    monkeypatch.setattr(np.random, "default_rng", _AnotherNumpysGenerator)
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert json.loads((bundle / "manifest.json").read_text())["format_version"] == 14
+
+
+def _forge_trace(bundle: Path, forge) -> None:
+    """plan.json's online trace edited by ``forge`` (a list of arrivals in place), its sha256 re-hashed."""
+    def edit(plan):
+        trace = plan["online"]["trace"]
+        forge(trace["unit_arrivals_s"])
+        trace["sha256"] = hashlib.sha256(json.dumps(trace["unit_arrivals_s"]).encode()).hexdigest()
+    edit_json(bundle / "plan.json", edit)
+    rewrite_manifest(bundle)
+
+
+def test_a_trace_that_is_not_its_seeds_is_named(bundle):
+    _forge_trace(bundle, lambda unit: unit.__setitem__(3, unit[3] + 0.5))
+    assert "online: plan.json online.trace.unit_arrivals_s is not the seeded Poisson trace of its seed (the " \
+           "contract's online.trace_rule)" in failed(bundle)
+
+
+def test_a_format_13_bundle_keeps_numpys_trace_and_neither_rule_passes_for_the_other(bundle, numpy_trace_online,
+                                                                                       tmp_path):
+    """A format-13 bundle's trace is numpy's (online.trace_rule_before) and audits as before; the same bundle
+    claimed as format 14 is named by online.trace_rule, and a format-14 trace claimed as format 13 by the numpy
+    rule, so neither claim passes off the other's trace."""
+    older = Path(shutil.copytree(numpy_trace_online, tmp_path / "older" / numpy_trace_online.name))
+    passes_as_version(older, 13)
+    edit_json(older / "manifest.json", lambda m: m.update(format_version=14))
+    rewrite_manifest(older)
+    assert "online: plan.json online.trace.unit_arrivals_s is not the seeded Poisson trace of its seed (the " \
+           "contract's online.trace_rule)" in failed(older)
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=13))
+    rewrite_manifest(bundle)
+    assert "online: plan.json online.trace.unit_arrivals_s is not the seeded Poisson trace of its seed (the " \
+           "contract's online.trace_rule_before)" in failed(bundle)

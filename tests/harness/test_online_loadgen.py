@@ -66,6 +66,32 @@ def test_the_unit_trace_is_seeded_poisson_from_zero():
         loadgen.arrivals_s(a, 0)
     with pytest.raises(ValueError, match="num_requests must be an integer >= 1, got 0"):
         loadgen.unit_trace(0, 1)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got -1"):
+        loadgen.unit_trace(3, -1)
+
+
+def test_the_unit_trace_follows_the_contracts_rule_without_numpys_generator(monkeypatch):
+    """Format 14 (contract online.trace_rule): gap i is -ln((k + 1) / 2**53), k the first 64 bits of SHA-256 of
+    online.trace_message shifted right by 11; numpy's Generator, whose stream numpy does not promise across its
+    versions, is not used (a default_rng that raises changes nothing)."""
+    import hashlib
+    import math
+
+    import numpy as np
+
+    from loopbench.audit import contract
+
+    def no_generator(*args, **kwargs):
+        raise AssertionError("the trace drew from numpy.random.default_rng")
+    monkeypatch.setattr(np.random, "default_rng", no_generator)
+    spec = contract.FORMAT["online"]
+    assert spec["trace_rule_since"] == contract.VERSION == 14
+    want = [0.0]
+    for i in (1, 2, 3):
+        k = int.from_bytes(hashlib.sha256(f"loopbench online trace 5 {i}".encode()).digest()[:8], "big") >> 11
+        want.append(want[-1] + -math.log((k + 1) / 2 ** 53))
+    assert spec["trace_message"].format(seed=5, index=1) == "loopbench online trace 5 1"
+    assert loadgen.unit_trace(4, seed=5) == want
 
 
 def _jobs(n: int, tokens: int = 3) -> list:
