@@ -41,7 +41,7 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    run that names its ``schedule_sha256`` names its point's frozen reference; from format 10 the online records'
    ``engine_settings`` alike, equal across an arm's online runs in one session;
 11. logs (:mod:`.check_logs`): each record's elapsed_s and tokens/s are those its session printed to its log
-   when it wrote the record;
+   when it wrote the record, and (format 7) each session's copy ceiling the one it printed;
 12. plot (:mod:`.check_plot`): ``pair_ratios.png`` is, pixel for pixel, the auditor's own drawing of the
    re-derived ratios, medians and intervals, and ``online/latency.png`` its own drawing of the online records'
    TTFTs and inter-token gaps and the re-derived SLO;
@@ -108,6 +108,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("logs", check_logs.check, records, children)   # each record against its session's log line
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
+    ctx.section("logs", check_logs.check_ceilings, children)   # format 7: each copy ceiling against its log line
     ctx.section("engine_settings", check_settings.check, plan, records)   # format 9: what each run ran with
     ctx.section("engine_settings", check_settings.check_online, plan, ctx.online_records, records)   # format 10
     return checks_ok, ctx.section("natural", check_natural.check, plan, records)

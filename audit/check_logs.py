@@ -9,7 +9,9 @@ the log the run left. Held here, in every format version (the line has not chang
 - each line of a record's key (``arm_line_key``, behind the ``line_prefix``) in its session's log is the
   record's ``arm_line``, the figures as the contract formats them;
 - a session that completed printed one for each record naming it (a child killed between writing a record
-  and printing its line may lack it; a resume's discarded run leaves a line without a record, never read).
+  and printing its line may lack it; a resume's discarded run leaves a line without a record, never read);
+- from format 7, each ``ceiling_line`` of a session's log gives the copy ceiling of its ``ceilings/<session>.json``
+  (the roofline's denominator), and a session that completed with a ceiling file printed one.
 """
 from __future__ import annotations
 
@@ -69,3 +71,27 @@ def check(ctx: Audit, records: list[dict], children: list[dict]) -> None:
         if not found and child.get("state") == "completed":
             ctx.fail("logs", f"{rel}: {where} has no line, though session {sid} completed; the record gives {want!r}")
         ctx.count("log_lines", len(found))
+
+
+def check_ceilings(ctx: Audit, children: list[dict]) -> None:
+    """Each session's copy ceiling, as the roofline check read it, against the ceiling line its log printed (see
+    the module docstring); nothing where the roofline check read none (before format 7, or a broken file, named
+    there)."""
+    if ctx.roofline is None or ctx.version < LOG["ceiling_line_since"]:
+        return
+    sessions = {derive.child_session(c): c for c in children if isinstance(c, dict)}
+    head, tail = LOG["ceiling_line"].split("{gb_per_s:.1f}")   # a session's line: its words around the figure
+    for sid, doc in sorted(ctx.roofline[1].items()):
+        child = sessions.get(sid)
+        if child is None or not isinstance(child.get("log"), str):
+            continue   # named by check_sessions
+        rel, where = f"logs/{child['log']}", f"ceilings/{sid}.json"
+        want = LOG["ceiling_line"].format(session=sid, gb_per_s=doc["bytes_per_copy"] / min(doc["times_s"]) / 1e9)
+        lines = _lines(ctx, rel)
+        found = [(n, body) for n, body in lines or [] if body.startswith(head.format(session=sid)) and body.endswith(tail)]
+        for n, body in found:
+            if body != want:
+                ctx.fail("logs", f"{rel} line {n} reads {body!r}; {where} gives {want!r}")
+        if lines is not None and not found and child.get("state") == "completed":
+            ctx.fail("logs", f"{rel}: no copy ceiling line, though session {sid} completed; {where} gives {want!r}")
+        ctx.count("ceiling_lines", len(found))

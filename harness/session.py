@@ -335,7 +335,8 @@ def write_ceiling(job: dict, device: dict) -> None:
     session = job.get("session", job["name"])
     ceiling = {"session": session, "job": job["name"], "device": device["label"], **loop_timing.copy_ceiling(device)}
     atomic_write_json(Path(job["bundle"]) / "ceilings" / f"{session}.json", ceiling)
-    _log(f"session {session}: copy ceiling {ceiling['bytes_per_copy'] / min(ceiling['times_s']) / 1e9:.1f} GB/s")
+    _log(bundle_format()["documents"]["log"]["ceiling_line"].format(   # the auditor holds the file to this line
+        session=session, gb_per_s=ceiling["bytes_per_copy"] / min(ceiling["times_s"]) / 1e9))
 
 
 def arm_coverage(frozen: dict[str, str], arms: dict, model):

@@ -4,7 +4,7 @@ as it was, is named, and so is a log line changed or removed to hide it."""
 import json
 
 from loopbench.harness import evidence
-from tests.audit.tamper import failed, forge_elapsed, raw, rewrite_manifest
+from tests.audit.tamper import edit_json, failed, forge_elapsed, raw, republish, rewrite_manifest
 
 
 def _log_lines(bundle):
@@ -46,3 +46,22 @@ def test_removed_arm_line_of_a_completed_session_is_named(bundle):
     rewrite_manifest(bundle)
     assert (f"logs: logs/cpu0.log: record cpu0 seq 6 ({rec['arm']}) has no line, though session cpu0 completed"
             in failed(bundle))
+
+
+def test_forged_copy_ceiling_is_named_against_the_sessions_log(bundle):
+    """Faster copies make every run's fraction of the ceiling smaller; the roofline re-derived from them agrees,
+    the ceiling line the session printed does not."""
+    edit_json(bundle / "ceilings" / "cpu0.json", lambda c: c.update(times_s=[t / 4 for t in c["times_s"]]))
+    republish(bundle)
+    ceiling = json.loads((bundle / "ceilings" / "cpu0.json").read_text())
+    forged = f"{ceiling['bytes_per_copy'] / min(ceiling['times_s']) / 1e9:.1f} GB/s"
+    text = failed(bundle)
+    named = [d for d in text.split("\n") if d.startswith("logs: logs/cpu0.log line ")]
+    assert len(named) == 1 and f"ceilings/cpu0.json gives 'session cpu0: copy ceiling {forged}'" in named[0], text
+
+
+def test_removed_copy_ceiling_line_of_a_completed_session_is_named(bundle):
+    path, lines = _log_lines(bundle)
+    path.write_text("\n".join(line for line in lines if ": copy ceiling " not in line))
+    rewrite_manifest(bundle)
+    assert "logs: logs/cpu0.log: no copy ceiling line, though session cpu0 completed" in failed(bundle)
