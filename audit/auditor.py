@@ -21,7 +21,7 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    plan and in children.json; every child ended (none still ``running``); each record names a session
    child of its job, a pair is measured by one session, a job's sessions follow each other in its order,
    and a completed session measured exactly the seqs its job file asked for; environment.json's GPU of a pinned
-   device is the card its records ran on (uuid, name);
+   device is the card its records ran on (uuid, name), and its torch the one the reference child ran;
 6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and
    telemetry equals what the raw records give, and no row is missing or extra; tokens/s = C * D /
    elapsed_s; each measured elapsed_s lies within its record's wall-clock span;
@@ -147,6 +147,7 @@ def run(ctx: Audit) -> dict:
     if environment is not None:
         ctx.section("environment.json", load.check_environment, environment)
         ctx.section("environment.json", check_sessions.check_environment_gpus, plan, records, environment)
+        ctx.section("environment.json", check_sessions.check_environment_torch, plan, environment)
     refs = ctx.section("reference", load.load_references, plan) or {}
     checks_ok, natural = _check_measurement(ctx, plan, records, children, refs)
     return verdict(ctx, _check_claims(ctx, plan, summary, records, children, refs, environment, checks_ok, natural))

@@ -175,3 +175,27 @@ def check_environment_gpus(ctx: Audit, plan: dict, records: list[dict], environm
                 ctx.fail("environment.json", f"gpus entry of index {dev['gpu_index']} has {field} {entry[field]!r}, "
                                              f"where record {r['job']} seq {r['seq']} ran on {dev[field]!r}")
         ctx.count("environment_gpus")
+
+
+def check_environment_torch(ctx: Audit, plan: dict, environment) -> None:
+    """environment.json's torch is the one the reference child ran: the controller and its local children share one
+    interpreter, and each frozen reference's meta records the child's ``torch`` (a reused one's is equal, since
+    the torch version keys the reuse). ``packages.torch``, the distribution's version, is that version with or
+    without its local part. A run on SLURM, whose children run on nodes the controller did not read, is not held."""
+    if not isinstance(environment, dict) or not isinstance(environment.get("torch"), dict):
+        return   # named by the environment's field check
+    version = environment["torch"].get("version")
+    package = (environment.get("packages") or {}).get("torch")
+    if package is not None and package not in (version, str(version).split("+")[0]):
+        ctx.fail("environment.json", f"packages.torch is {package!r}, torch.version {version!r}")
+    if (plan.get("config") or {}).get("executor", {}).get("kind") == "slurm":
+        return
+    for pt in plan["points"]:
+        rel = (pt.get("reference") or {}).get("meta_file")
+        meta = ctx.read_json(rel, "reference") if isinstance(rel, str) else None
+        if not (isinstance(meta, dict) and isinstance(meta.get("torch"), str)):
+            continue
+        if meta["torch"] != version:
+            ctx.fail("environment.json", f"torch.version is {version!r}, where {rel} records that the reference "
+                                         f"child ran torch {meta['torch']!r}")
+        ctx.count("environment_torch")
