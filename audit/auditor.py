@@ -20,7 +20,9 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
 5. devices and sessions (:mod:`.check_sessions`): each record's device is its session's device in the
    plan and in children.json; every child ended (none still ``running``); each record names a session
    child of its job, a pair is measured by one session, a job's sessions follow each other in its order,
-   and a completed session measured exactly the seqs its job file asked for; environment.json's GPU of a pinned
+   and a completed session measured exactly the seqs its job file asked for; each job file is what the plan asked
+   (:mod:`.check_jobs`: device, session, the reference's spec and key material, which each frozen reference's
+   cache key hashes); environment.json's GPU of a pinned
    device is the card its records ran on (uuid, name), and its torch the one the reference child ran;
 6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and
    telemetry equals what the raw records give, and no row is missing or extra; tokens/s = C * D /
@@ -61,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-from . import (check_files, check_logs, check_natural, check_online, check_plan, check_plot, check_roofline,
+from . import (check_files, check_jobs, check_logs, check_natural, check_online, check_plan, check_plot, check_roofline,
                check_runs, check_sessions, check_settings, check_summary, check_tables, check_telemetry, contract,
                evidence, load)
 from .context import Audit
@@ -104,6 +106,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("sessions", check_sessions.check_child_states, children)
     ctx.section("sessions", check_sessions.check_slurm_jobs, plan, children)
     ctx.section("sessions", check_sessions.check_sessions, plan, records, children)
+    ctx.section("jobs", check_jobs.check, plan)   # what each child was asked to do, against the plan
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
     ctx.section("logs", check_logs.check, records, children)   # each record against its session's log line
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
