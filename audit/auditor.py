@@ -43,7 +43,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    run that names its ``schedule_sha256`` names its point's frozen reference; from format 10 the online records'
    ``engine_settings`` alike, equal across an arm's online runs in one session;
 11. logs (:mod:`.check_logs`): each record's elapsed_s and tokens/s are those its session printed to its log
-   when it wrote the record, and (format 7) each session's copy ceiling the one it printed;
+   when it wrote the record, every arm line of a log is a run of the plan, and (format 7) each session's copy
+   ceiling the one it printed;
 12. plot (:mod:`.check_plot`): ``pair_ratios.png`` is, pixel for pixel, the auditor's own drawing of the
    re-derived ratios, medians and intervals, and ``online/latency.png`` its own drawing of the online records'
    TTFTs and inter-token gaps and the re-derived SLO;
@@ -109,6 +110,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("jobs", check_jobs.check, plan)   # what each child was asked to do, against the plan
     ctx.section("sessions", evidence.check_session_restarts, plan, records)
     ctx.section("logs", check_logs.check, records, children)   # each record against its session's log line
+    ctx.section("logs", check_logs.check_planned, plan, children)   # each arm line a run of the plan
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     ctx.section("logs", check_logs.check_ceilings, children)   # format 7: each copy ceiling against its log line

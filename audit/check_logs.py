@@ -10,6 +10,8 @@ the log the run left. Held here, in every format version (the line has not chang
   record's ``arm_line``, the figures as the contract formats them;
 - a session that completed printed one for each record naming it (a child killed between writing a record
   and printing its line may lack it; a resume's discarded run leaves a line without a record, never read);
+- every arm line of a session's log (a line of ``arm_line``'s shape) has the key of an item of its device's order
+  in plan.json: a run cut from the plan (a point dropped with its records) leaves lines the plan no longer holds;
 - from format 7, each ``ceiling_line`` of a session's log gives the copy ceiling of its ``ceilings/<session>.json``
   (the roofline's denominator), and a session that completed with a ceiling file printed one.
 """
@@ -71,6 +73,32 @@ def check(ctx: Audit, records: list[dict], children: list[dict]) -> None:
         if not found and child.get("state") == "completed":
             ctx.fail("logs", f"{rel}: {where} has no line, though session {sid} completed; the record gives {want!r}")
         ctx.count("log_lines", len(found))
+
+
+def _arm_line_shape() -> re.Pattern:
+    """What follows an arm line's key: ``arm_line`` after ``{key}``, its figures as numbers."""
+    tail = LOG["arm_line"].split("{key}", 1)[1]
+    parts = re.split(r"(\{\w+:[^}]*\})", tail)
+    return re.compile("".join(r"(?:-?[\d.]+(?:e[-+]?\d+)?|nan|inf)" if p.startswith("{") else re.escape(p)
+                              for p in parts) + "$")
+
+
+def check_planned(ctx: Audit, plan: dict, children: list[dict]) -> None:
+    """Every arm line of a session's log is the line of an item of its device's planned order (see the module
+    docstring): the plan cannot have lost runs that the sessions measured."""
+    shape = _arm_line_shape()
+    devices = {d["name"] for d in plan["devices"]}
+    for c in children:
+        if not isinstance(c, dict) or c.get("name") not in devices or not isinstance(c.get("log"), str):
+            continue
+        rel = f"logs/{c['log']}"
+        planned = {arm_line_key(it) for it in plan["order"].get(c["name"], []) if isinstance(it, dict)}
+        for n, body in _lines(ctx, rel) or []:
+            m = shape.search(body)
+            if m is not None and body[:m.start()] not in planned:
+                ctx.fail("logs", f"{rel} line {n} reads {body!r}, an arm that plan.json's order of {c['name']} "
+                                 "does not hold")
+            ctx.count("planned_log_lines", m is not None)
 
 
 def check_ceilings(ctx: Audit, children: list[dict]) -> None:

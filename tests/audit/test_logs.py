@@ -1,9 +1,14 @@
 """A session's log (logs/<session>.log) prints each arm it measured, with the elapsed_s and tokens/s it wrote
 into the arm's record (documents.log.arm_line): a record whose figures were changed after the run, the log left
 as it was, is named, and so is a log line changed or removed to hide it."""
+import hashlib
 import json
+import shutil
 
-from loopbench.harness import evidence
+import pytest
+
+from loopbench.audit.values import canonical
+from loopbench.harness import conf, controller, evidence
 from tests.audit.tamper import edit_json, failed, forge_elapsed, raw, republish, rewrite_manifest
 
 
@@ -65,3 +70,41 @@ def test_removed_copy_ceiling_line_of_a_completed_session_is_named(bundle):
     path.write_text("\n".join(line for line in lines if ": copy ceiling " not in line))
     rewrite_manifest(bundle)
     assert "logs: logs/cpu0.log: no copy ceiling line, though session cpu0 completed" in failed(bundle)
+
+
+@pytest.fixture(scope="module")
+def two_points(tmp_path_factory):
+    """A small run of two points, one comparison: the second point's runs follow the first's in the order."""
+    root = tmp_path_factory.mktemp("two_points")
+    cfg = conf.compose("cpu-smoke", ["name=two", "points=[{max_num_seqs:2,num_requests:3},{max_num_seqs:2,num_requests:2}]",
+                                     "workload.prompt_len=17", "workload.prompt_lens=null", "workload.output_len=4",
+                                     "pairs=2", "comparisons=[{baseline:native,candidate:alias_prefix}]",
+                                     "executor.poll_s=0.1", f"results_dir={root / 'results'}", f"cache_dir={root / 'cache'}"])
+    return controller.run(cfg).bundle
+
+
+def test_point_cut_from_the_plan_with_its_runs_is_named_by_its_log_lines(two_points, tmp_path):
+    """A forger drops the last point (its records, reference and plan entries, the reference job's entry and log
+    lines) and publishes again with the harness: every figure agrees with the shortened plan, and the session's log
+    still prints the runs it measured at the dropped point."""
+    bundle = tmp_path / two_points.name
+    shutil.copytree(two_points, bundle)
+    plan = json.loads((bundle / "plan.json").read_text())
+    kept, cut = plan["points"][0]["key"], plan["points"][1]["key"]
+    for path in [*(bundle / "raw" / "cpu0").glob(f"*-{cut}-*.json"), *(bundle / "references").glob(f"{cut}.*")]:
+        path.unlink()
+    plan["config"]["points"] = plan["config"]["points"][:1]
+    plan["points"] = plan["points"][:1]
+    plan["order"]["cpu0"] = [it for it in plan["order"]["cpu0"] if it["point"] == kept]
+    plan["config_sha256"] = hashlib.sha256(canonical(plan["config"])).hexdigest()
+    (bundle / "plan.json").write_text(json.dumps(plan, indent=1, sort_keys=True) + "\n")
+    edit_json(bundle / "jobs" / "reference-cpu0.json", lambda job: job["spec"].update(points=job["spec"]["points"][:1]))
+    ref_log = bundle / "logs" / "reference.log"
+    ref_log.write_text("\n".join(line for line in ref_log.read_text().split("\n") if f" {cut}:" not in line))
+    children, env = (json.loads((bundle / f"{name}.json").read_text()) for name in ("children", "environment"))
+    evidence.unpublish(bundle)
+    controller.publish(bundle, plan, children, env)
+    text = failed(bundle)
+    named = [d for d in text.split("\n") if d.startswith("logs: logs/cpu0.log line ")]
+    assert named and all(f" {cut} " in d and d.endswith("an arm that plan.json's order of cpu0 does not hold")
+                         for d in named), text
