@@ -100,8 +100,11 @@ def checkpoint_path(spec: BenchSpec) -> Path | None:
     """``model.checkpoint`` resolved, or None for a preset; ValueError when it is no HF checkpoint."""
     from loopbench.runtime.checkpoint import CONFIG_NAME
 
-    if not spec.model.checkpoint:
+    if spec.model.checkpoint is None:
         return None
+    if not spec.model.checkpoint.strip():   # '' measured the preset's synthetic checkpoint in place of the real one
+        raise ValueError(f"model.checkpoint must name an HF checkpoint directory, got {spec.model.checkpoint!r} (null, "
+                         "the default, is the preset's synthetic checkpoint)")
     path = Path(spec.model.checkpoint).expanduser().resolve()
     if not (path / CONFIG_NAME).is_file():
         raise ValueError(f"model.checkpoint = {spec.model.checkpoint!r} is not an HF checkpoint directory "

@@ -356,6 +356,16 @@ def test_an_empty_cache_dir_is_named(tmp_path, monkeypatch, capsys, command, val
     assert not (tmp_path / "env-cache").exists()
 
 
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("value", ["''", "' '"])
+def test_an_empty_checkpoint_is_named(tmp_path, monkeypatch, capsys, command, value):
+    """`model.checkpoint=` (an unset shell variable, `model.checkpoint=$CKPT`) passed plan and bench measured the
+    preset's synthetic checkpoint unsaid, where the real one was asked for; null is the key's way to ask for it."""
+    err = _refusal(tmp_path, monkeypatch, capsys, command, f"model.checkpoint={value}")
+    assert err == BAD + (f"model.checkpoint must name an HF checkpoint directory, got {value} (null, the default, is "
+                         "the preset's synthetic checkpoint)\n"), err
+
+
 def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bundle_folder(tmp_path, monkeypatch,
                                                                                             capsys):
     """cache_dir=/proc/foo/c passes the folder check as root (os.access) and was a traceback with exit 1 from the
