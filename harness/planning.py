@@ -32,8 +32,8 @@ machine agree within a few percent, while two runs on a shared one have differed
 one the estimate comes from, far beyond idle-machine noise, so refusing is right there; the cost of a false
 refusal is one override (a larger timeout, or more sessions with fewer pairs each), the cost of a missed one is
 the whole run's time. Between timeout / 1.25 and 1.25 x timeout the outcome depends on the load: a warning. A
-resume is only warned: its plan, timeout included, must be the bundle's, so no override could satisfy a refusal
-(and a killed session's arms are kept; the next resume measures the rest).
+resume is only warned (its session timeout may be raised, as a limit that changes no measurement: resume.LIMITS),
+and a killed session's arms are kept; the next resume measures the rest.
 """
 from __future__ import annotations
 
@@ -283,8 +283,8 @@ class SessionTiming:
         if not self.close:
             return None
         if self.resuming:
-            return (f"{self._figures()}: a session may be killed mid-run (a resume keeps the bundle's timeout; the "
-                    "arms it records are kept)")
+            return (f"{self._figures()}: a session may be killed mid-run (the arms it records are kept); to be safe "
+                    f"raise executor.session_timeout_s, which a resume may change, to at least {self.needed_s()}")
         return (f"{self._figures()}: a session may be killed mid-run, depending on this run's speed; to be safe "
                 f"raise executor.session_timeout_s to at least {self.needed_s()}")
 
@@ -353,6 +353,7 @@ def _resume_lines(check) -> list[str]:
                      "(measured again with it): " + ", ".join(str(p.relative_to(check.bundle)) for p in check.discard))
     else:
         lines.append("  resume discards no records")
+    lines += [f"  resume runs its children under {limit} (a limit changes no measurement)" for limit in check.limits]
     return lines
 
 

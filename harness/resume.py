@@ -8,8 +8,9 @@
   ``code_sha256``) publishes it; other code is refused before anything changes.
 - :func:`resume` (``resume=<bundle>`` in the config): a new run continues an incomplete bundle. Its
   plan is rebuilt from this run's config, code, checkpoint, prompts and devices and must equal the
-  bundle's frozen plan (every key but the creation time and the config's ``resume`` and ``results_dir``,
-  which only say where bundles lie; the environment's library versions and devices too); any difference is refused, naming it, before anything is changed or
+  bundle's frozen plan (every key but the creation time, the config's ``resume`` and ``results_dir``,
+  which only say where bundles lie, and the limits of :data:`LIMITS`, which only say when a child is killed; the
+  environment's library versions and devices too); any difference is refused, naming it, before anything is changed or
   measured. Completed pairs are kept; an arm whose partner was not recorded is discarded (a pair is
   two back-to-back arms of one session; so is an online run whose pair's other run was not recorded), and the rest of each device's planned order is measured by a
   new session child ``<name>.r<k>`` per restart left (``<name>.s<j>.r<k>``, controller.run_restarts), which reuses the bundle's frozen references (never recaptured)
@@ -87,6 +88,33 @@ def _as_planned(spec: BenchSpec, planned: dict) -> BenchSpec:
     """This run's config with the keys that only say where bundles live (``resume``, ``results_dir``)
     taken from the bundle's: a bundle may be resumed where it lies now."""
     return dataclasses.replace(spec, resume=None, results_dir=planned.get("results_dir", spec.results_dir))
+
+
+# executor keys that only bound how long a child may run or take to stop: no measurement depends on them, so a resume
+# runs its sessions under its own. Held to the bundle's, a session killed at the bundle's timeout before its first
+# arm (a slower or busier machine) was killed there again on every resume, and only a new run, losing every record,
+# could raise it. plan.json keeps the first run's values; the resume names any it changes.
+LIMITS = ("session_timeout_s", "reference_timeout_s", "stop_grace_s")
+SLURM_LIMITS = ("time_limit_min",)
+
+
+def _with_planned_limits(spec: BenchSpec, planned: dict) -> BenchSpec:
+    """``spec`` with the bundle's :data:`LIMITS` (and :data:`SLURM_LIMITS`) from its plan's config ``planned``,
+    so that they take no part in the comparison of the two plans."""
+    ex = planned.get("executor") or {}
+    slurm = ex.get("slurm") or {}
+    return dataclasses.replace(spec, executor=dataclasses.replace(
+        spec.executor, **{k: ex[k] for k in LIMITS if k in ex},
+        slurm=dataclasses.replace(spec.executor.slurm, **{k: slurm[k] for k in SLURM_LIMITS if k in slurm})))
+
+
+def changed_limits(spec: BenchSpec, planned: dict) -> list[str]:
+    """The :data:`LIMITS` and :data:`SLURM_LIMITS` this run sets otherwise than the bundle's plan config ``planned``,
+    as ``executor.KEY = this run's (the plan's ...)``."""
+    theirs, ours = planned.get("executor") or {}, spec.to_plain()["executor"]
+    pairs = [(f"executor.{k}", theirs.get(k), ours[k]) for k in LIMITS]
+    pairs += [(f"executor.slurm.{k}", (theirs.get("slurm") or {}).get(k), ours["slurm"][k]) for k in SLURM_LIMITS]
+    return [f"{key} = {new!r} (the plan's {old!r})" for key, old, new in pairs if old != new]
 
 
 def _comparable_plan(plan: dict) -> dict:
@@ -279,7 +307,8 @@ def _refuse_unlike_plan(spec: BenchSpec, bundle: Path, plan: dict, got: inputs.I
     if synthesize:   # a resume writes a missing checkpoint into the cache: a cache it cannot make is named first
         make_cache(ours, got.cache, f"{spec.resume} is unchanged")
     compared = synthesize or _checkpoint_at_hand(ours, got.cache)
-    fresh = make_plan(ours, got, prepare_checkpoint(ours, got.cache) if compared else None, point_entries(ours))
+    fresh = make_plan(_with_planned_limits(ours, plan["config"]), got,
+                      prepare_checkpoint(ours, got.cache) if compared else None, point_entries(ours))
     old, new = _comparable_plan(plan), _comparable_plan(_as_json(fresh))
     if not compared:   # a resume compares it once synthesized (seeded, but calibrated on this host's device)
         del old["checkpoint"], new["checkpoint"]
@@ -323,6 +352,7 @@ class ResumeCheck:
     checkpoint_compared: bool           # False: a synthetic checkpoint not yet cached (plan writes none)
     online_planned: int = 0             # runs of the online track (plan.json online.order); 0 without one
     online_left: int = 0                # of those, the runs a resume measures (unrecorded, or discarded lone ones)
+    limits: tuple[str, ...] = ()        # the LIMITS this run changes (changed_limits), under which its children run
 
     @property
     def left(self) -> int:
@@ -355,7 +385,8 @@ def _check(spec: BenchSpec, got: inputs.Inputs | None,
     online_planned, online_left = _online_left(bundle, plan, discard)
     check = ResumeCheck(bundle=bundle, status=status, planned=sum(len(v) for v in plan["order"].values()),
                         todo={name: tuple(seqs) for name, seqs in todo.items()}, discard=tuple(discard),
-                        checkpoint_compared=compared, online_planned=online_planned, online_left=online_left)
+                        checkpoint_compared=compared, online_planned=online_planned, online_left=online_left,
+                        limits=tuple(changed_limits(ours, plan["config"])))
     return check, ours, got, env, plan
 
 
@@ -400,6 +431,9 @@ def resume(spec: BenchSpec) -> RunResult:
                       if check.online_planned else "")
             print(f"loopbench: resuming {bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, "
                   f"{check.left} to measure{online}", flush=True)
+            for limit in check.limits:
+                print(f"loopbench: this resume's children run under {limit}; a limit changes no measurement",
+                      flush=True)
             write_children(bundle, children)
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)

@@ -320,9 +320,11 @@ def test_the_timeout_bounds_one_session_its_fixed_cost_plus_its_own_arms():
     order = [SimpleNamespace(point="B2C2", pair=pair) for pair in (0, 0, 1, 1, 2, 2)]   # 2 pairs a session
     assert planning.longest_session_s(earlier, order, pairs_per_session=2) == fixed_s + 4 * run_s
     assert planning.longest_session_s(earlier, order, pairs_per_session=3) == fixed_s + 6 * run_s
-    # a resume keeps the bundle's timeout (its plan must be the bundle's): warned, never refused
+    # a resume is warned, never refused (its killed session's arms are kept), and told the timeout it may set
     over = planning.SessionTiming(timeout_s=1.0, estimate_s=10.0, source="b", resuming=True)
-    assert not over.refused and over.close and "a resume keeps the bundle's timeout" in over.warning()
+    assert not over.refused and over.close
+    assert f"raise executor.session_timeout_s, which a resume may change, to at least {over.needed_s()}" in \
+        over.warning()
 
 
 def test_a_session_that_cannot_finish_before_its_timeout_is_refused_before_anything_runs(tmp_path, monkeypatch,

@@ -645,6 +645,8 @@ FOLLOWING = "(and in 4 field(s) of the plan that follow from the config)"   # or
     ("workload.prompt_seed=1", ["config.workload.prompt_seed"]),
     ("model.seed=1", ["config.model.seed (bundle 0, this run 1)", "checkpoint.sha256"]),   # a hash is always named
     ("reuse_references=false", ["config.reuse_references (bundle true, this run false)"]),
+    # torch's threads change what a CPU session measures, unlike the limits a resume may change
+    ("executor.cpu_threads=2", ["config.executor.cpu_threads (bundle 1, this run 2)"]),
     (None, ["code.code_sha256"]),
     # a changed config key does not hide a difference that does not follow from it
     ("pairs=7 code", ["in code.code_sha256 (bundle ", "); config.pairs (bundle 6, this run 7) " + FOLLOWING]),
@@ -699,6 +701,36 @@ def test_plan_of_a_resume_says_what_it_would_keep_and_measure_and_changes_nothin
     assert rc == 0, err
     assert "checkpoint not compared yet" in out and f"  resume keeps {kept} of 12 arms" in out
     assert _tree(bundle) == before
+
+
+def test_a_resume_runs_its_sessions_under_its_own_timeouts(stopped, dirs, tmp_path, monkeypatch, plan, capsys):
+    """A resume refused a changed executor.session_timeout_s like any change to the plan, so a session killed at the
+    bundle's timeout before its first arm (a slower machine) was killed there again on every resume, and only a new
+    run, losing every record, could raise it. A limit changes no measurement: the resume's children run under its own,
+    plan.json keeps the first run's, and plan and bench name the change."""
+    from loopbench.harness import resume
+
+    bundle = _copy(stopped["bundle"], tmp_path / "b")
+    limits = ["executor.session_timeout_s=1234", "executor.reference_timeout_s=99", "executor.stop_grace_s=7",
+              "executor.slurm.time_limit_min=30"]
+    rc, out, err = plan(bundle, *limits)
+    assert rc == 0, err
+    assert "  resume runs its children under executor.session_timeout_s = 1234.0 (the plan's 900.0) (a limit " \
+           "changes no measurement)" in out, out
+    assert "under executor.stop_grace_s = 7.0 (the plan's 5.0)" in out and "reference_timeout_s = 99.0" in out
+    assert "under executor.slurm.time_limit_min = 30 (the plan's None)" in out
+    seen = []
+
+    def no_sessions(ex, *args, **kwargs):   # what the resume's children would run under; none is started
+        seen.append((ex.session_timeout_s, ex.reference_timeout_s, ex.stop_grace_s))
+        return []
+    monkeypatch.setattr(resume, "run_restarts", no_sessions)
+    planned = (bundle / "plan.json").read_bytes()
+    _resume(dirs, bundle, *limits)
+    assert seen == [(1234.0, 99.0, 7.0)]
+    assert (bundle / "plan.json").read_bytes() == planned
+    assert "this resume's children run under executor.session_timeout_s = 1234.0 (the plan's 900.0); a limit " \
+           "changes no measurement" in capsys.readouterr().out
 
 
 def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs, tmp_path, plan):
