@@ -460,7 +460,8 @@ def preset_files(name: str) -> list[str]:
 
 def _check_preset_keys(name: str, seen: set[str]) -> None:
     """The keys of preset ``name``'s YAML and of the presets its defaults list extends, each file on its
-    own (``rules.check_keys``: ValueError naming the file); Hydra's ``defaults`` and ``hydra`` nodes aside."""
+    own (``rules.check_keys``, then ``rules.check_shapes``: ValueError naming the file); Hydra's ``defaults`` and
+    ``hydra`` nodes aside."""
     seen.add(name)
     data = _preset_data(name)
     if data is None:
@@ -469,6 +470,7 @@ def _check_preset_keys(name: str, seen: set[str]) -> None:
         if entry not in seen:
             _check_preset_keys(entry, seen)
     rules.check_keys(_own_settings(data), BenchConf, where=f" in {CONFIG_DIR.name}/{name}.yaml")
+    rules.check_shapes(_own_settings(data), BenchConf, where=f" in {CONFIG_DIR.name}/{name}.yaml")
 
 
 def _check_switches(config_name: str, overrides: list[str]) -> None:

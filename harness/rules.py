@@ -171,6 +171,25 @@ def check_bools(data: Any, schema: Any, path: str = "", where: str = "") -> None
             check_bools(value, hint, f"{path}.{name}" if path else name, where)
 
 
+def check_shapes(data: Any, schema: Any, path: str = "", where: str = "") -> None:
+    """ValueError naming the first value of ``data`` that is not the container ``schema`` describes there: a mapping
+    or a scalar where a list belongs (``points: {max_num_seqs: 3, num_requests: 5}``), a list or a scalar where a
+    section or a map does (``exit: 5``). Hydra refuses these while it merges a preset, in words whose key is empty
+    (``Cannot merge DictConfig with ListConfig full_key:``) and that name no file. ``path`` and ``where`` as for
+    :func:`check_bools`; null and an interpolation pass (OmegaConf decides those)."""
+    if data is None or (isinstance(data, str) and ("${" in data or data == "???")):   # ???: OmegaConf's MISSING
+        return
+    hint = _node(schema)
+    origin = typing.get_origin(hint)
+    if origin in (list, typing.List) and not isinstance(data, list):
+        raise ValueError(f"{path or 'the value'}{where} must be a list, got {data!r}")
+    if (dataclasses.is_dataclass(hint) or origin in (dict, typing.Dict)) and not isinstance(data, dict):
+        raise ValueError(f"{path or 'the value'}{where} must be a mapping of keys, got {data!r}")
+    for name, value, child in _children(data, schema):
+        if child is not None:   # a key the schema lacks is check_keys' to name
+            check_shapes(value, child, f"{path}.{name}" if path else name, where)
+
+
 def check_key_path(path: str, value: Any, schema: type) -> None:
     """An override's dotted key (``exit.treshold``, ``points.0.max_num_seqs``) walked down ``schema``, then
     the keys of its ``value`` (``exit={treshold: 0.6}``); ValueError (:func:`unknown_key`) at the first

@@ -109,6 +109,30 @@ def test_a_misspelt_key_in_a_preset_names_its_file(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
 
 
+@pytest.mark.parametrize("setting, line", [
+    ("points: {max_num_seqs: 3, num_requests: 5}",
+     "points in configs/mine.yaml must be a list, got {'max_num_seqs': 3, 'num_requests': 5}"),
+    ("exit: 5", "exit in configs/mine.yaml must be a mapping of keys, got 5"),
+    ("exit: [1, 2]", "exit in configs/mine.yaml must be a mapping of keys, got [1, 2]"),
+    ("arms: {native: [1]}", "arms.native in configs/mine.yaml must be a mapping of keys, got [1]"),
+    ("workload: {prompt_lens: {a: 1}}", "workload.prompt_lens in configs/mine.yaml must be a list, got {'a': 1}"),
+])
+def test_a_list_or_section_of_the_wrong_kind_in_a_preset_names_its_key_and_file(tmp_path, monkeypatch, capsys,
+                                                                                 setting, line):
+    """Hydra refuses a mapping where a list belongs (and the like) while it merges a preset, in words whose key is
+    empty and that name no file: `In 'mine': ConfigTypeError raised while composing config: Cannot merge DictConfig
+    with ListConfig full_key:`."""
+    configs = tmp_path / "configs"
+    shutil.copytree(conf.CONFIG_DIR, configs)
+    (configs / "mine.yaml").write_text(f"defaults: [cpu-smoke, _self_]\nname: mine\n{setting}\n")
+    monkeypatch.setattr(conf, "CONFIG_DIR", configs)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["-q", "plan", "--config-name", "mine"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [BAD + line], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
 @pytest.mark.parametrize("command", ["plan", "bench"])
 def test_a_misspelt_key_in_a_preset_with_its_own_sweep_is_not_blamed_on_a_job(tmp_path, monkeypatch, capsys,
                                                                              command):
