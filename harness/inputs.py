@@ -126,9 +126,17 @@ def model_config(spec: BenchSpec) -> dict:
     from loopbench.runtime.checkpoint import CONFIG_NAME, config_from_hf_dict
 
     path = checkpoint_path(spec)
-    if path is not None:
-        return config_from_hf_dict(json.loads((path / CONFIG_NAME).read_text())).to_dict()
-    return _preset(spec).to_dict()
+    if path is None:
+        return _preset(spec).to_dict()
+    file = path / CONFIG_NAME
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:   # json's own words named neither the file nor the key
+        raise ValueError(f"model.checkpoint = {spec.model.checkpoint!r}: {file} is not readable JSON ({exc})") from None
+    try:
+        return config_from_hf_dict(raw, source=str(file)).to_dict()
+    except ValueError as exc:
+        raise ValueError(f"model.checkpoint = {spec.model.checkpoint!r}: {exc}") from None
 
 
 def synthetic_checkpoint_path(spec: BenchSpec, cache: Path) -> Path:

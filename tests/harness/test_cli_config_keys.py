@@ -390,6 +390,23 @@ def test_an_empty_checkpoint_is_named(tmp_path, monkeypatch, capsys, command, va
                          "the preset's synthetic checkpoint)\n"), err
 
 
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("text, why", [
+    ("not json", "{file} is not readable JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("{}", "{file}: missing config key 'hidden_size'"),
+])
+def test_a_checkpoint_whose_config_json_is_bad_names_the_key_and_file(tmp_path, monkeypatch, capsys, command, text,
+                                                                       why):
+    """A checkpoint folder whose config.json is no JSON was refused in json's words alone (`loopbench: bad
+    configuration: Expecting value: line 1 column 1 (char 0)`), naming neither model.checkpoint nor the file; one
+    without a required key named only `config.json`."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(text)
+    err = _refusal(tmp_path, monkeypatch, capsys, command, f"model.checkpoint={ckpt}")
+    assert err == BAD + f"model.checkpoint = '{ckpt}': " + why.format(file=ckpt / "config.json") + "\n", err
+
+
 def test_a_cache_folder_that_cannot_be_made_is_one_line_exit_2_and_leaves_no_bundle_folder(tmp_path, monkeypatch,
                                                                                             capsys):
     """cache_dir=/proc/foo/c passes the folder check as root (os.access) and was a traceback with exit 1 from the
