@@ -102,6 +102,22 @@ def _not_started(spec: ChildSpec, reason: str) -> ChildResult:
     return _result(spec, None, "interrupted", None, reason)
 
 
+# how often the wait between two polls looks for a stop request
+STOP_CHECK_S = 0.05
+
+
+def _wait_unless_stopped(seconds: float, stop: Callable[[], str | None]) -> None:
+    """Wait ``seconds`` (``executor.poll_s``) or until ``stop()`` reports a signal. A signal handler cannot end a
+    ``time.sleep`` (PEP 475 resumes it), so a Ctrl-C that came during one plain sleep of poll_s was acted on only
+    after it: the children measured on, unstopped, for up to poll_s."""
+    deadline = time.monotonic() + seconds
+    while not stop():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, STOP_CHECK_S))
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     """Signal the child's whole process group (its pid: it was started in a new session)."""
     try:
@@ -173,7 +189,7 @@ class LocalExecutor:
                 if progress:
                     progress()
                 if len(results) < len(specs):
-                    time.sleep(poll_s)
+                    _wait_unless_stopped(poll_s, stop)
         except BaseException:
             # a bug or an unforeseen exception in the controller must not orphan a measuring child
             self._stop([p for p in procs if p[0].session_id not in results], "an error in the controller", 0.0)
@@ -271,7 +287,7 @@ class SubmititExecutor:
                 if progress:
                     progress()
                 if len(results) < len(specs):
-                    time.sleep(poll_s)
+                    _wait_unless_stopped(poll_s, stop)
         except BaseException:
             for job in jobs:  # an error in the controller must not leave a job measuring on the cluster
                 if job.spec.session_id not in results:

@@ -317,6 +317,38 @@ def test_a_child_that_ended_on_its_own_before_the_stop_keeps_its_own_end(tmp_pat
         "interrupted", -signal.SIGTERM, "SIGTERM")
 
 
+def test_a_stop_is_acted_on_before_the_next_poll(tmp_path, monkeypatch):
+    """The controller slept executor.poll_s between polls, and a Ctrl-C only set a flag it read at the next poll:
+    with poll_s=40 a run stopped after 4 records went on measuring (53 records) for 40 s, its children unstopped,
+    and with poll_s=1e9 a stop never came. The wait between polls now ends on a stop. A fake clock here: the stop
+    comes during the first wait, and the child must be signalled before the poll interval has passed."""
+    from types import SimpleNamespace
+
+    job = tmp_path / "running.py"
+    job.write_text("import time; time.sleep(60)\n")
+    spec = executors.ChildSpec("running", job, tmp_path / "running.log", None, "CPU", 120.0)
+    real_popen, real_signal = executors.subprocess.Popen, executors._signal_group
+    clock, stopped_at, signalled_at = [0.0], [], []
+
+    def sleep(seconds):
+        if not stopped_at:
+            stopped_at.append(clock[0])     # the Ctrl-C arrives while the controller waits
+        clock[0] += seconds
+
+    def signal_group(proc, sig):
+        signalled_at.append((clock[0], sig))
+        real_signal(proc, sig)
+
+    monkeypatch.setattr(executors.subprocess, "Popen", lambda args, **kw: real_popen([sys.executable, str(job)], **kw))
+    monkeypatch.setattr(executors, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock[0]))
+    monkeypatch.setattr(executors, "_signal_group", signal_group)
+    poll_s = 600.0
+    (result,) = executors.LocalExecutor().run([spec], poll_s=poll_s, stop=lambda: "SIGINT" if stopped_at else None,
+                                              grace_s=5.0)
+    assert (result.state, result.interrupted_by) == ("interrupted", "SIGINT")
+    assert signalled_at[0][1] == signal.SIGTERM and signalled_at[0][0] < stopped_at[0] + poll_s, signalled_at
+
+
 def test_stops_held_deliver_one_keyboard_interrupt_after_the_block_and_keep_an_ignored_signal_ignored():
     """Code a KeyboardInterrupt cannot land in cleanly (triton's native initialisation aborted the interpreter on a
     new user's Ctrl-C) runs to its end; the stop comes after it."""
