@@ -72,7 +72,7 @@ MEANINGS: dict[str, str] = {
     "executor.session_timeout_s": "a measuring session is killed after this many seconds (plan and bench refuse "
                                   "a plan whose longest session is estimated well past it, and warn near it)",
     "executor.reference_timeout_s": "the reference capture is killed after this many seconds",
-    "executor.poll_s": "how often the controller polls its children, seconds",
+    "executor.poll_s": "how often the controller polls its children, seconds (below both timeouts)",
     "executor.stop_grace_s": "on SIGTERM / Ctrl-C: seconds between the children's SIGTERM and SIGKILL",
     "executor.slurm.cluster": "submitit cluster: null = Slurm, local / debug = submitit's test executors",
     "executor.slurm.partition": "Slurm partition (--partition; null: the cluster's default)",

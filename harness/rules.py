@@ -433,6 +433,10 @@ def check_executor(exe: dict) -> None:
     for key in ("session_timeout_s", "reference_timeout_s", "poll_s", "stop_grace_s"):
         if not (math.isfinite(exe[key]) and exe[key] > 0):    # an infinite wait overflows time.sleep
             raise ValueError(f"executor.{key} must be a finite number > 0, got {exe[key]!r}")
+    for key in ("reference_timeout_s", "session_timeout_s"):
+        if exe["poll_s"] >= exe[key]:   # poll_s=1e9 waited that long after the reference child had ended
+            raise ValueError(f"executor.poll_s = {exe['poll_s']:g} s must be below executor.{key} = {exe[key]:g} s: "
+                             "the controller sees a child's end, and its timeout, once per poll")
     if exe["gpus"] is not None:
         if len(set(exe["gpus"])) != len(exe["gpus"]):
             raise ValueError(f"executor.gpus lists a GPU twice: {exe['gpus']}")

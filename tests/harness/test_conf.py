@@ -226,6 +226,19 @@ def test_bad_config_fails_before_anything_is_written_or_measured(tmp_path, overr
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (["executor.poll_s=1e9"], r"executor.poll_s = 1e\+09 s must be below executor.reference_timeout_s = 300 s"),
+    (["executor.poll_s=600"], r"executor.poll_s = 600 s must be below executor.reference_timeout_s = 300 s"),
+    (["executor.poll_s=60", "executor.session_timeout_s=60"],
+     "executor.poll_s = 60 s must be below executor.session_timeout_s = 60 s"),
+])
+def test_a_poll_interval_not_below_the_timeouts_is_refused(overrides, match):
+    """The controller sees a child's end, and its timeout, once per poll: executor.poll_s=1e9 passed, and the run
+    waited that long after its reference child had ended, before it measured anything (a Ctrl-C still stops it)."""
+    with pytest.raises(ValueError, match=match):
+        conf.validate(conf.compose("cpu-smoke", overrides))
+
+
 def test_executor_gpus_of_a_slurm_run_are_refused_since_slurm_allocates_them():
     with pytest.raises(ValueError, match=r"executor.gpus = \[0\] picks local GPUs, but executor.kind = slurm; leave it "
                                          "null and set executor.slurm.gpus_per_task"):
