@@ -69,13 +69,16 @@ from . import (check_files, check_jobs, check_logs, check_natural, check_online,
                evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 14  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+AUDITOR_VERSION = 15  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
                       # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
                       # 12: format 13, failed requests in the online percentiles; 13: each record against its
                       # session's log line (documents.log), pair_ratios.png against its own drawing, environment.json GPUs
                       # against the records' cards, every format; 14: online request times in one clock's order, each
-                      # online record's run settings against plan.json online, plan.json online against config.online
+                      # online record's run settings against plan.json online, plan.json online against config.online;
+                      # 15: format 14 (the online trace without numpy, plan.json against the sessions' plan lines);
+                      # the derived SLO by the contract's factor; each copy ceiling against its log line; environment
+                      # torch against the reference child's; jobs/*.json against the plan; every arm line planned
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -114,6 +117,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     ctx.section("logs", check_logs.check_ceilings, children)   # format 7: each copy ceiling against its log line
+    ctx.section("logs", check_logs.check_plan_lines, plan, children)   # format 14: plan.json as the sessions read it
     ctx.section("engine_settings", check_settings.check, plan, records)   # format 9: what each run ran with
     ctx.section("engine_settings", check_settings.check_online, plan, ctx.online_records, records)   # format 10
     return checks_ok, ctx.section("natural", check_natural.check, plan, records)

@@ -13,10 +13,13 @@ the log the run left. Held here, in every format version (the line has not chang
 - every arm line of a session's log (a line of ``arm_line``'s shape) has the key of an item of its device's order
   in plan.json: a run cut from the plan (a point dropped with its records) leaves lines the plan no longer holds;
 - from format 7, each ``ceiling_line`` of a session's log gives the copy ceiling of its ``ceilings/<session>.json``
-  (the roofline's denominator), and a session that completed with a ceiling file printed one.
+  (the roofline's denominator), and a session that completed with a ceiling file printed one;
+- from format 14, each ``plan_line`` of a measuring session's log gives the sha256 of the bundle's plan.json, and a
+  measuring session that completed printed one (the plan, its verdict rule included, is the one the arms ran under).
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 from . import contract, derive
@@ -123,3 +126,27 @@ def check_ceilings(ctx: Audit, children: list[dict]) -> None:
         if lines is not None and not found and child.get("state") == "completed":
             ctx.fail("logs", f"{rel}: no copy ceiling line, though session {sid} completed; {where} gives {want!r}")
         ctx.count("ceiling_lines", len(found))
+
+
+def check_plan_lines(ctx: Audit, plan: dict, children: list[dict]) -> None:
+    """The sha256 of the plan.json each measuring session read, as its log printed it, against the bundle's plan.json
+    (see the module docstring); every run's child, not only the latest entry per name, since each read the plan."""
+    if ctx.version < LOG["plan_line_since"]:
+        return
+    want_sha = hashlib.sha256((ctx.bundle / "plan.json").read_bytes()).hexdigest()
+    head = LOG["plan_line"].split("{sha256}")[0]   # a session's plan line: its words before the sha256
+    devices = {d["name"] for d in plan["devices"]}
+    for c in children:
+        if not isinstance(c, dict) or c.get("name") not in devices or not isinstance(c.get("log"), str):
+            continue   # a reference child reads no plan; a broken entry is named by check_sessions
+        rel, sid = f"logs/{c['log']}", derive.child_session(c)
+        want = LOG["plan_line"].format(session=sid, sha256=want_sha)
+        lines = _lines(ctx, rel)
+        found = [(n, body) for n, body in lines or [] if body.startswith(head.format(session=sid))]
+        for n, body in found:
+            if body != want:
+                ctx.fail("logs", f"{rel} line {n} reads {body!r}; the bundle's plan.json gives {want!r}: the plan was "
+                                 "changed after the session read it")
+        if lines is not None and not found and c.get("state") == "completed":
+            ctx.fail("logs", f"{rel}: no plan.json sha256 line, though session {sid} completed; plan.json gives {want!r}")
+        ctx.count("plan_lines", len(found))

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import signal
@@ -246,7 +247,10 @@ def load_session(job: dict) -> SessionInputs:
     from loopbench.runtime.schedule import Schedule
 
     bundle = Path(job["bundle"])
-    plan = json.loads((bundle / "plan.json").read_text())
+    raw_plan = (bundle / "plan.json").read_bytes()
+    plan = json.loads(raw_plan)
+    _log(bundle_format()["documents"]["log"]["plan_line"].format(   # the auditor holds plan.json to this line
+        session=job.get("session", job["name"]), sha256=hashlib.sha256(raw_plan).hexdigest()))
     engines.check_sources((plan.get("code") or {}).get("engine_sources", {}))   # the planned versions, or nothing
     cfg = plan["config"]
     device = machine.child_device(job["name"], job["device"])

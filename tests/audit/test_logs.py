@@ -9,6 +9,7 @@ import pytest
 
 from loopbench.audit.values import canonical
 from loopbench.harness import conf, controller, evidence
+from loopbench.harness.fileio import canonical_json, sha256_bytes
 from tests.audit.tamper import edit_json, failed, forge_elapsed, raw, republish, rewrite_manifest
 
 
@@ -106,5 +107,30 @@ def test_point_cut_from_the_plan_with_its_runs_is_named_by_its_log_lines(two_poi
     controller.publish(bundle, plan, children, env)
     text = failed(bundle)
     named = [d for d in text.split("\n") if d.startswith("logs: logs/cpu0.log line ")]
-    assert named and all(f" {cut} " in d and d.endswith("an arm that plan.json's order of cpu0 does not hold")
-                         for d in named), text
+    arms = [d for d in named if ": plan.json sha256 " not in d]     # the plan line is named too (format 14)
+    assert arms and all(f" {cut} " in d and d.endswith("an arm that plan.json's order of cpu0 does not hold")
+                        for d in arms), text
+    assert len(named) == len(arms) + 1 and "the plan was changed after the session read it" in named[-1], text
+
+
+def test_plan_rewritten_after_the_run_is_named_by_the_sessions_plan_line(bundle):
+    """A forger relaxes the verdict rule in plan.json (confidence, min_pairs and the evidence alpha that follow it),
+    fixes config_sha256 and publishes again with the harness: every verdict and figure agrees with the new plan, the
+    sha256 the session printed of the plan it read does not."""
+    def relax(plan):
+        plan["config"]["verdict"].update(min_pairs=3, confidence=0.5)
+        plan["config"]["evidence"].update(alpha=0.5)
+        plan["detectable_effect"]["alpha"] = 0.5
+        plan["config_sha256"] = sha256_bytes(canonical_json(plan["config"]).encode())
+    edit_json(bundle / "plan.json", relax)
+    republish(bundle)
+    text = failed(bundle)
+    named = [d for d in text.split("\n") if d.startswith("logs: logs/cpu0.log line ")]
+    assert len(named) == 1 and "the plan was changed after the session read it" in named[0], text
+
+
+def test_removed_plan_line_of_a_completed_session_is_named(bundle):
+    path, lines = _log_lines(bundle)
+    path.write_text("\n".join(line for line in lines if ": plan.json sha256 " not in line))
+    rewrite_manifest(bundle)
+    assert "logs: logs/cpu0.log: no plan.json sha256 line, though session cpu0 completed" in failed(bundle)
