@@ -1,5 +1,6 @@
 """A forger's tools: edit a bundle's files and rewrite its manifest to match, so that it is the auditor's
 re-derivation that must catch the edit, not the manifest's hashes."""
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -131,6 +132,14 @@ def forge_elapsed(bundle: Path, seq: int, fn) -> dict:
     path.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
     republish(bundle)
     return rec
+
+
+def rebind_plan_lines(bundle: Path) -> None:
+    """Every session log's plan.json sha256 line (format 14) rewritten to the bundle's plan.json as it now is: a forger
+    who edits the plan and covers the line the sessions printed (the line binds the plan to the log, not to the run)."""
+    sha = hashlib.sha256((bundle / "plan.json").read_bytes()).hexdigest()
+    for log in (bundle / "logs").glob("*.log"):
+        log.write_text(re.sub(r"(: plan\.json sha256 )[0-9a-f]{64}", rf"\g<1>{sha}", log.read_text()))
 
 
 def republish(bundle: Path) -> None:

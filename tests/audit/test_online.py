@@ -233,7 +233,9 @@ def _republished_with_a_resumed_session(bundle, seqs_in_resume: tuple[int, ...])
                                                              "attempt": 1}))
     for seq in seqs_in_resume:
         edit_json(_raw(bundle, seq), lambda rec: rec.update(session="cpu0.r1"))
-    shutil.copy(bundle / "logs" / "cpu0.log", bundle / "logs" / "cpu0.r1.log")
+    # the resume's log prints its own session's ceiling and plan lines
+    log = (bundle / "logs" / "cpu0.log").read_text()
+    (bundle / "logs" / "cpu0.r1.log").write_text(log.replace("] session cpu0: ", "] session cpu0.r1: "))
     job = json.loads((bundle / "jobs" / "session-cpu0.json").read_text())
     (bundle / "jobs" / "session-cpu0.r1.json").write_text(json.dumps({**job, "session": "cpu0.r1", "seqs": []}))
     ceiling = json.loads((bundle / "ceilings" / "cpu0.json").read_text())

@@ -14,7 +14,8 @@ from loopbench.audit import check_graphs
 from loopbench.audit.auditor import audit
 from loopbench.harness import controller, evidence, graph_coverage, telemetry
 from loopbench.harness.sampler import Sampler
-from tests.audit.tamper import edit_json, edit_report, edit_table, every_leaf_named, failed, raw, rewrite_manifest
+from tests.audit.tamper import (edit_json, edit_report, edit_table, every_leaf_named, failed, raw, rebind_plan_lines,
+                                rewrite_manifest)
 from tests.harness.fake_nvml import FakeNVML
 
 
@@ -161,11 +162,15 @@ def test_every_graph_coverage_figure_is_rederived(bundle):
 
 def _forge_graph_candidate(bundle) -> None:
     """The candidate arm alias_prefix as if it had run with CUDA Graphs, replaying every launch: its
-    eager fraction 0 against native's 1 (eager), a coverage difference by construction."""
+    eager fraction 0 against native's 1 (eager), a coverage difference by construction. The reference job's arms
+    and the session's plan line are forged with the plan (jobs/*.json and the log are held to it)."""
     def plan(p):
         p["config"]["arms"]["alias_prefix"]["cuda_graphs"] = True
         p["config_sha256"] = evidence.sha256_bytes(evidence.canonical_json(p["config"]).encode())
     edit_json(bundle / "plan.json", plan)
+    edit_json(bundle / "jobs" / "reference-cpu0.json",
+              lambda job: job["spec"]["arms"]["alias_prefix"].update(cuda_graphs=True))
+    rebind_plan_lines(bundle)
     for path in (bundle / "raw" / "cpu0").glob("*.json"):
         def graphs(r):
             if r["arm"] == "alias_prefix":
