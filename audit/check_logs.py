@@ -104,6 +104,20 @@ def check_planned(ctx: Audit, plan: dict, children: list[dict]) -> None:
             ctx.count("planned_log_lines", m is not None)
 
 
+def _held_line(ctx: Audit, rel: str, sid: str, head: str, want: str, completed: bool, source: str, what: str,
+               tail: str = "", why: str = "") -> int:
+    """Each line of log ``rel`` between ``head`` and ``tail`` (one line of the contract's, its figure aside) against
+    ``want``, which ``source`` gives, and one such line (``what``) owed by a session that completed; their count."""
+    lines = _lines(ctx, rel)
+    found = [(n, body) for n, body in lines or [] if body.startswith(head) and body.endswith(tail)]
+    for n, body in found:
+        if body != want:
+            ctx.fail("logs", f"{rel} line {n} reads {body!r}; {source} gives {want!r}{why}")
+    if lines is not None and not found and completed:
+        ctx.fail("logs", f"{rel}: no {what} line, though session {sid} completed; {source} gives {want!r}")
+    return len(found)
+
+
 def check_ceilings(ctx: Audit, children: list[dict]) -> None:
     """Each session's copy ceiling, as the roofline check read it, against the ceiling line its log printed (see
     the module docstring); nothing where the roofline check read none (before format 7, or a broken file, named
@@ -116,16 +130,10 @@ def check_ceilings(ctx: Audit, children: list[dict]) -> None:
         child = sessions.get(sid)
         if child is None or not isinstance(child.get("log"), str):
             continue   # named by check_sessions
-        rel, where = f"logs/{child['log']}", f"ceilings/{sid}.json"
         want = LOG["ceiling_line"].format(session=sid, gb_per_s=doc["bytes_per_copy"] / min(doc["times_s"]) / 1e9)
-        lines = _lines(ctx, rel)
-        found = [(n, body) for n, body in lines or [] if body.startswith(head.format(session=sid)) and body.endswith(tail)]
-        for n, body in found:
-            if body != want:
-                ctx.fail("logs", f"{rel} line {n} reads {body!r}; {where} gives {want!r}")
-        if lines is not None and not found and child.get("state") == "completed":
-            ctx.fail("logs", f"{rel}: no copy ceiling line, though session {sid} completed; {where} gives {want!r}")
-        ctx.count("ceiling_lines", len(found))
+        ctx.count("ceiling_lines", _held_line(ctx, f"logs/{child['log']}", sid, head.format(session=sid), want,
+                                              child.get("state") == "completed", f"ceilings/{sid}.json",
+                                              "copy ceiling", tail=tail))
 
 
 def check_plan_lines(ctx: Audit, plan: dict, children: list[dict]) -> None:
@@ -139,14 +147,8 @@ def check_plan_lines(ctx: Audit, plan: dict, children: list[dict]) -> None:
     for c in children:
         if not isinstance(c, dict) or c.get("name") not in devices or not isinstance(c.get("log"), str):
             continue   # a reference child reads no plan; a broken entry is named by check_sessions
-        rel, sid = f"logs/{c['log']}", derive.child_session(c)
-        want = LOG["plan_line"].format(session=sid, sha256=want_sha)
-        lines = _lines(ctx, rel)
-        found = [(n, body) for n, body in lines or [] if body.startswith(head.format(session=sid))]
-        for n, body in found:
-            if body != want:
-                ctx.fail("logs", f"{rel} line {n} reads {body!r}; the bundle's plan.json gives {want!r}: the plan was "
-                                 "changed after the session read it")
-        if lines is not None and not found and c.get("state") == "completed":
-            ctx.fail("logs", f"{rel}: no plan.json sha256 line, though session {sid} completed; plan.json gives {want!r}")
-        ctx.count("plan_lines", len(found))
+        sid = derive.child_session(c)
+        ctx.count("plan_lines", _held_line(ctx, f"logs/{c['log']}", sid, head.format(session=sid),
+                                           LOG["plan_line"].format(session=sid, sha256=want_sha),
+                                           c.get("state") == "completed", "the bundle's plan.json", "plan.json sha256",
+                                           why=": the plan was changed after the session read it"))

@@ -145,8 +145,8 @@ def busy_cpu_warning(threads: int) -> str | None:
                 f"core{plural}: CPU timings are for smoke checks, not performance evidence")
     if busy <= cores - min(threads, cores) + 0.5:     # half a core's allowance for the odd daemon
         return None
-    return (f"warning: other work keeps {busy:.1f} of the {cores} usable core{plural} busy, leaving fewer idle than the run's "
-            f"{threads} thread{'' if threads == 1 else 's'}: CPU timings are for smoke checks, not "
+    return (f"warning: other work keeps {busy:.1f} of the {cores} usable core{plural} busy, leaving fewer idle than "
+            f"the run's {threads} thread{'' if threads == 1 else 's'}: CPU timings are for smoke checks, not "
             "performance evidence")
 
 
