@@ -222,7 +222,7 @@ def check(plain: dict) -> None:
     seed("verdict.bootstrap_seed", plain["verdict"]["bootstrap_seed"])
     positive_int("workload.output_len", plain["workload"]["output_len"])
     check_prompt_lengths(plain["workload"])
-    check_points(plain["points"])
+    check_points(plain["points"], plain["workload"]["output_len"])
     check_point_workloads(plain["points"], plain["workload"])
     check_exit(plain["exit"])
     check_arms(plain["arms"])
@@ -289,18 +289,32 @@ def check_prompt_lengths(wl: dict) -> None:
         positive_int(f"workload.prompt_lens[{i}]", n)
 
 
-def check_points(points: list) -> None:
+def _point_label(pt: dict) -> str:
+    """B/C and the P / D a point writes itself: ``B16/C32``, ``B3/C4/P9``."""
+    own = "".join(f"/{n}{pt[k]}" for n, k in (("P", "prompt_len"), ("D", "output_len")) if pt.get(k) is not None)
+    return f"B{pt['max_num_seqs']}/C{pt['num_requests']}{own}"
+
+
+def check_points(points: list, output_len: int) -> None:
+    """Each point's B and C positive, and no two points the same requests. A point's own output_len equal to
+    the workload's (``output_len``) changes its key but not its work (its prompts are the workload's), so it
+    counts as the point without it; its own prompt_len does not, since that draws a block of prompts of its own
+    (harness/workloads.py)."""
     if not points:
         raise ValueError("points must list at least one (max_num_seqs, num_requests) point")
-    seen = set()
+    seen: dict[tuple, int] = {}
     for i, pt in enumerate(points):
         positive_int(f"points[{i}].max_num_seqs", pt["max_num_seqs"])
         positive_int(f"points[{i}].num_requests", pt["num_requests"])
-        key = (pt["max_num_seqs"], pt["num_requests"], pt.get("prompt_len"), pt.get("output_len"))
+        d = pt.get("output_len")
+        key = (pt["max_num_seqs"], pt["num_requests"], pt.get("prompt_len"), output_len if d is None else d)
         if key in seen:
-            own = "".join(f"/{n}{v}" for n, v in zip("PD", key[2:]) if v is not None)
-            raise ValueError(f"points[{i}] = B{key[0]}/C{key[1]}{own} is listed twice")
-        seen.add(key)
+            first = points[seen[key]]
+            if _point_label(first) == _point_label(pt):
+                raise ValueError(f"points[{i}] = {_point_label(pt)} is listed twice")
+            raise ValueError(f"points[{i}] = {_point_label(pt)} runs the same requests as points[{seen[key]}] = "
+                             f"{_point_label(first)} (workload.output_len is {output_len}); drop one of them")
+        seen[key] = i
 
 
 def check_point_workloads(points: list, wl: dict) -> None:

@@ -35,6 +35,8 @@ def test_point_keys_carry_the_workload_a_point_sets_itself():
     ("points=[{max_num_seqs:3,num_requests:4,output_len:-2}]", "points[0].output_len must be"),
     ("points=[{max_num_seqs:3,num_requests:4,prompt_len:9},{max_num_seqs:3,num_requests:4,prompt_len:9}]",
      "points[1] = B3/C4/P9 is listed twice"),
+    ("points=[{max_num_seqs:3,num_requests:4,output_len:32},{max_num_seqs:3,num_requests:4}]",
+     "points[1] = B3/C4 runs the same requests as points[0] = B3/C4/D32"),
     ("points=[{max_num_seqs:3,num_requests:4,prompt_len:x}]", "prompt_len"),
 ])
 def test_bad_point_workload_is_refused_by_name(override, message):
