@@ -129,13 +129,16 @@ def busy_cores_now(window_s: float = 0.2, stat: Path = Path("/proc/stat")) -> fl
 
 def busy_cpu_warning(threads: int) -> str | None:
     """The one-line warning of a CPU run of ``threads`` threads (the throughput probe, a bench on CPU devices) on a
-    machine whose other work leaves it fewer idle usable cores than that (by more than half a core; a run of more
-    threads than cores is held to all of them), where its timings say more about the
+    machine whose other work leaves it fewer idle usable cores than that (by more than half a core), or of more
+    threads than the machine has usable cores, where its timings say more about the
     other processes than about the runtime, and two arms' pair ratios can read a change that is not there; else
     None. Measured now (:func:`busy_cores_now`); where the OS has no per-core ticks, the 1-minute load average
     against the usable cores instead."""
     cores = usable_cores()
     plural = "" if cores == 1 else "s"
+    if threads > cores:     # executor.cpu_devices=100 on 2 cores: the run's own sessions time each other
+        return (f"warning: the run's {threads} threads exceed the {cores} usable core{plural}, so they take turns on "
+                "them and time each other: CPU timings are for smoke checks, not performance evidence")
     busy = busy_cores_now()
     if busy is None:
         load_1m = load_average_1m()

@@ -242,9 +242,14 @@ def test_a_run_on_cpu_devices_warns_where_other_work_leaves_fewer_idle_cores_tha
         "CPU timings are for smoke checks, not performance evidence")
     assert machine.busy_warning(machine.cpu_devices(1, 2)) == machine.busy_warning(two)
     assert machine.busy_warning(one) is None and machine.busy_warning(gpu) is None
-    # a run of more threads than cores is not told the machine is busy when it is not (half a core's allowance)
+    # half a core's allowance; a run of more threads than cores is told so, busy machine or not
     monkeypatch.setattr(machine, "busy_cores_now", lambda: 0.4)
-    assert machine.busy_warning(machine.cpu_devices(1, 3)) is None and machine.busy_warning(two) is None
+    assert machine.busy_warning(two) is None
+    for busy in (0.0, 0.4, 1.6):
+        monkeypatch.setattr(machine, "busy_cores_now", lambda: busy)
+        assert machine.busy_warning(machine.cpu_devices(100, 1)) == machine.busy_warning(machine.cpu_devices(1, 100)) == (
+            "warning: the run's 100 threads exceed the 2 usable cores, so they take turns on them and time each "
+            "other: CPU timings are for smoke checks, not performance evidence")
     monkeypatch.setattr(machine, "busy_cores_now", lambda: 1.6)
     assert machine.busy_warning(one).startswith("warning: other work keeps 1.6 of the 2 usable cores busy")
     # where no per-core ticks are readable, the 1-minute load average against the usable cores
