@@ -53,8 +53,9 @@ def _lines(ctx: Audit, rel: str) -> list[tuple[int, str]] | None:
     return [(n, line[m.end():]) for n, line in enumerate(text.split("\n"), 1) if (m := PREFIX.match(line))]
 
 
-def check(ctx: Audit, records: list[dict], children: list[dict]) -> None:
-    """Each record's line in its session's log (see the module docstring)."""
+def check(ctx: Audit, records: list[dict], children: list[dict], what: str = "record") -> None:
+    """Each record's line in its session's log (see the module docstring); ``what`` names the records in a
+    discrepancy."""
     sessions = {derive.child_session(c): c for c in children if isinstance(c, dict)}   # the latest entry per id
     logs: dict[str, list[tuple[int, str]] | None] = {}
     for r in records:
@@ -69,7 +70,7 @@ def check(ctx: Audit, records: list[dict], children: list[dict]) -> None:
             continue
         key, want = arm_line_key(r) + ": ", arm_line(r)
         found = [(n, body) for n, body in logs[rel] if body.startswith(key)]
-        where = f"record {r['job']} seq {r['seq']} ({r['arm']})"
+        where = f"{what} {r['job']} seq {r['seq']} ({r['arm']})"
         for n, body in found:
             if body != want:
                 ctx.fail("logs", f"{rel} line {n} reads {body!r}; {where} gives {want!r}")

@@ -158,7 +158,7 @@ def load_records(ctx: Audit, plan: dict, sessions: list[str]) -> list[dict]:
         except ValueError as exc:
             ctx.fail("online", f"{rel} could not be read: {exc}")
             continue
-        problem = _record_problem(rec, rel)
+        problem = record_problem(rec, rel)
         item = order.get(rec.get("seq")) if problem is None else None
         if problem is None and (item is None or rel != f"online/{on['device']}/{record_stem(item)}.json"
                                 or rec["job"] != on["device"]
@@ -167,12 +167,12 @@ def load_records(ctx: Audit, plan: dict, sessions: list[str]) -> list[dict]:
         if problem is not None:
             ctx.fail("online", problem)
             continue
-        _check_as_planned(ctx, plan, rec, rel, sessions)
+        check_as_planned(ctx, plan, rec, rel, sessions)
         out.append(rec)
     return sorted(out, key=lambda r: r["seq"])
 
 
-def _record_problem(rec, rel: str) -> str | None:
+def record_problem(rec, rel: str) -> str | None:
     """Why ``rec`` is no online record of the contract's fields, each of its requests one too; or None."""
     if not isinstance(rec, dict):
         return f"{rel}: a JSON {type(rec).__name__}, not an object"
@@ -183,7 +183,7 @@ def _record_problem(rec, rel: str) -> str | None:
     return problem
 
 
-def _check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str, sessions: list[str]) -> None:
+def check_as_planned(ctx: Audit, plan: dict, rec: dict, rel: str, sessions: list[str]) -> None:
     """A record at its place ran where and what the plan says: in a session of its device (children.json), and
     its arm's planned config, as a raw arm record must (check_plan); the engine_settings checks hold the settings
     to that config (check_settings.check_online)."""

@@ -190,7 +190,7 @@ def check_order(ctx: Audit, plan: dict, records: list[dict]) -> None:
     by_seq = {(d["name"], it["seq"]): it for d in plan["devices"] for it in plan["order"].get(d["name"], [])}
     last: dict[str, tuple[int, float]] = {}
     for r in records:
-        _check_record_place(ctx, plan, r, by_seq.get((r["job"], r["seq"])))
+        check_record_place(ctx, plan, r, by_seq.get((r["job"], r["seq"])))
         start = (r.get("wall_clock") or {}).get("measured_start_unix_s")
         prev = last.get(r["job"])
         if prev is not None and start is not None and start < prev[1]:
@@ -200,14 +200,17 @@ def check_order(ctx: Audit, plan: dict, records: list[dict]) -> None:
         ctx.count("records_in_order")
 
 
-def _check_record_place(ctx: Audit, plan: dict, r: dict, item: dict | None) -> None:
-    cfg, where = plan["config"], f"record {r['job']} seq {r['seq']}"
+def check_record_place(ctx: Audit, plan: dict, r: dict, item: dict | None, kind: str = "order",
+                       where: str | None = None) -> None:
+    """Record ``r`` is planned ``item`` (its order item of its job and seq; None: none), with its arm's config and its
+    point's workload; a discrepancy of ``kind`` names it ``where`` (by default ``record <job> seq <seq>``)."""
+    cfg, where = plan["config"], where or f"record {r['job']} seq {r['seq']}"
     if item is None or any(r[f] != item[f] for f in PLAN["order_item_fields"] if f != "seq"):
-        ctx.fail("order", f"{where} ({r['arm']}) is not at its planned place")
+        ctx.fail(kind, f"{where} ({r['arm']}) is not at its planned place")
     if r["arm_config"] != cfg["arms"].get(r["arm"]):
-        ctx.fail("order", f"{where}: arm {r['arm']!r} ran a config other than planned")
+        ctx.fail(kind, f"{where}: arm {r['arm']!r} ran a config other than planned")
     pt = next((p for p in plan["points"] if p["key"] == r["point"]), {})
     planned = (pt.get("max_num_seqs"), pt.get("num_requests"), point_output_len(plan, pt))
     if (r["max_num_seqs"], r["num_requests"], r["output_len"]) != planned:
-        ctx.fail("order", f"{where}: B{r['max_num_seqs']}/C{r['num_requests']}/D{r['output_len']}, the plan "
-                          f"says B{planned[0]}/C{planned[1]}/D{planned[2]}")
+        ctx.fail(kind, f"{where}: B{r['max_num_seqs']}/C{r['num_requests']}/D{r['output_len']}, the plan "
+                       f"says B{planned[0]}/C{planned[1]}/D{planned[2]}")

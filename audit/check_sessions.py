@@ -141,14 +141,20 @@ def _check_asked_seqs(ctx: Audit, plan: dict, sessions: dict[str, dict], measure
     for sid, c in sessions.items():
         if c["name"] not in devices or c.get("state") != "completed":
             continue
-        job = ctx.read_json(f"jobs/session-{sid}.json", "sessions")
-        if not isinstance(job, dict):
-            continue
-        asked = job.get("seqs")
-        asked = [it["seq"] for it in plan["order"].get(c["name"], [])] if asked is None else asked
-        if sorted(measured.get(sid, [])) != sorted(asked):
+        asked = asked_seqs(ctx, plan, sid, c["name"])
+        if asked is not None and sorted(measured.get(sid, [])) != sorted(asked):
             ctx.fail("sessions", f"{sid} completed, but measured seqs {sorted(measured.get(sid, []))}, its job "
                                  f"asked for {sorted(asked)}")
+
+
+def asked_seqs(ctx: Audit, plan: dict, sid: str, device: str) -> list[int] | None:
+    """The seqs session ``sid`` of ``device`` was asked to measure: its job file's ``seqs``, or all of the device's
+    order where it lists none; None where the job file is missing or no object (the required-files check names it)."""
+    job = ctx.read_json(f"jobs/session-{sid}.json", "sessions")
+    if not isinstance(job, dict):
+        return None
+    asked = job.get("seqs")
+    return [it["seq"] for it in plan["order"].get(device, [])] if asked is None else asked
 
 
 def check_environment_gpus(ctx: Audit, plan: dict, records: list[dict], environment) -> None:
