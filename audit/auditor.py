@@ -23,7 +23,9 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    and a completed session measured exactly the seqs its job file asked for; each job file is what the plan asked
    (:mod:`.check_jobs`: device, session, the reference's spec and key material, which each frozen reference's
    cache key hashes); environment.json's GPU of a pinned
-   device is the card its records ran on (uuid, name), and its torch the one the reference child ran;
+   device is the card its records ran on (uuid, name), and its torch the one the reference child ran; from
+   format 15 each record a resume superseded (:mod:`.check_superseded`, under ``superseded/``) is a planned run
+   of its session's job, with its log line, measured again by a later session, and in no figure;
 6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and
    telemetry equals what the raw records give, and no row is missing or extra; tokens/s = C * D /
    elapsed_s; each measured elapsed_s lies within its record's wall-clock span;
@@ -65,11 +67,11 @@ import numpy as np
 import scipy
 
 from . import (check_files, check_jobs, check_logs, check_natural, check_online, check_plan, check_plot, check_roofline,
-               check_runs, check_sessions, check_settings, check_summary, check_tables, check_telemetry, contract,
-               evidence, load)
+               check_runs, check_sessions, check_settings, check_summary, check_superseded, check_tables, check_telemetry,
+               contract, evidence, load)
 from .context import Audit
 
-AUDITOR_VERSION = 15  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
+AUDITOR_VERSION = 16  # 6: bundle formats 5-6 (telemetry, per-point workloads, graph coverage, online, natural); 7: roofline;
                       # 8: format 9, engine settings; 9: format 10, the online runs' engine settings; 10: format 11,
                       # the signed-rank test in the verdict rule; 11: format 12, exact Spearman p up to 8 values;
                       # 12: format 13, failed requests in the online percentiles; 13: each record against its
@@ -78,7 +80,8 @@ AUDITOR_VERSION = 15  # 6: bundle formats 5-6 (telemetry, per-point workloads, g
                       # online record's run settings against plan.json online, plan.json online against config.online;
                       # 15: format 14 (the online trace without numpy, plan.json against the sessions' plan lines);
                       # the derived SLO by the contract's factor; each copy ceiling against its log line; environment
-                      # torch against the reference child's; jobs/*.json against the plan; every arm line planned
+                      # torch against the reference child's; jobs/*.json against the plan; every arm line planned;
+                      # 16: format 15, the records a resume superseded (planned, measured again, out of every figure)
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -115,6 +118,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     ctx.section("logs", check_logs.check, records, children)   # each record against its session's log line
     ctx.section("logs", check_logs.check_planned, plan, children)   # each arm line a run of the plan
     ctx.section("online", check_online.check, plan, children)   # format 5: the online serving track
+    ctx.section("superseded", check_superseded.check, plan, children, records)   # format 15: a resume's lone runs
     ctx.section("roofline", check_roofline.check, plan, records)   # format 7: roofline accounting
     ctx.section("logs", check_logs.check_ceilings, children)   # format 7: each copy ceiling against its log line
     ctx.section("logs", check_logs.check_plan_lines, plan, children)   # format 14: plan.json as the sessions read it

@@ -88,6 +88,6 @@ def check_required_files(ctx: Audit, plan: dict, children: list, records: list[d
 def check_layout(ctx: Audit, plan: dict, sessions: set[str]) -> None:
     """No file outside the contract, even one the manifest lists: a stray file can carry claims (a table,
     a report) that no check reads."""
-    for rel in contract.layout_strays(ctx.bundle, plan, sessions):
+    for rel in contract.layout_strays(ctx.bundle, plan, sessions, ctx.version):
         ctx.fail("layout", f"{rel} is not a file of the bundle layout ({contract.WHERE})")
     ctx.count("layout_files", sum(1 for p in ctx.bundle.rglob("*") if p.is_file()))

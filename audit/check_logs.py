@@ -9,7 +9,8 @@ the log the run left. Held here, in every format version (the line has not chang
 - each line of a record's key (``arm_line_key``, behind the ``line_prefix``) in its session's log is the
   record's ``arm_line``, the figures as the contract formats them;
 - a session that completed printed one for each record naming it (a child killed between writing a record
-  and printing its line may lack it; a resume's discarded run leaves a line without a record, never read);
+  and printing its line may lack it); a lone run a resume measured again has its line too, held to its record under
+  superseded/ from format 15 (audit/check_superseded.py; earlier formats deleted the record, leaving the line unread);
 - every arm line of a session's log (a line of ``arm_line``'s shape) has the key of an item of its device's order
   in plan.json: a run cut from the plan (a point dropped with its records) leaves lines the plan no longer holds;
 - from format 7, each ``ceiling_line`` of a session's log gives the copy ceiling of its ``ceilings/<session>.json``
@@ -55,7 +56,7 @@ def _lines(ctx: Audit, rel: str) -> list[tuple[int, str]] | None:
 
 def check(ctx: Audit, records: list[dict], children: list[dict], what: str = "record") -> None:
     """Each record's line in its session's log (see the module docstring); ``what`` names the records in a
-    discrepancy."""
+    discrepancy (``superseded record``: format 15's, audit/check_superseded.py)."""
     sessions = {derive.child_session(c): c for c in children if isinstance(c, dict)}   # the latest entry per id
     logs: dict[str, list[tuple[int, str]] | None] = {}
     for r in records:

@@ -447,8 +447,8 @@ def check_table(ctx: Audit, rows: list[dict]) -> None:
 
 
 def check_pair_sessions(ctx: Audit, records: list[dict]) -> None:
-    """A pair's two online runs are measured back to back in one session (a resume discards a run whose pair's
-    other run was not recorded and measures the pair again), as a pair of arm runs is."""
+    """A pair's two online runs are measured back to back in one session (a resume measures again a pair whose other
+    run was not recorded, the lone run set aside: format 15 keeps it under superseded/), as a pair of arm runs is."""
     pairs: dict[tuple, list[dict]] = {}
     for rec in records:
         if rec["kind"] == "arm":

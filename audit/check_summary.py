@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from . import check_online, check_roofline, check_settings, contract, derive, render
+from . import check_online, check_roofline, check_settings, check_superseded, contract, derive, render
 from .context import Audit
 from .values import field_diffs, line_diffs, plain, sha256_file
 
@@ -73,7 +73,7 @@ def expected_report(ctx: Audit, plan: dict, summary: dict, records: list[dict], 
     return render.report(plan, summary["plan_sha256"], prompts_sha, summary,
                          [derive.arm_row(r) for r in records], environment, ctx.version,
                          check_online.report_lines(ctx, plan), check_roofline.report_lines(ctx, plan),
-                         check_settings.report_lines(ctx, plan, records))
+                         check_settings.report_lines(ctx, plan, records), check_superseded.report_lines(ctx, summary["children"]))
 
 
 def check_report(ctx: Audit, want: str) -> None:

@@ -23,6 +23,7 @@ class Audit:
         self.online_summary: dict | None = None   # the re-derived online/summary.json (check_online), format 5
         self.online_records: list[dict] = []   # the online records that load (check_online), format 5
         self.roofline: tuple[list[dict], dict] | None = None   # derived rows and ceilings (check_roofline), format 7
+        self.superseded: list[tuple[str, dict]] = []   # (path, record) a resume superseded (check_superseded), format 15
 
     def fail(self, kind: str, message: str) -> None:
         n = self._counts.get(kind, 0) + 1

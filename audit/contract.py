@@ -219,10 +219,11 @@ def layout_pattern(template: str, domain: dict[str, list[str] | None]) -> re.Pat
     return re.compile(rx)
 
 
-def layout_strays(bundle: Path, plan: dict, sessions: set[str] = frozenset()) -> list[str]:
-    """Every file in ``bundle`` (dotfiles included) that matches no path of the contract;
-    ``sessions``: the session ids children.json and the records name (a resume's job and log files)."""
+def layout_strays(bundle: Path, plan: dict, sessions: set[str] = frozenset(), version: int = VERSION) -> list[str]:
+    """Every file in ``bundle`` (dotfiles included) that matches no path of the contract for a bundle of format
+    ``version`` (a file's ``since`` dates it later: format 15's superseded/); ``sessions``: the session ids
+    children.json and the records name (a resume's job and log files)."""
     domain = layout_domains(plan, set(sessions))["optional"]
-    patterns = [layout_pattern(entry["path"], domain) for entry in FORMAT["files"]]
+    patterns = [layout_pattern(entry["path"], domain) for entry in FORMAT["files"] if entry.get("since", 1) <= version]
     rels = [p.relative_to(bundle).as_posix() for p in sorted(Path(bundle).rglob("*")) if p.is_file()]
     return [rel for rel in rels if not any(rx.fullmatch(rel) for rx in patterns)]

@@ -324,10 +324,11 @@ def _devices_shown(w: dict, rows: list[dict]) -> list[dict]:
 
 def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm_rows: list[dict],
            environment: dict, version: int = contract.VERSION, online: list[str] = (), roofline: list[str] = (),
-           settings: list[str] = ()) -> str:
+           settings: list[str] = (), superseded: list[str] = ()) -> str:
     """The whole ``report.md`` text of a bundle of format ``version`` whose re-derived summary is
     ``summary``: that version's wording and sections in the contract's order (the arm sections only
-    with arms); ``online``, ``roofline`` and ``settings``: those sections' lines, rendered by their checks."""
+    with arms); ``online``, ``roofline``, ``settings`` and ``superseded``: those sections' lines, rendered by their
+    checks."""
     w = wording(contract.FORMAT["report"], version)
     summary = {**summary, **{key: _devices_shown(w, summary[key])
                              for key in ("results", "memory_creep", "children") if key in summary}}
@@ -348,6 +349,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
         "graph_coverage": lambda: render_sections.graph_coverage(w, plan, summary["results"]),
         "telemetry": lambda: render_sections.telemetry(w, plan, arm_rows),
         "children": lambda: ["", *_children(w, summary["children"])],
+        "superseded": lambda: list(superseded),   # format 15: check_superseded.report_lines
         "online": lambda: list(online),   # format 5: check_online.report_lines
         "roofline": lambda: list(roofline),   # format 7: check_roofline.report_lines
         "runtime_settings": lambda: list(settings),   # format 9: check_settings.report_lines

@@ -405,7 +405,7 @@ def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], envir
              interrupted: str | None = None) -> dict:
     """Tables, summary, report, plot and manifest from whatever raw records the bundle holds; ``interrupted``
     is the status code of a reason children.json does not show (``"reference_failed"``) or None."""
-    from . import report_sections
+    from . import report_sections, superseded
     from .report import plot_ratios, render_report   # report reads this module's FORMAT
 
     bundle = Path(bundle)
@@ -423,6 +423,6 @@ def finalize(bundle: Path, plan: dict, checks: dict, children: list[dict], envir
     roof = write_roofline(bundle, plan, records)
     settings = report_sections.runtime_settings(plan, records)   # format 9: what each run ran with
     atomic_write_text(bundle / "report.md", render_report(plan, summary, tables["arms"], environment, online, roof,
-                                                          settings))
+                                                          settings, superseded.report_lines(bundle, children)))
     write_manifest(bundle)
     return summary

@@ -11,8 +11,8 @@ bundle the estimate is unknown, and the plan says so rather than guess.
 
 With ``resume=<bundle>`` the plan runs every check the resume would make before changing anything
 (``resume.check_resume``: a refusal is the same one line and exit 2 as ``loopbench bench``'s) and, in
-place of the fresh measurement order, says what the resume would do: arms kept, arms left, records
-discarded; its estimate is of the arms left (the bundle's references are frozen).
+place of the fresh measurement order, says what the resume would do: arms kept, arms left, lone records kept
+as superseded (measured again with their partner, out of every figure); its estimate is of the arms left (the bundle's references are frozen).
 
 The session timeout (:func:`session_timing`). A session child is killed at ``executor.session_timeout_s``
 whatever it has left (harness/executors.py), so a plan whose session cannot finish in time would measure for
@@ -348,11 +348,13 @@ def _resume_lines(check) -> list[str]:
     if not check.checkpoint_compared:
         lines.append("  resume: checkpoint not compared yet (the synthetic checkpoint is not in the cache and plan "
                      "writes none; bench synthesizes it and refuses the resume if its sha256 differs)")
-    if check.discard:
-        lines.append(f"  resume discards {_n(len(check.discard), 'record')} whose pair's other arm was not recorded "
-                     "(measured again with it): " + ", ".join(str(p.relative_to(check.bundle)) for p in check.discard))
+    if check.lone:
+        lines.append(f"  resume keeps {_n(len(check.lone), 'lone record')} (of a pair whose other arm was not recorded, "
+                     "measured again) as superseded, out of every figure: "
+                     + ", ".join(f"{src.relative_to(check.bundle)} -> {dst.relative_to(check.bundle)}"
+                                 for src, dst in check.superseded))
     else:
-        lines.append("  resume discards no records")
+        lines.append("  resume supersedes no records")
     lines += [f"  resume runs its children under {limit} (a limit changes no measurement)" for limit in check.limits]
     return lines
 

@@ -281,11 +281,13 @@ def _as_shown(summary: dict, arms: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
 
 
 def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: dict, online: list[str] = (),
-                  roof: tuple[list[dict], dict] | None = None, settings: list[str] = ()) -> str:
+                  roof: tuple[list[dict], dict] | None = None, settings: list[str] = (),
+                  superseded: list[str] = ()) -> str:
     """The whole ``report.md``: the contract's sections in its order (the arm sections only with arms);
     ``online``: the Online section's lines (harness/online/report.py), none without an online track;
     ``roof``: the roofline rows and the ceilings by session (evidence.write_roofline), none: no section;
-    ``settings``: the Runtime settings section's lines (report_sections.runtime_settings of the raw records)."""
+    ``settings``: the Runtime settings section's lines (report_sections.runtime_settings of the raw records);
+    ``superseded``: the lines of the records a resume superseded (superseded.report_lines, format 15), none without."""
     summary, arms = _as_shown(summary, arms)
     sections = {
         "header": lambda: _header(plan, summary, environment),
@@ -301,6 +303,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
         "graph_coverage": lambda: report_sections.graph_coverage(plan, summary),
         "telemetry": lambda: report_sections.telemetry(plan, arms),
         "children": lambda: ["", *_children(summary["children"])],
+        "superseded": lambda: list(superseded),
         "online": lambda: list(online),
         "roofline": lambda: [] if roof is None else roofline.report_lines(
             plan, *roof, R, table_lines, report_sections.workload_label),

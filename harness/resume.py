@@ -11,13 +11,15 @@
   bundle's frozen plan (every key but the creation time, the config's ``resume`` and ``results_dir``,
   which only say where bundles lie, and the limits of :data:`LIMITS`, which only say when a child is killed; the
   environment's library versions and devices too); any difference is refused, naming it, before anything is changed or
-  measured. Completed pairs are kept; an arm whose partner was not recorded is discarded (a pair is
-  two back-to-back arms of one session; so is an online run whose pair's other run was not recorded), and the rest of each device's planned order is measured by a
+  measured. Completed pairs are kept; an arm whose partner was not recorded is measured again with it (a pair is
+  two back-to-back arms of one session; so is an online run whose pair's other run was not recorded), its record
+  kept, out of every figure, under superseded/ (bundle format 15, harness/superseded.py: nothing measured is lost),
+  and the rest of each device's planned order is measured by a
   new session child ``<name>.r<k>`` per restart left (``<name>.s<j>.r<k>``, controller.run_restarts), which reuses the bundle's frozen references (never recaptured)
   and continues the same seeded order. Every record names the session that measured it and
   ``children.json`` lists every session of every run. A complete bundle is never resumed.
 - :func:`check_resume`: every check a resume makes before it changes anything, and what it would then
-  do (arms kept, arms left, records discarded), without holding the locks and without writing; ``resume``
+  do (arms kept, arms left, records superseded), without holding the locks and without writing; ``resume``
   runs it under its lock and ``loopbench plan resume=<bundle>`` prints it, so the two cannot disagree.
 
 Both take the bundle's locks first (:func:`evidence.try_lock`): the bundle folder, held by a live
@@ -30,7 +32,7 @@ import json
 import os
 from pathlib import Path
 
-from . import cards, evidence, identity, inputs, machine
+from . import cards, evidence, identity, inputs, machine, superseded
 from .controller import (RunResult, make_cache, make_executor, prepare_checkpoint, publish, published, run_restarts,
                          unless_stopped, write_children)
 from .executors import StopSignals
@@ -231,22 +233,23 @@ def _check_same_code(bundle: Path, plan: dict) -> None:
             "finish from a checkout of that commit. Nothing was changed")
 
 
-def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list[Path]]:
-    """Per device, the planned seqs still to measure; and the records to discard (an arm without its
-    partner). ValueError when the kept records are not a prefix of the planned order."""
+def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list[tuple[Path, Path | None]]]:
+    """Per device, the planned seqs still to measure; and the lone records (an arm without its partner, measured
+    again with it), each with its server log (an online run's; None for an arm record). ValueError when the kept
+    records are not a prefix of the planned order."""
     records = {}
     for path in sorted((bundle / "raw").glob("*/*.json")):
         rec = json.loads(path.read_text())
         records[(rec["job"], rec["seq"])] = path
-    todo, discard = {}, []
+    todo, lone = {}, []
     for dev in plan["devices"]:
         name, order = dev["name"], plan["order"][dev["name"]]
         pairs: dict[tuple, list[int]] = {}
         for item in order:
             pairs.setdefault((item["point"], item["comparison"], item["pair"]), []).append(item["seq"])
         complete = {s for seqs in pairs.values() if all((name, q) in records for q in seqs) for s in seqs}
-        discard += [records[(name, s)] for seqs in pairs.values() for s in seqs
-                    if (name, s) in records and s not in complete]
+        lone += [(records[(name, s)], None) for seqs in pairs.values() for s in seqs
+                 if (name, s) in records and s not in complete]
         kept = [item["seq"] for item in order if item["seq"] in complete]
         if kept != [item["seq"] for item in order[:len(kept)]]:
             gap = next(item["seq"] for item in order if item["seq"] not in complete)
@@ -254,7 +257,7 @@ def _kept_and_todo(bundle: Path, plan: dict) -> tuple[dict[str, list[int]], list
                              f"planned order (seq {gap} is missing before seq {kept[-1]}), so the rest cannot be "
                              "measured in order")
         todo[name] = [item["seq"] for item in order[len(kept):]]
-    return todo, discard + _lone_online_runs(bundle, plan)
+    return todo, lone + _lone_online_runs(bundle, plan)
 
 
 def _online_records(bundle: Path, plan: dict) -> list[tuple[dict, Path]]:
@@ -267,21 +270,23 @@ def _online_records(bundle: Path, plan: dict) -> list[tuple[dict, Path]]:
     return [(item, bundle / "online" / online["device"] / f"{record_stem(item)}.json") for item in online["order"]]
 
 
-def _online_left(bundle: Path, plan: dict, discard: list[Path]) -> tuple[int, int]:
+def _online_left(bundle: Path, plan: dict, lone: list[Path]) -> tuple[int, int]:
     """(runs of the online track, those a resume measures): every planned run whose record is not in the bundle or
-    is among ``discard`` (a lone run of a pair); (0, 0) without an online track."""
-    gone, paths = set(discard), [path for _, path in _online_records(bundle, plan)]
+    is among ``lone`` (a lone run of a pair, superseded); (0, 0) without an online track."""
+    gone, paths = set(lone), [path for _, path in _online_records(bundle, plan)]
     return len(paths), sum(1 for p in paths if p in gone or not p.is_file())
 
 
-def _lone_online_runs(bundle: Path, plan: dict) -> list[Path]:
-    """The online track's runs whose pair's other run was not recorded (a stop between the two): discarded as a
-    lone arm is, so that the resumed session measures the pair again, its two runs back to back in one session."""
+def _lone_online_runs(bundle: Path, plan: dict) -> list[tuple[Path, Path]]:
+    """The online track's runs whose pair's other run was not recorded (a stop between the two), each with its server
+    log beside it: superseded as a lone arm is, so that the resumed session measures the pair again, its two runs
+    back to back in one session."""
     pairs: dict[tuple, list[Path]] = {}
     for item, path in _online_records(bundle, plan):
         if item["kind"] == "arm":
             pairs.setdefault((item["rate_index"], item["pair"]), []).append(path)
-    return [path for paths in pairs.values() if not all(p.is_file() for p in paths) for path in paths if path.is_file()]
+    return [(path, path.with_suffix(".log")) for paths in pairs.values() if not all(p.is_file() for p in paths)
+            for path in paths if path.is_file()]
 
 
 def _checkpoint_at_hand(spec: BenchSpec, cache: Path) -> bool:
@@ -348,11 +353,12 @@ class ResumeCheck:
     status: str | None                  # the published summary's status; None: unpublished (its controller died)
     planned: int                        # arm runs of the plan, every device
     todo: dict[str, tuple[int, ...]]    # per device, the planned seqs a resume measures (the rest of its order)
-    discard: tuple[Path, ...]           # lone arms (their pair's other arm unrecorded): measured again with it
+    lone: tuple[Path, ...]              # lone arms' records (their pair's other arm unrecorded): measured again with it
     checkpoint_compared: bool           # False: a synthetic checkpoint not yet cached (plan writes none)
     online_planned: int = 0             # runs of the online track (plan.json online.order); 0 without one
-    online_left: int = 0                # of those, the runs a resume measures (unrecorded, or discarded lone ones)
+    online_left: int = 0                # of those, the runs a resume measures (unrecorded, or superseded lone ones)
     limits: tuple[str, ...] = ()        # the LIMITS this run changes (changed_limits), under which its children run
+    superseded: tuple[tuple[Path, Path], ...] = ()   # (file, where the resume keeps it): the lone records, server logs
 
     @property
     def left(self) -> int:
@@ -381,12 +387,18 @@ def _check(spec: BenchSpec, got: inputs.Inputs | None,
         raise ResumeRefused(f"resume = {spec.resume!r}: the bundle is complete; a complete bundle cannot be "
                          "resumed (start a new run instead)")
     ours, got, env, compared = _refuse_unlike_plan(spec, bundle, plan, got, synthesize)
-    todo, discard = _kept_and_todo(bundle, plan)
-    online_planned, online_left = _online_left(bundle, plan, discard)
+    todo, lone = _kept_and_todo(bundle, plan)
+    online_planned, online_left = _online_left(bundle, plan, [record for record, _ in lone])
+    moves = [m for record, log in lone for m in superseded.moves(bundle, record, log)]
+    taken = superseded.taken(moves)
+    if taken:   # the session of a lone record measured it once: only another hand puts a file there
+        raise ResumeRefused(f"cannot resume {bundle}: {taken[0].relative_to(bundle)} exists already, where the "
+                            "resume would keep a lone record it measures again; a superseded record is never "
+                            "overwritten. Nothing was changed")
     check = ResumeCheck(bundle=bundle, status=status, planned=sum(len(v) for v in plan["order"].values()),
-                        todo={name: tuple(seqs) for name, seqs in todo.items()}, discard=tuple(discard),
+                        todo={name: tuple(seqs) for name, seqs in todo.items()}, lone=tuple(r for r, _ in lone),
                         checkpoint_compared=compared, online_planned=online_planned, online_left=online_left,
-                        limits=tuple(changed_limits(ours, plan["config"])))
+                        limits=tuple(changed_limits(ours, plan["config"])), superseded=tuple(moves))
     return check, ours, got, env, plan
 
 
@@ -415,17 +427,18 @@ def resume(spec: BenchSpec) -> RunResult:
             bundle, todo = check.bundle, check.todo
             held = cards.claim(plan["devices"])   # a card another run measures on: refused, the bundle unchanged
 
-            # --- from here on the bundle changes (unpublished, lone arms discarded, new sessions); a stop is recorded
+            # --- from here on the bundle changes (unpublished, lone arms superseded, new sessions); a stop is recorded
             # and the executor, polling it before any child starts, ends in an incomplete bundle published again
             stop.before_children = False
             children = _mark_lost(bundle, _read_children(bundle))
             current = {c["name"]: c for c in children}
             devices = [d for d in plan["devices"] if todo[d["name"]] or current.get(d["name"], {}).get("state") != "completed"]
             evidence.unpublish(bundle)
-            for path in check.discard:
-                print(f"loopbench: discarding {path.relative_to(bundle)} (its pair's other arm was not recorded; the "
-                      "resume measures the pair again)", flush=True)
-                path.unlink()
+            for src, dst in check.superseded:
+                print(f"loopbench: keeping {src.relative_to(bundle)} as {dst.relative_to(bundle)} (its pair's other "
+                      "arm was not recorded; the resume measures the pair again, and this run stays out of every "
+                      "figure)", flush=True)
+            superseded.set_aside(list(check.superseded))
             attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
             online = (f"; {check.online_left} of the online track's {check.online_planned} runs to run"
                       if check.online_planned else "")

@@ -19,7 +19,8 @@ nothing in the bundle to say so; a count in the record would still publish figur
 run's own failed requests, by contrast, are the measurement (a request cut off under load is a result) and are
 recorded. A device's first session runs the track; a resume's session of that
 device runs the runs it left unrecorded (a stop or failure in the middle of the track), so a resume completes it;
-the resume discards a pair's lone run first (harness/resume.py), so that a pair's two runs share one session.
+the resume first moves a pair's lone run, record and server log, under superseded/ (harness/resume.py, bundle format
+15), so that a pair's two runs share one session and the run measured first is kept.
 """
 from __future__ import annotations
 

@@ -148,11 +148,11 @@ def test_plan_point_listing_too_few_requests_is_named(bundle):
 
 
 def test_older_format_versions_are_audited_by_their_rules_and_others_refused(bundle):
-    assert contract.SUPPORTED == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14) and contract.VERSION == 14
+    assert contract.SUPPORTED == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) and contract.VERSION == 15
     assert set(contract.FORMAT["versions"]) == {str(v) for v in contract.SUPPORTED}
     edit_json(bundle / "manifest.json", lambda m: (m.pop("format_version"), m.update(layout_version=0)))
     assert "layout: manifest.json records bundle format version 0; this auditor audits versions " \
-           "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]" in failed(bundle)
+           "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]" in failed(bundle)
 
 
 def _as_version_1(bundle):

@@ -212,7 +212,7 @@ def test_order_of_a_later_restart_is_its_own_seeded_order(ebundle):
 def test_a_version_2_claim_with_sessions_is_a_downgrade(ebundle):
     edit_json(ebundle / "manifest.json", lambda m: m.update(format_version=2))
     assert "sessions: config sessions = 2: format version 2 has one session per device" in failed(ebundle)
-    assert evidence.FORMAT_VERSION == 14
+    assert evidence.FORMAT_VERSION == 15
 
 
 

@@ -190,11 +190,13 @@ def test_a_calibration_run_that_completed_no_request_publishes_an_incomplete_bun
 
 def test_a_bundle_stopped_in_its_online_track_is_resumed_to_a_complete_track(honest_online, bundle):
     """A stop in the middle of the online track (SIGTERM to the controller after two of its three runs, between the
-    two runs of a pair): the resume discards the pair's lone run and measures the pair again in its own session, at
-    the recorded calibration run's capacity. (A resume ran no online run, then published the bundle complete with
-    its online track incomplete for good, and the audit passed it; then it ran only the run left, so the pair's two
-    runs came from two sessions, which a pair of arm runs never does.)"""
+    two runs of a pair): the resume measures the pair again in its own session, at the recorded calibration run's
+    capacity, and keeps the pair's lone run, record and server log byte for byte, under superseded/ (format 15; it
+    deleted them). (A resume ran no online run, then published the bundle complete with its online track incomplete
+    for good, and the audit passed it; then it ran only the run left, so the pair's two runs came from two sessions,
+    which a pair of arm runs never does.)"""
     _raw(bundle, 2).unlink()
+    lone = {p.name: p.read_bytes() for p in (bundle / "online" / "cpu0").glob(f"{1:05d}-*")}   # its .json and .log
     plan, children, env = (json.loads((bundle / f"{n}.json").read_text()) for n in ("plan", "children", "environment"))
     children[-1].update(state="interrupted", exit_code=-15, interrupted_by="SIGTERM")
     evidence.unpublish(bundle)
@@ -205,15 +207,38 @@ def test_a_bundle_stopped_in_its_online_track_is_resumed_to_a_complete_track(hon
     text = planning.plan_text("cpu-online", overrides)     # what `loopbench plan resume=` says first
     assert "  resume runs 2 of the online track's 3 runs (those not recorded, and a pair's lone run again with its " \
            "partner)" in text.split("\n"), text
-    assert f"online/cpu0/{_raw(bundle, 1).name}" in text
+    assert f"online/cpu0/{_raw(bundle, 1).name} -> superseded/cpu0/online/cpu0/{_raw(bundle, 1).name}" in text
     result = controller.run(conf.compose("cpu-online", overrides))
     summary = json.loads((bundle / "online" / "summary.json").read_text())
     assert (summary["status"], summary["runs_recorded"]) == ("complete", 3) and summary["checks"]["ok"]
     assert [json.loads(_raw(bundle, s).read_text())["session"] for s in (0, 1, 2)] == ["cpu0", "cpu0.r1", "cpu0.r1"]
     assert [json.loads(_raw(bundle, s).read_text())["capacity_rps"] for s in (1, 2)] == [summary["capacity_rps"]] * 2
     assert result.summary["status"] == "complete"
+    aside = bundle / "superseded" / "cpu0" / "online" / "cpu0"
+    assert sorted(lone) == sorted(p.name for p in aside.iterdir()) and len(lone) == 2
+    assert all((aside / name).read_bytes() == data for name, data in lone.items())
+    assert json.loads(lone[_raw(bundle, 1).name])["session"] == "cpu0"
+    assert f"| superseded/cpu0/online/cpu0/{_raw(bundle, 1).name} | cpu0 | 1 |" in (bundle / "report.md").read_text()
     verdict = audit(bundle)
     assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert verdict["checked"]["superseded_records"] == 1 and verdict["checked"]["online_records"] == 3
+
+
+@pytest.mark.parametrize("seq, named", [
+    # the calibration run has no partner: no resume sets it aside
+    (0, "superseded: superseded/cpu0/online/cpu0/{name} is not an arm run at its place in plan.json online.order"),
+    # a run measured once, by the session that still holds it: not measured again
+    (1, "superseded: superseded/cpu0/online/cpu0/{name} was not measured again: online/cpu0/{name} is of session cpu0, "
+        "not of a session after cpu0 in children.json"),
+])
+def test_a_forged_superseded_online_run_is_named(bundle, seq, named):
+    """Format 15: a copy of a run no resume superseded, put where a resume keeps a lone online run, is named."""
+    aside = bundle / "superseded" / "cpu0" / "online" / "cpu0"
+    aside.mkdir(parents=True)
+    shutil.copy(_raw(bundle, seq), aside / _raw(bundle, seq).name)
+    rewrite_manifest(bundle)
+    text = failed(bundle)
+    assert named.format(name=_raw(bundle, seq).name) in text, text
 
 
 def test_a_resumed_session_that_completed_with_the_online_track_incomplete_is_named(bundle):
@@ -760,7 +785,7 @@ def test_the_online_trace_is_re_derived_without_numpys_generator(bundle, monkeyp
     monkeypatch.setattr(np.random, "default_rng", _AnotherNumpysGenerator)
     verdict = audit(bundle)
     assert verdict["status"] == "pass", verdict["discrepancies"]
-    assert json.loads((bundle / "manifest.json").read_text())["format_version"] == 14
+    assert json.loads((bundle / "manifest.json").read_text())["format_version"] == contract.VERSION >= 14
 
 
 def _forge_trace(bundle: Path, forge) -> None:

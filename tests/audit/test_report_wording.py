@@ -58,7 +58,7 @@ def test_an_older_wording_is_reworded_as_its_writer_did(bundle, version, line):
 
 def test_format_7_wording_is_the_same_in_both_renderers(honest_bundle):
     docs, records, arms = _load(honest_bundle)
-    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == contract.VERSION == 14
+    assert json.loads((honest_bundle / "manifest.json").read_text())["format_version"] == contract.VERSION == 15
     mine, theirs = _both(docs, records, arms)
     # rendered here without the roofline rows (tests/audit/test_roofline.py checks that section)
     published = re.sub(r"\n## Roofline\n.*?(?=\n## )", "", (honest_bundle / "report.md").read_text(), flags=re.S)

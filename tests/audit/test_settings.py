@@ -30,7 +30,7 @@ def _two_runs_of_one_arm(bundle) -> tuple[dict, dict]:
 
 
 def test_every_record_holds_what_its_engine_ran_with(honest_bundle):
-    assert contract.VERSION == evidence.FORMAT_VERSION == 14
+    assert contract.VERSION == evidence.FORMAT_VERSION == 15
     for rec in _records(honest_bundle):
         settings = rec["engine_settings"]
         assert all(type(v) in (str, int, float, bool, type(None)) for v in settings.values())

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from loopbench.audit.auditor import audit
@@ -191,7 +192,8 @@ def resumed(stopped, dirs, tmp_path_factory):
     records = sorted((bundle / "raw" / "cpu0").glob("*.json"))
     if len(records) % 2 == 0:   # cut the last pair in half: its lone arm is measured again with its partner
         records.pop().unlink()
-    before = {"lone": json.loads(records[-1].read_text()), "kept": len(records) - 1,
+    before = {"lone": json.loads(records[-1].read_text()), "lone_bytes": records[-1].read_bytes(),
+              "lone_name": records[-1].name, "kept": len(records) - 1,
               "plan": (bundle / "plan.json").read_bytes(),
               "refs": {p.name: p.read_bytes() for p in (bundle / "references").iterdir()}}
     return bundle, before, _resume(dirs, bundle)
@@ -214,6 +216,18 @@ def test_resume_measures_the_rest_in_the_planned_order_and_audits_pass(resumed, 
     assert [r["seq"] for r in recs] == list(range(12)) and kept % 2 == 0 and kept >= 2
     assert [r["session"] for r in recs] == ["cpu0"] * kept + ["cpu0.r1"] * (12 - kept)
     assert recs[before["lone"]["seq"]]["session"] == "cpu0.r1"     # the lone arm was measured again
+    # ... and its first measurement is kept, byte for byte, in the bundle (it was deleted), out of every figure
+    aside = f"superseded/cpu0/raw/cpu0/{before['lone_name']}"
+    assert [p.relative_to(bundle).as_posix() for p in (bundle / "superseded").rglob("*") if p.is_file()] == [aside]
+    assert (bundle / aside).read_bytes() == before["lone_bytes"] and json.loads(before["lone_bytes"])["session"] == "cpu0"
+    assert aside in json.loads((bundle / "manifest.json").read_text())["files"]
+    assert verdict["checked"]["superseded_records"] == 1
+    arms = pd.read_parquet(bundle / "tables" / "arms.parquet")
+    assert len(arms) == 12 and arms.loc[arms["seq"] == before["lone"]["seq"], "session"].tolist() == ["cpu0.r1"]
+    assert result.summary["counts"]["arms_recorded"] == 12 and result.summary["counts"]["pairs_complete"] == 6
+    report = (bundle / "report.md").read_text()
+    assert "1 run was measured and then superseded by a resume: the run stopped between the two arms of a pair" in report
+    assert f"| {aside} | cpu0 | {before['lone']['seq']} | {before['lone']['arm']} |" in report
     for r, item in zip(recs, plan["order"]["cpu0"]):   # the same seeded balanced order, continued
         assert (r["pair"], r["position"], r["arm"]) == (item["pair"], item["position"], item["arm"])
     job = json.loads((bundle / "jobs" / "session-cpu0.r1.json").read_text())
@@ -605,7 +619,8 @@ def test_a_stop_while_a_resume_changes_its_bundle_publishes_it_again_as_stopped(
     assert summary["status"] == "incomplete" and {"code": "stopped", "by": "SIGTERM"} in summary["incomplete_reasons"]
     assert (bundle / "manifest.json").is_file() and audit(bundle)["status"] == "incomplete"
     kept = sorted(p.name for p in (bundle / "raw" / "cpu0").glob("*.json"))
-    assert set(kept) <= set(records) and len(kept) >= len(records) - 1   # at most a lone arm discarded
+    aside = sorted(p.name for p in (bundle / "superseded" / "cpu0" / "raw" / "cpu0").glob("*.json"))
+    assert sorted(kept + aside) == records and len(aside) == len(records) % 2   # a lone arm kept as superseded
 
 
 def test_an_interrupted_checkpoint_synthesis_leaves_no_copy_in_the_cache(tmp_path, monkeypatch):
@@ -714,8 +729,9 @@ def test_plan_of_a_resume_says_what_it_would_keep_and_measure_and_changes_nothin
     assert seqs == list(range(len(seqs))) and 2 <= kept < 12
     assert f"  resume: {bundle.resolve()} (published incomplete); this run's plan and environment are" in out
     assert f"  resume keeps {kept} of 12 arms, {12 - kept} to measure (cpu0 seqs {kept}-11)," in out
-    assert (f"resume discards 1 record whose pair's other arm was not recorded (measured again with it): "
-            f"raw/cpu0/{lone[0].name}" if lone else "resume discards no records") in out
+    assert (f"resume keeps 1 lone record (of a pair whose other arm was not recorded, measured again) as superseded, "
+            f"out of every figure: raw/cpu0/{lone[0].name} -> superseded/cpu0/raw/cpu0/{lone[0].name}" if lone
+            else "resume supersedes no records") in out
     assert "measurement order" not in out and "checkpoint not compared" not in out
     assert "  model: " in out and "  points: B2/C3" in out and "  detectable effect: " in out
     assert _tree(bundle) == before and sorted(dirs["cache"].rglob("*")) == cache

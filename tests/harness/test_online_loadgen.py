@@ -85,7 +85,7 @@ def test_the_unit_trace_follows_the_contracts_rule_without_numpys_generator(monk
         raise AssertionError("the trace drew from numpy.random.default_rng")
     monkeypatch.setattr(np.random, "default_rng", no_generator)
     spec = contract.FORMAT["online"]
-    assert spec["trace_rule_since"] == contract.VERSION == 14
+    assert spec["trace_rule_since"] == 14 <= contract.VERSION
     want = [0.0]
     for i in (1, 2, 3):
         k = int.from_bytes(hashlib.sha256(f"loopbench online trace 5 {i}".encode()).digest()[:8], "big") >> 11

@@ -58,13 +58,17 @@ def test_detectable_effect_is_planned_with_its_noise_source():
 def test_killed_sessions_are_resumed_restart_by_restart_and_audit_pass(tmp_path):
     """sessions=2, pairs=2, one comparison: 4 arms per restart; every session kills itself after 3 arms.
     Run 1: cpu0 killed after seqs 0-2, restart 1 not started. Resume 1: cpu0.r1 measures 2-3 (the lone
-    arm again), cpu0.s1.r1 is killed after 4-6. Resume 2: cpu0.s1.r2 measures 6-7. Complete."""
+    arm again), cpu0.s1.r1 is killed after 4-6. Resume 2: cpu0.s1.r2 measures 6-7. Complete. The lone arms' first
+    records (seq 2 by cpu0, seq 6 by cpu0.s1.r1) are kept as superseded, out of every figure."""
     over = MINI + ["sessions=2", "fault.kill_after_arms=3", f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"]
     first = controller.run(conf.compose("cpu-smoke", over))
     assert first.summary["status"] == "incomplete"
     assert [c["session"] for c in first.summary["children"]] == ["reference", "cpu0"]
     bundle = first.bundle
+    lone = {}
     for _ in range(2):
+        last = max((bundle / "raw" / "cpu0").glob("*.json"))
+        lone[last.name] = last.read_bytes()
         result = controller.run(conf.compose("cpu-smoke", over + [f"resume={bundle}"]))
     assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
     children = json.loads((bundle / "children.json").read_text())
@@ -77,3 +81,39 @@ def test_killed_sessions_are_resumed_restart_by_restart_and_audit_pass(tmp_path)
     assert result.summary["results"][0]["evidence"]["session_pairs"] == [2, 2]
     verdict = audit(bundle)
     assert verdict["status"] == "pass", verdict["discrepancies"]
+    aside = {p.relative_to(bundle).as_posix(): p.read_bytes() for p in (bundle / "superseded").rglob("*") if p.is_file()}
+    names = sorted(lone)
+    assert aside == {f"superseded/cpu0/raw/cpu0/{names[0]}": lone[names[0]],
+                     f"superseded/cpu0.s1.r1/raw/cpu0/{names[1]}": lone[names[1]]}
+    assert names[0].startswith("00002-") and names[1].startswith("00006-")
+    assert verdict["checked"]["superseded_records"] == 2 and result.summary["counts"]["arms_recorded"] == 8
+    assert "2 runs were measured and then superseded by a resume" in (bundle / "report.md").read_text()
+
+
+@pytest.mark.slow      # about 15 s on 2 cores
+def test_a_pair_interrupted_twice_keeps_both_of_its_lone_records(tmp_path):
+    """pairs=1, every session kills itself after its first arm: run 1's cpu0 records seq 0 and is killed, each resume
+    sets that lone record aside and measures the pair again, to be killed after seq 0 again. Both superseded records
+    of the one pair are kept, each in its own session's folder (the second would have overwritten the first at one
+    path), and the bundle audits incomplete (its last lone arm is the resume's to measure), with no discrepancy."""
+    over = [o for o in MINI if not o.startswith("pairs=")] + ["pairs=1", "fault.kill_after_arms=1",
+                                                             f"results_dir={tmp_path / 'r'}", f"cache_dir={tmp_path / 'c'}"]
+    bundle = controller.run(conf.compose("cpu-smoke", over)).bundle
+    (path,) = (bundle / "raw" / "cpu0").glob("*.json")
+    measured = []
+    for _ in range(2):
+        measured.append(path.read_bytes())
+        result = controller.run(conf.compose("cpu-smoke", over + [f"resume={bundle}"]))
+    assert result.summary["status"] == "incomplete"
+    assert [json.loads(m)["session"] for m in measured] == ["cpu0", "cpu0.r1"]
+    assert measured[0] != measured[1]
+    assert (bundle / "superseded" / "cpu0" / "raw" / "cpu0" / path.name).read_bytes() == measured[0]
+    assert (bundle / "superseded" / "cpu0.r1" / "raw" / "cpu0" / path.name).read_bytes() == measured[1]
+    assert json.loads(path.read_text())["session"] == "cpu0.r2"
+    report = (bundle / "report.md").read_text()
+    rows, arm = [line for line in report.splitlines() if line.startswith("| superseded/")], json.loads(measured[0])["arm"]
+    assert rows == [f"| superseded/cpu0/raw/cpu0/{path.name} | cpu0 | 0 | {arm} |",
+                    f"| superseded/cpu0.r1/raw/cpu0/{path.name} | cpu0.r1 | 0 | {arm} |"], rows
+    verdict = audit(bundle)
+    assert verdict["status"] == "incomplete" and verdict["discrepancies"] == []
+    assert verdict["checked"]["superseded_records"] == 2
