@@ -13,10 +13,11 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    sits at ``raw/<job>/<seq>-...json``; plan, references and children.json have their contract fields;
    each table has only declared columns, of their declared types;
 3. plan (:mod:`.check_plan`): the config's, prompts' and references' sha256s; each point lists its C
-   requests with their prompt_index; every frozen reference runs those requests on those prompts;
+   requests with their prompt_index; every frozen reference runs those requests on those prompts; a seeded
+   prompt pool is the contract's ``documents.plan.prompt_rule``'s (format 15);
 4. order (:mod:`.check_plan`): the seeded balanced order (first arm ceil/floor per comparison, the same
-   numpy permutation); every record at its planned place with its planned arm, point and workload,
-   measured in that order;
+   permutation: the contract's SHA-256 ``documents.plan.order_rule`` from format 15, numpy's before); every
+   record at its planned place with its planned arm, point and workload, measured in that order;
 5. devices and sessions (:mod:`.check_sessions`): each record's device is its session's device in the
    plan and in children.json; every child ended (none still ``running``); each record names a session
    child of its job, a pair is measured by one session, a job's sessions follow each other in its order,
@@ -81,7 +82,8 @@ AUDITOR_VERSION = 16  # 6: bundle formats 5-6 (telemetry, per-point workloads, g
                       # 15: format 14 (the online trace without numpy, plan.json against the sessions' plan lines);
                       # the derived SLO by the contract's factor; each copy ceiling against its log line; environment
                       # torch against the reference child's; jobs/*.json against the plan; every arm line planned;
-                      # 16: format 15, the records a resume superseded (planned, measured again, out of every figure)
+                      # 16: format 15, the records a resume superseded (planned, measured again, out of every figure) and
+                      # the pair orders and a seeded prompt pool by the contract's SHA-256 rules
 EXIT_CODES = contract.DOCS["audit"]["exit_codes"]   # pass 0, fail 1, incomplete 3, usage 2
 
 
@@ -100,6 +102,7 @@ def _check_measurement(ctx: Audit, plan: dict, records: list[dict], children: li
     tables = load.load_tables(ctx)
     ctx.section("plan", check_plan.check_plan, plan)
     ctx.section("plan", check_plan.check_point_requests, plan)
+    ctx.section("plan", check_plan.check_prompts, plan)   # format 15: a seeded pool by the contract's rule
     ctx.section("plan", evidence.check_detectable_effect, plan)
     ctx.section("reference", check_plan.check_references, plan, refs)
     ctx.section("order", check_plan.check_order, plan, records)

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from . import check_settings, contract
+from .check_plan import first_arms, order_rule
 from .context import Audit
 from .values import field_diffs, plain, same
 
@@ -46,16 +47,16 @@ def numpy_unit_arrivals(n: int, seed: int) -> list[float]:
     return [0.0] + np.cumsum(np.random.default_rng(seed).exponential(1.0, size=n - 1)).tolist()
 
 
-def expected_order(on: dict, order_seed: int) -> list[dict]:
-    """The online order by the contract's ``order_rule``."""
+def expected_order(on: dict, order_seed: int, version: int) -> list[dict]:
+    """The online order by the contract's ``order_rule``, each rate's first arms by the offline order's rule of the
+    bundle's ``version`` (:func:`.check_plan.first_arms`)."""
     order = [{"seq": 0, "kind": "calibration", "arm": on["baseline"], "rate_index": None, "rate_multiple": None,
               "pair": None, "position": None, "slot": None}]
     n = on["pairs"]
     for ri, rate in enumerate(on["rates"]["multiples"]):
-        firsts = ["baseline"] * math.ceil(n / 2) + ["candidate"] * (n // 2)
-        perm = np.random.default_rng([order_seed, ri, 1]).permutation(n)
+        firsts = first_arms(n, [order_seed, ri, 1], version)
         for pair in range(n):
-            first = firsts[perm[pair]]
+            first = firsts[pair]
             for slot, pos in enumerate((first, "candidate" if first == "baseline" else "baseline")):
                 order.append({"seq": len(order), "kind": "arm", "arm": on[pos], "rate_index": ri,
                               "rate_multiple": rate, "pair": pair, "position": pos, "slot": slot})
@@ -102,8 +103,9 @@ def check_plan(ctx: Audit, plan: dict) -> None:
                            f"output_len {point['output_len']}")
     if on["device"] != plan["devices"][0]["name"]:
         ctx.fail("online", f"plan.json online.device is {on['device']!r}, not the first device")
-    if not same(on["order"], expected_order(on, plan["config"]["order_seed"])):
-        ctx.fail("online", "plan.json online.order is not the seeded balanced order of its rates and pairs")
+    if not same(on["order"], expected_order(on, plan["config"]["order_seed"], ctx.version)):
+        ctx.fail("online", "plan.json online.order is not the seeded balanced order of its rates and pairs (the "
+                           f"contract's {order_rule(ctx.version)})")
     if on["slo"].get("source") == "calibration" and not same(on["slo"].get("factor"), SLO_FACTOR):
         ctx.fail("online", f"plan.json online.slo.factor is {on['slo'].get('factor')!r}; the contract derives an SLO as "
                            f"online.slo_factor = {SLO_FACTOR!r} x the calibration run's p99 TTFT and TPOT")

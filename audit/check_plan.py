@@ -1,5 +1,11 @@
 """Checks of the frozen plan: its hashes, each point's request list (the prompt of every request), the
-frozen references against the prompts, and the seeded balanced measurement order of the records."""
+frozen references against the prompts, the seeded prompt pool (format 15), and the seeded balanced measurement
+order of the records.
+
+The seeded draws follow the contract's rules of the bundle's version: from format 15 ``documents.plan.order_rule``
+and ``prompt_rule`` (SHA-256 of a message per index, re-implemented here from the contract's text), before it
+``order_rule_before`` (numpy's Generator, as installed: numpy does not promise its stream across versions, so
+an older bundle's order is re-derived as its writer drew it only on a numpy that draws the same)."""
 from __future__ import annotations
 
 import hashlib
@@ -119,6 +125,56 @@ def _check_point_workload(ctx: Audit, plan: dict, pt: dict, reqs: list[dict]) ->
                              f"tokens, the point's prompt_len is {pt['prompt_len']}")
 
 
+def check_prompts(ctx: Audit, plan: dict) -> None:
+    """Format 15: a seeded pool (no ``workload.prompts_file``) is the one ``documents.plan.prompt_rule`` gives the
+    plan's workload, points and vocabulary, prompt for prompt (formats up to 14 drew it from numpy and are not
+    re-derived)."""
+    wl = plan["config"]["workload"]
+    if ctx.version < PLAN["prompt_rule_since"] or wl["prompts_file"]:
+        return
+    vocab = (plan["checkpoint"].get("model_config") or {}).get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab < 2 ** 32:
+        ctx.fail("plan", f"plan.json checkpoint.model_config.vocab_size is {vocab!r}: the seeded prompts cannot be "
+                         "re-derived (the contract's documents.plan.prompt_rule)")
+        return
+    want = seeded_pool(plan, vocab)
+    got = json.loads((ctx.bundle / plan["prompts"]["file"]).read_text())
+    wrong = [i for i in range(max(len(got), len(want))) if got[i:i + 1] != want[i:i + 1]]
+    if wrong:
+        ctx.fail("plan", f"prompts.json is not the seeded pool of the contract's documents.plan.prompt_rule: "
+                         f"{len(wrong)} of its {len(got)} prompts differ from the rule's {len(want)}, the first "
+                         f"prompts.json[{wrong[0]}]")
+    ctx.count("seeded_prompts", len(want))
+
+
+def seeded_pool(plan: dict, vocab: int) -> list[list[int]]:
+    """The pool ``documents.plan.prompt_rule`` gives: the workload's prompts for the points without a prompt_len,
+    then a block per distinct point prompt_len P, in point order, each as large as its largest point."""
+    wl, points = plan["config"]["workload"], plan["points"]
+    lens = wl["prompt_lens"] or [wl["prompt_len"]]
+    own = max((pt["num_requests"] for pt in points if pt["prompt_len"] is None), default=0)
+    pool = [_seeded_prompt(str(wl["prompt_seed"]), i, lens[i % len(lens)], vocab) for i in range(own)]
+    for p in dict.fromkeys(pt["prompt_len"] for pt in points if pt["prompt_len"] is not None):
+        block = max(pt["num_requests"] for pt in points if pt["prompt_len"] == p)
+        pool += [_seeded_prompt(f"{wl['prompt_seed']},{p}", j, p, vocab) for j in range(block)]
+    return pool
+
+
+def _seeded_prompt(seed: str, index: int, length: int, vocab: int) -> list[int]:
+    """One prompt of ``documents.plan.prompt_rule``: the accepted 32-bit words of its digests (block 0, 1, ...),
+    each mod ``vocab``, the first ``length`` of them."""
+    accept_below = 2 ** 32 - 2 ** 32 % vocab
+    kept, block = np.empty(0, dtype=np.int64), 0
+    while kept.size < length:
+        blocks = range(block, block + -(-(length - kept.size) // 8))   # 8 words a digest
+        digests = b"".join(hashlib.sha256(PLAN["prompt_message"].format(seed=seed, index=index, block=b)
+                                          .encode("utf-8")).digest() for b in blocks)
+        words = np.frombuffer(digests, dtype=">u4").astype(np.int64)
+        kept = np.concatenate([kept, words[words < accept_below]])
+        block = blocks.stop
+    return (kept[:length] % vocab).tolist()
+
+
 def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
     """Every frozen reference runs exactly its point's requests, each on the prompt the plan gives it, for
     D tokens with exit depths in 1..max_loops."""
@@ -152,21 +208,36 @@ def check_references(ctx: Audit, plan: dict, refs: dict) -> None:
             ctx.count("reference_requests")
 
 
-def balanced_order(plan: dict) -> list[dict]:
+def first_arms(n: int, seed: list[int], version: int) -> list[str]:
+    """Each of ``n`` pairs' first arm, ceil(n/2) baseline and floor(n/2) candidate, in the permutation seeded
+    ``seed`` by the contract's rule of ``version``: ``documents.plan.order_rule`` (indices by their SHA-256
+    digests of ``order_message``) or, before its ``order_rule_since``, ``order_rule_before`` (numpy)."""
+    if version >= PLAN["order_rule_since"]:
+        spelt = ",".join(map(str, seed))
+        keyed = sorted((hashlib.sha256(PLAN["order_message"].format(seed=spelt, index=i).encode("utf-8")).digest(), i)
+                       for i in range(n))
+        perm = [i for _, i in keyed]
+    else:
+        perm = np.random.default_rng(seed).permutation(n).tolist()
+    return ["baseline" if i < math.ceil(n / 2) else "candidate" for i in perm]
+
+
+def order_rule(version: int) -> str:
+    """The contract's name of the order rule a bundle of ``version`` follows, for a discrepancy to cite."""
+    return "documents.plan.order_rule" if version >= PLAN["order_rule_since"] else "documents.plan.order_rule_before"
+
+
+def balanced_order(plan: dict, version: int) -> list[dict]:
     """The seeded balanced order: restart after restart (format 4's ``sessions``; one before it), per
-    point, pair i of every comparison, first arm ceil/floor balanced, seeded with the restart appended
-    after the first; pair indices run on over restarts."""
+    point, pair i of every comparison, first arm ceil/floor balanced (:func:`first_arms`), seeded with the
+    restart appended after the first; pair indices run on over restarts."""
     cfg = plan["config"]
     n, comps = cfg["pairs"], cfg["comparisons"]
     expected, seq = [], 0
     for restart in range(cfg.get("sessions", 1)):
         for pi, pt in enumerate(plan["points"]):
-            firsts = []
-            for ci in range(len(comps)):
-                base = ["baseline"] * math.ceil(n / 2) + ["candidate"] * (n // 2)
-                seed = [cfg["order_seed"], pi, ci] + ([restart] if restart else [])
-                perm = np.random.default_rng(seed).permutation(n)
-                firsts.append([base[i] for i in perm])
+            firsts = [first_arms(n, [cfg["order_seed"], pi, ci] + ([restart] if restart else []), version)
+                      for ci in range(len(comps))]
             for i in range(n):
                 for ci, comp in enumerate(comps):
                     pos = ("baseline", "candidate") if firsts[ci][i] == "baseline" else ("candidate", "baseline")
@@ -180,10 +251,11 @@ def balanced_order(plan: dict) -> list[dict]:
 def check_order(ctx: Audit, plan: dict, records: list[dict]) -> None:
     """plan.json's order is the seeded one; each record sits at its planned place with its planned arm,
     config and workload, and a device's records were measured in their order."""
-    expected = balanced_order(plan)
+    expected = balanced_order(plan, ctx.version)
     for dev in plan["devices"]:
         if plan["order"].get(dev["name"]) != expected:
-            ctx.fail("order", f"{dev['name']}: plan.json's measurement order is not the seeded balanced order")
+            ctx.fail("order", f"{dev['name']}: plan.json's measurement order is not the seeded balanced order "
+                              f"(the contract's {order_rule(ctx.version)})")
     if set(plan["order"]) != {d["name"] for d in plan["devices"]}:
         ctx.fail("order", f"plan.json orders sessions {sorted(plan['order'])}, its devices are "
                           f"{sorted(d['name'] for d in plan['devices'])}")

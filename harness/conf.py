@@ -101,10 +101,10 @@ class ModelConf:
 class WorkloadConf:
     """P-token prompts and exactly D output tokens per request (EOS ignored), greedy.
 
-    Prompts are seeded random token ids (``prompt_seed``), or read from ``prompts_file`` (parquet with a
-    ``prompt_token_ids`` list column, or JSONL with one list of ids, or an object with that key, per
-    line); a file's prompts are used as they are, its first C for a point of C requests, and
-    ``prompt_len`` is then ignored (the plan records the lengths found).
+    Prompts are seeded random token ids (``prompt_seed``, by the contract's SHA-256 ``prompt_rule``), or read
+    from ``prompts_file`` (parquet with a ``prompt_token_ids`` list column, or JSONL with one list of ids, or an
+    object with that key, per line); a file's prompts are used as they are, its first C for a point of C
+    requests, and ``prompt_len`` is then ignored (the plan records the lengths found).
 
     ``prompt_lens`` mixes lengths instead of one ``prompt_len``: request i's seeded prompt has
     ``prompt_lens[i % len(prompt_lens)]`` tokens (``cpu-smoke`` uses it to put first-alias positions at

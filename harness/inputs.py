@@ -12,9 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from . import conf, engines, machine, rules, workloads
+from . import conf, draws, engines, machine, rules, workloads
 from .fileio import sha256_bytes
 from .identity import code_identity
 from .spec import BenchSpec, check_fits_model
@@ -240,10 +238,13 @@ def read_prompts_file(path: Path) -> list[list[int]]:
 
 
 def make_prompts(spec: BenchSpec, vocab_size: int) -> list[list[int]]:
-    """The prompt pool: seeded uniform token ids (numpy ``default_rng(prompt_seed)``), or the user's file.
+    """The prompt pool: seeded uniform token ids, or the user's file.
 
-    With ``prompt_lens`` prompt i has ``prompt_lens[i % len(prompt_lens)]`` tokens, drawn in prompt order
-    from the same generator; with one ``prompt_len`` the pool is one [C, P] draw, as it always was.
+    Prompt i has ``prompt_lens[i % len(prompt_lens)]`` tokens (``prompt_len`` where prompt_lens is null), the
+    first of its own stream seeded ``prompt_seed`` (the contract's ``documents.plan.prompt_rule``, format 15:
+    SHA-256 words by rejection, :func:`draws.prompt_tokens`; formats up to 14 drew the pool from numpy's
+    ``default_rng(prompt_seed)``, whose stream numpy does not promise across its versions, so the same config
+    measured other prompts on another numpy).
     """
     wl = spec.workload
     need = workloads.workload_requests(spec)   # the points without a prompt_len of their own
@@ -256,8 +257,5 @@ def make_prompts(spec: BenchSpec, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"workload.prompts_file: prompt {bad[0][0]} has token id {bad[0][1]} outside "
                              f"[0, {vocab_size})")
         return prompts[:need]
-    rng = np.random.default_rng(wl.prompt_seed)
-    if wl.prompt_lens:
-        lens = wl.prompt_lens
-        return [rng.integers(0, vocab_size, size=lens[i % len(lens)]).tolist() for i in range(need)]
-    return rng.integers(0, vocab_size, size=(need, wl.prompt_len)).tolist()
+    lens = wl.prompt_lens or (wl.prompt_len,)
+    return [draws.prompt_tokens([wl.prompt_seed], i, lens[i % len(lens)], vocab_size) for i in range(need)]

@@ -32,7 +32,9 @@ def positive_int(key: str, value: Any) -> None:
 
 
 def seed(key: str, value: Any) -> None:
-    """numpy's default_rng takes non-negative integers only; fail here, not in a child or the summary."""
+    """A seed is a non-negative integer: numpy's default_rng (the bootstrap) takes no other, and the contract's
+    SHA-256 rules (the order, the prompts, the online trace) spell one in decimal; fail here, not in a child or the
+    summary."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key} must be a non-negative integer seed, got {value!r}")
 

@@ -47,6 +47,8 @@ import numpy as np
 import scipy
 import scipy.stats
 
+from . import draws
+
 FIRST_BASELINE = "baseline"
 FIRST_CANDIDATE = "candidate"
 
@@ -56,8 +58,10 @@ def balanced_first(n_pairs: int, seed: int | Sequence[int]) -> tuple[str, ...]:
 
     The baseline goes first in ceil(n/2) pairs and the candidate in floor(n/2) (the seed's 4 native-first
     and 3 alias-first for 7 pairs), so each arm is first equally often, up to one; the order of those
-    first-movers is a seeded permutation (numpy ``default_rng(seed).permutation``), which keeps a slow
-    drift (heating, clocks) from lining up with one arm.
+    first-movers is a seeded permutation (the contract's ``documents.plan.order_rule``, format 15: indices
+    sorted by SHA-256, :func:`draws.permutation`; formats up to 14 took numpy's ``default_rng(seed).permutation``,
+    whose stream numpy does not promise across its versions), which keeps a slow drift (heating, clocks) from
+    lining up with one arm.
     """
     if isinstance(n_pairs, bool) or not isinstance(n_pairs, int) or n_pairs < 1:
         raise ValueError(f"n_pairs must be a positive integer, got {n_pairs!r}")
@@ -65,8 +69,7 @@ def balanced_first(n_pairs: int, seed: int | Sequence[int]) -> tuple[str, ...]:
     if any(isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0 for p in parts):
         raise ValueError(f"seed must be a non-negative integer or a sequence of them, got {seed!r}")
     firsts = [FIRST_BASELINE] * math.ceil(n_pairs / 2) + [FIRST_CANDIDATE] * (n_pairs // 2)
-    order = np.random.default_rng(seed).permutation(n_pairs)
-    return tuple(firsts[i] for i in order)
+    return tuple(firsts[i] for i in draws.permutation(n_pairs, parts))
 
 
 def tokens_per_s(num_requests: int, output_len: int, elapsed_s: float) -> float:

@@ -2,8 +2,10 @@
 
 A point without them runs the plan's ``workload`` (its prompts are the first C of the workload's pool, as
 always). A point with its own ``prompt_len`` runs seeded prompts of exactly P tokens: for each distinct P
-(in point order) the pool gets one block of ``max C`` prompts of that length, drawn from numpy
-``default_rng([workload.prompt_seed, P])`` and appended after the workload's own prompts; the point's
+(in point order) the pool gets one block of ``max C`` prompts of that length, appended after the workload's
+own prompts, prompt j of the block drawn by the contract's ``documents.plan.prompt_rule`` seeded
+``[workload.prompt_seed, P]`` (format 15; formats up to 14 drew the block from numpy's
+``default_rng([workload.prompt_seed, P])``, whose stream numpy does not promise across its versions); the point's
 requests take the first C of its block (``plan.json`` ``points[].requests[].prompt_index``). Every stage
 after the plan (reference capture, checker, tokens/s, reports) reads the point's D from
 ``points[].output_len`` and its prompts from those indices.
@@ -13,8 +15,7 @@ values it sets itself (``B16C16P2048``), so a sweep of one B / C over contexts h
 """
 from __future__ import annotations
 
-import numpy as np
-
+from . import draws
 from .spec import BenchSpec, PointSpec
 
 
@@ -46,7 +47,7 @@ def point_prompts(spec: BenchSpec, vocab_size: int) -> list[list[int]]:
         if p is None:
             continue
         n = max(pt.num_requests for pt in spec.points if pt.prompt_len == p)
-        out += np.random.default_rng([spec.workload.prompt_seed, p]).integers(0, vocab_size, size=(n, p)).tolist()
+        out += [draws.prompt_tokens([spec.workload.prompt_seed, p], j, p, vocab_size) for j in range(n)]
     return out
 
 

@@ -1,5 +1,6 @@
 """A forger's tools: edit a bundle's files and rewrite its manifest to match, so that it is the auditor's
 re-derivation that must catch the edit, not the manifest's hashes."""
+import contextlib
 import hashlib
 import json
 import re
@@ -7,11 +8,40 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
+from loopbench.audit import check_plan, contract
 from loopbench.audit.auditor import audit
-from loopbench.harness import evidence, stats
+from loopbench.harness import evidence, inputs, stats, workloads
 
 REPO = Path(__file__).resolve().parents[2]
+BEFORE_HASH_RULES = contract.DOCS["plan"]["order_rule_since"] - 1   # the last format of numpy's order and prompts
+
+
+def numpy_balanced_first(n_pairs: int, seed) -> tuple[str, ...]:
+    """harness stats.balanced_first as writers of formats up to 14 drew it (documents.plan.order_rule_before, numpy's
+    Generator): the auditor's copy of that rule stands in for the old writer."""
+    return tuple(check_plan.first_arms(n_pairs, [seed] if isinstance(seed, int) else list(seed), BEFORE_HASH_RULES))
+
+
+def numpy_prompts(spec, vocab_size: int) -> list[list[int]]:
+    """harness inputs.make_prompts of a seeded pool as writers of formats up to 14 drew it
+    (documents.plan.prompt_rule_before): one [C, P] draw of numpy's Generator, or one draw per prompt in order."""
+    wl = spec.workload
+    rng, need = np.random.default_rng(wl.prompt_seed), workloads.workload_requests(spec)
+    if wl.prompt_lens:
+        return [rng.integers(0, vocab_size, size=wl.prompt_lens[i % len(wl.prompt_lens)]).tolist() for i in range(need)]
+    return rng.integers(0, vocab_size, size=(need, wl.prompt_len)).tolist()
+
+
+@contextlib.contextmanager
+def numpy_draws():
+    """The harness drawing its pair orders and its workload's prompts as a format-14 writer did (numpy's Generator),
+    for a bundle that a test claims as an older format: format 15 draws both by the contract's SHA-256 rules."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stats, "balanced_first", numpy_balanced_first)
+        patch.setattr(inputs, "make_prompts", numpy_prompts)
+        yield patch
 
 
 def rewrite_manifest(bundle: Path) -> None:

@@ -4,6 +4,7 @@ contract, worded only from it; each request's prompt is the plan's prompt_index,
 import json
 import re
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -11,8 +12,8 @@ import pytest
 from loopbench.audit import contract, render
 from loopbench.audit.auditor import audit
 from loopbench.harness import controller, evidence, report
-from tests.audit.tamper import (REPO, edit_json, edit_table, failed, raw, rewrite_manifest, strip_version_3,
-                                strip_version_5)
+from tests.audit.tamper import (REPO, edit_json, edit_table, failed, passes_as_version, raw, rewrite_manifest,
+                                strip_version_3, strip_version_5)
 
 GPU_BUNDLE = REPO / "results" / "2026-12-01-ouro-1.4b-e4b8faf"   # a bundle whose tables have every column
 
@@ -178,13 +179,62 @@ def _as_version_1(bundle):
     rewrite_manifest(bundle)
 
 
-def test_version_1_bundle_is_audited_by_its_rules(bundle):
+def test_version_1_bundle_is_audited_by_its_rules(older_bundle):
+    bundle = older_bundle   # its order numpy's, as format 1 drew it
     _as_version_1(bundle)
     verdict = audit(bundle)
     assert verdict["status"] == "incomplete", verdict["discrepancies"]
     edit_json(bundle / "summary.json", lambda s: s.update(incomplete_reasons=[{"code": "arms_missing"}]))
     rewrite_manifest(bundle)
     assert "summary.json: incomplete_reasons[0]: {'code': 'arms_missing'} is not a sentence" in failed(bundle)
+
+
+def test_numpys_order_and_prompts_pass_as_format_14_and_are_named_as_format_15(older_bundle, bundle):
+    """Format 15 draws the pair order and a seeded prompt pool by the contract's SHA-256 rules (documents.plan
+    order_rule, prompt_rule). The bundle whose writer drew both with numpy's Generator, as formats up to 14 did, is
+    named when it claims 15 and passes as 14; the format-15 bundle claimed as 14 is named by numpy's order rule, so
+    neither passes off the other's order."""
+    plans = [json.loads((b / "plan.json").read_text()) for b in (older_bundle, bundle)]
+    assert plans[0]["order"] != plans[1]["order"]   # here the two rules put another arm first in some pair
+    assert plans[0]["prompts"]["sha256"] != plans[1]["prompts"]["sha256"]
+    text = failed(older_bundle)
+    assert "order: cpu0: plan.json's measurement order is not the seeded balanced order (the contract's " \
+           "documents.plan.order_rule)" in text
+    assert "plan: prompts.json is not the seeded pool of the contract's documents.plan.prompt_rule: 3 of its 3 " \
+           "prompts differ from the rule's 3, the first prompts.json[0]" in text
+    passes_as_version(older_bundle, 14)
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=14))
+    rewrite_manifest(bundle)
+    assert "order: cpu0: plan.json's measurement order is not the seeded balanced order (the contract's " \
+           "documents.plan.order_rule_before)" in failed(bundle)
+
+
+class _AnotherNumpysGenerator(np.random.Generator):
+    """A Generator as another numpy version might give it: its permutations other than this one's (numpy does not
+    promise them across versions); every other draw (the bootstrap's) as this numpy's."""
+
+    def permutation(self, x, axis=0):
+        return super().permutation(x, axis)[::-1]
+
+
+_DEFAULT_RNG = np.random.default_rng
+
+
+def _another_numpys_default_rng(seed=None):
+    """numpy.random.default_rng of that other numpy; like numpy's, it hands a Generator it is given back unchanged."""
+    return seed if isinstance(seed, np.random.Generator) else _AnotherNumpysGenerator(_DEFAULT_RNG(seed).bit_generator)
+
+
+def test_a_format_15_bundle_audits_alike_on_a_numpy_that_draws_otherwise(bundle, monkeypatch):
+    """The auditor re-derives a format-15 order by the contract's SHA-256 rule alone, so an auditor whose numpy
+    permutes otherwise passes the sound bundle (format 14's rule, numpy's permutation, names its order)."""
+    monkeypatch.setattr(np.random, "default_rng", _another_numpys_default_rng)
+    verdict = audit(bundle)
+    assert verdict["status"] == "pass", verdict["discrepancies"]
+    assert verdict["checked"]["seeded_prompts"] == 3
+    edit_json(bundle / "manifest.json", lambda m: m.update(format_version=14))
+    rewrite_manifest(bundle)
+    assert "documents.plan.order_rule_before" in failed(bundle)
 
 
 @pytest.mark.parametrize("doc, edit, expected", [

@@ -13,8 +13,8 @@ import pytest
 import scipy.stats
 
 from loopbench.audit.auditor import audit
-from loopbench.harness import evidence
-from tests.audit.tamper import (REPO, edit_json, edit_report, every_leaf_named, failed, passes_as_version,
+from loopbench.harness import conf, controller, evidence
+from tests.audit.tamper import (REPO, edit_json, edit_report, every_leaf_named, failed, numpy_draws, passes_as_version,
                                 rewrite_manifest, strip_version_12)
 
 pytestmark = pytest.mark.slow      # its bundles take about 2 min together on 2 cores
@@ -38,6 +38,19 @@ def ebundle(evidence_run, tmp_path) -> Path:
     copy = tmp_path / evidence_run[0].name
     shutil.copytree(evidence_run[0], copy)
     return copy
+
+
+@pytest.fixture
+def older_ebundle(tmp_path_factory) -> Path:
+    """A `cpu-evidence` bundle whose pair orders and prompts were drawn as a format-14 writer drew them (numpy's
+    Generator, tamper.numpy_draws), run in this process so that the draws can be patched: for a test that claims an
+    older format."""
+    root = tmp_path_factory.mktemp("evidence-numpy-draws")
+    cfg = conf.compose("cpu-evidence", [f"results_dir={root / 'r'}", f"cache_dir={root / 'c'}", "executor.poll_s=0.1"])
+    with numpy_draws():
+        result = controller.run(cfg)
+    assert result.summary["status"] == "complete", result.summary["incomplete_reasons"]
+    return result.bundle
 
 
 def _json(path: Path):
@@ -216,9 +229,11 @@ def test_a_version_2_claim_with_sessions_is_a_downgrade(ebundle):
 
 
 
-def test_a_format_12_bundle_worded_as_format_11_audits_as_format_11(ebundle):
+def test_a_format_12_bundle_worded_as_format_11_audits_as_format_11(older_ebundle):
     """Format 12 changed the Spearman p's and the drift sentence only: with the t approximation's p's and format 11's
-    sentence the same bundle (8 pairs a comparison: exact p's) is a format-11 bundle, and claiming 12 is named."""
+    sentence the same bundle (8 pairs a comparison: exact p's; its orders numpy's, as format 11 drew them) is a
+    format-11 bundle, and claiming 12 is named."""
+    ebundle = older_ebundle
     summary = _json(ebundle / "summary.json")
     trends = [r["evidence"]["trend"] for r in summary["results"]]
     assert trends and all(t["p"] is not None and t["n"] == 8 for t in trends)

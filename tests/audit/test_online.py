@@ -15,8 +15,8 @@ from loopbench.harness import conf, controller, evidence, planning
 from loopbench.harness.online import evidence as online_evidence, metrics
 from loopbench.harness.online.loadgen import TIMEOUT_ERROR
 
-from .tamper import (REPO, audit, edit_json, edit_report, failed, forge_settings, passes_as_version, rewrite_manifest,
-                     strip_version_10)
+from .tamper import (REPO, audit, edit_json, edit_report, failed, forge_settings, numpy_draws, passes_as_version,
+                     rewrite_manifest, strip_version_10)
 
 SMALL = ["online.num_requests=6", "online.rates=[1.0]", "online.warmup_requests=2", "executor.poll_s=0.1"]
 
@@ -36,11 +36,12 @@ def honest_online(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def numpy_trace_online(tmp_path_factory) -> Path:
     """An honest cpu-online bundle whose plan drew its trace as formats 5 to 13 did (numpy's Generator,
-    online.trace_rule_before; the auditor's own copy of that rule stands in for the old writer)."""
+    online.trace_rule_before; the auditor's own copy of that rule stands in for the old writer), and its pair orders
+    and prompts as formats up to 14 did (tamper.numpy_draws)."""
     from loopbench.audit import check_online
     from loopbench.harness.online import loadgen
 
-    with pytest.MonkeyPatch.context() as patch:
+    with numpy_draws() as patch:
         patch.setattr(loadgen, "unit_trace", check_online.numpy_unit_arrivals)
         return _run_online(tmp_path_factory.mktemp("online-numpy-trace"))
 

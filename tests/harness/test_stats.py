@@ -1,4 +1,5 @@
 """Paired statistics: balanced order, bootstrap CI against a hand-computed case, degenerate inputs."""
+import hashlib
 import itertools
 import math
 
@@ -25,6 +26,29 @@ def test_balanced_order_is_shuffled_by_the_seed():
     assert len(orders) > 5
     with pytest.raises(ValueError, match="n_pairs"):
         stats.balanced_first(0, 0)
+
+
+def _order_rule(n, seed):
+    """documents.plan.order_rule as its text reads: indices by the SHA-256 digest of 'loopbench order <seeds joined by
+    ','> <index>', ascending; pair j runs baseline first when permutation[j] < ceil(n / 2)."""
+    digest = {i: hashlib.sha256(f"loopbench order {','.join(map(str, seed))} {i}".encode()).digest() for i in range(n)}
+    return tuple("baseline" if i < math.ceil(n / 2) else "candidate" for i in sorted(range(n), key=digest.get))
+
+
+def test_the_balanced_order_follows_the_contracts_rule_without_numpys_generator(monkeypatch):
+    """Format 15 (contract documents.plan.order_rule): numpy's Generator, whose stream numpy does not promise across
+    its versions, is not used (a default_rng that raises changes nothing)."""
+    def no_generator(*args, **kwargs):
+        raise AssertionError("the order drew from numpy.random.default_rng")
+    monkeypatch.setattr(np.random, "default_rng", no_generator)
+    rule = FORMAT["documents"]["plan"]
+    assert rule["order_rule_since"] == 15 <= FORMAT["version"]
+    assert rule["order_message"].format(seed="0,1,2", index=3) == "loopbench order 0,1,2 3"
+    for n, seed in [(1, 0), (2, [0, 0, 1]), (7, [3, 1, 0]), (8, [0, 2, 1, 1]), (20, 5)]:
+        got = stats.balanced_first(n, seed)
+        assert got == _order_rule(n, [seed] if isinstance(seed, int) else seed), (n, seed)
+        assert got.count("baseline") == math.ceil(n / 2) and got.count("candidate") == n // 2
+    assert stats.balanced_first(7, [3, 1, 0]) != stats.balanced_first(7, [3, 1, 1])   # another comparison's seed
 
 
 def test_bootstrap_matches_hand_computed_case():

@@ -1,6 +1,7 @@
 """Per-point workloads (harness/workloads.py): a point's own prompt_len / output_len, checked before anything
 runs, its prompts a block of the pool, and the `cpu-context` preset end to end (references, checker,
 tokens/s, report and audit all on each point's P and D); changing a point's workload fails the audit."""
+import hashlib
 import json
 import os
 import shutil
@@ -12,7 +13,8 @@ import pandas as pd
 import pytest
 
 from loopbench.audit.auditor import audit
-from loopbench.harness import conf, inputs, plan as plan_mod, workloads
+from loopbench.harness import conf, draws, inputs, plan as plan_mod, workloads
+from loopbench.harness.evidence import FORMAT
 from tests.audit.tamper import REPO, edit_json, failed, raw, rewrite_manifest
 
 pytestmark = pytest.mark.slow      # its bundles take about 35 s on 2 cores
@@ -57,18 +59,65 @@ def test_a_point_longer_than_the_model_is_refused_before_anything_runs():
         inputs.gather(spec)
 
 
+def _prompt_rule(seed: str, index: int, length: int, vocab: int) -> list[int]:
+    """documents.plan.prompt_rule as its text reads: the digests of 'loopbench prompt <seed> <index> <block>' for
+    block 0, 1, ..., each as 8 big-endian 32-bit words; a word below 2**32 - (2**32 mod V) is token word mod V."""
+    tokens, block = [], 0
+    while len(tokens) < length:
+        digest = hashlib.sha256(f"loopbench prompt {seed} {index} {block}".encode()).digest()
+        for at in range(0, 32, 4):
+            word = int.from_bytes(digest[at:at + 4], "big")
+            if word < 2 ** 32 - 2 ** 32 % vocab:
+                tokens.append(word % vocab)
+        block += 1
+    return tokens[:length]
+
+
 def test_each_prompt_length_is_a_seeded_block_of_the_pool():
     spec = _spec()
     got = inputs.gather(spec)
     assert [len(p) for p in got.prompts] == [24] * 4 + [80] * 4 and got.max_model_len == 80 + 8 - 1
-    assert got.prompts[4:] == np.random.default_rng([0, 80]).integers(0, 256, size=(4, 80)).tolist()
+    assert spec.workload.prompt_seed == 1   # cpu-smoke's, which cpu-context keeps
+    assert got.prompts[:4] == [_prompt_rule("1,24", j, 24, 256) for j in range(4)]
+    assert got.prompts[4:] == [_prompt_rule("1,80", j, 80, 256) for j in range(4)]
     entries = plan_mod.point_entries(spec)
     assert [[q["prompt_index"] for q in e["requests"]] for e in entries] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [(e["prompt_len"], e["output_len"]) for e in entries] == [(24, 12), (80, 8)]
-    smoke = _spec("cpu-smoke")   # no point of its own: the pool is what it always was
-    rng = np.random.default_rng(0)
-    assert inputs.gather(smoke).prompts == [rng.integers(0, 256, size=n).tolist() for n in [31, 32, 63, 33] * 2]
+    smoke = _spec("cpu-smoke")   # no point of its own: the workload's pool, prompt i of length prompt_lens[i % 4]
+    assert inputs.gather(smoke).prompts == [_prompt_rule("1", i, n, 256) for i, n in enumerate([31, 32, 63, 33] * 2)]
     assert [e["output_len"] for e in plan_mod.point_entries(smoke)] == [32, 32]
+
+
+def test_the_prompt_pool_follows_the_contracts_rule_without_numpys_generator(monkeypatch):
+    """Format 15 (contract documents.plan.prompt_rule): the same config gives the same prompts on any numpy, since
+    numpy's Generator, whose stream numpy does not promise across its versions, is not used (a default_rng that
+    raises changes nothing); every id lies in [0, vocab_size)."""
+    def no_generator(*args, **kwargs):
+        raise AssertionError("the prompts drew from numpy.random.default_rng")
+    monkeypatch.setattr(np.random, "default_rng", no_generator)
+    rule = FORMAT["documents"]["plan"]
+    assert rule["prompt_rule_since"] == 15 <= FORMAT["version"]
+    assert rule["prompt_message"].format(seed="0,80", index=1, block=2) == "loopbench prompt 0,80 1 2"
+    spec = _spec(overrides=["workload.prompt_seed=7", "workload.prompt_lens=[3,70]",
+                            "points=[{max_num_seqs:3,num_requests:5},{max_num_seqs:3,num_requests:2,prompt_len:40},"
+                            "{max_num_seqs:3,num_requests:3,prompt_len:40}]"])
+    pool = inputs.make_prompts(spec, 49152) + workloads.point_prompts(spec, 49152)
+    assert pool == [_prompt_rule("7", i, n, 49152) for i, n in enumerate([3, 70] * 3)][:5] + \
+        [_prompt_rule("7,40", j, 40, 49152) for j in range(3)]
+    assert pool == inputs.make_prompts(spec, 49152) + workloads.point_prompts(spec, 49152)   # seeded: the same again
+    assert all(0 <= t < 49152 for p in pool for t in p) and len({t for p in pool for t in p}) > 200
+
+
+def test_a_word_past_the_last_whole_multiple_of_the_vocabulary_is_skipped():
+    """Rejection: with V = 3 * 2**30 a quarter of the 32-bit words lie at or past 2**32 - (2**32 mod V) and are
+    skipped, so every id stays equally likely (w mod V would give ids below 2**30 twice the odds)."""
+    vocab = 3 * 2 ** 30
+    got = draws.prompt_tokens([1], 0, 64, vocab)
+    assert got == _prompt_rule("1", 0, 64, vocab) and len(got) == 64 and all(0 <= t < vocab for t in got)
+    words = [int.from_bytes(hashlib.sha256(f"loopbench prompt 1 0 {b}".encode()).digest()[at:at + 4], "big")
+             for b in range(8) for at in range(0, 32, 4)]
+    assert any(w >= vocab for w in words[:len(got)])      # some words were skipped on the way
+    assert got != [w % vocab for w in words[:64]]
 
 
 @pytest.fixture(scope="session")
