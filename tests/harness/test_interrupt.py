@@ -689,7 +689,7 @@ FOLLOWING = "(and in 4 field(s) of the plan that follow from the config)"   # or
 @pytest.mark.parametrize("override, named", [
     # a config key is named alone, with a count of the plan's fields that follow from it
     ("pairs=7", ["differs from its plan in config.pairs (bundle 6, this run 7) " + FOLLOWING]),
-    ("workload.prompt_seed=1", ["config.workload.prompt_seed"]),
+    ("workload.prompt_seed=2", ["config.workload.prompt_seed (bundle 1, this run 2)"]),
     ("model.seed=1", ["config.model.seed (bundle 0, this run 1)", "checkpoint.sha256"]),   # a hash is always named
     ("reuse_references=false", ["config.reuse_references (bundle true, this run false)"]),
     # torch's threads change what a CPU session measures, unlike the limits a resume may change
