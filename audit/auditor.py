@@ -25,7 +25,8 @@ becomes one named discrepancy; a file that cannot be read is one too, never a cr
    (:mod:`.check_jobs`: device, session, the reference's spec and key material, which each frozen reference's
    cache key hashes); environment.json's GPU of a pinned
    device is the card its records ran on (uuid, name), and its torch the one the reference child ran; from
-   format 15 each record a resume superseded (:mod:`.check_superseded`, under ``superseded/``) is a planned run
+   format 15 its ``cpu_load`` is there exactly for a run with a CPU session and counts its threads
+   (``check_sessions.check_cpu_load``; report.md's warning is re-derived from it), and each record a resume superseded (:mod:`.check_superseded`, under ``superseded/``) is a planned run
    of its session's job, with its log line, measured again by a later session, and in no figure;
 6. tables (:mod:`.check_tables`): every column of every row of arms, pairs, requests, tokens and
    telemetry equals what the raw records give, and no row is missing or extra; tokens/s = C * D /
@@ -164,6 +165,7 @@ def run(ctx: Audit) -> dict:
         ctx.section("environment.json", load.check_environment, environment)
         ctx.section("environment.json", check_sessions.check_environment_gpus, plan, records, environment)
         ctx.section("environment.json", check_sessions.check_environment_torch, plan, environment)
+        ctx.section("environment.json", check_sessions.check_cpu_load, plan, environment)
     refs = ctx.section("reference", load.load_references, plan) or {}
     checks_ok, natural = _check_measurement(ctx, plan, records, children, refs)
     return verdict(ctx, _check_claims(ctx, plan, summary, records, children, refs, environment, checks_ok, natural))

@@ -205,3 +205,57 @@ def check_environment_torch(ctx: Audit, plan: dict, environment) -> None:
             ctx.fail("environment.json", f"torch.version is {version!r}, where {rel} records that the reference "
                                          f"child ran torch {meta['torch']!r}")
         ctx.count("environment_torch")
+
+
+ENVIRONMENT = contract.DOCS["environment"]
+CPU_LOAD_SINCE = ENVIRONMENT["fields_since"]["cpu_load"]
+
+
+def cpu_load_kind(load: dict) -> str | None:
+    """The warning environment.json's ``cpu_load`` calls for, by the contract's ``cpu_load_rule`` (its text and
+    ``busy_allowance_cores``), implemented here from that text: oversubscribed, busy, loaded or None."""
+    cores, threads, busy, load_1m = load["usable_cores"], load["threads"], load["busy_cores"], load["load_average_1m"]
+    if threads > cores:
+        return "oversubscribed"
+    if busy is None:
+        return "loaded" if load_1m is not None and load_1m > cores else None
+    idle_needed = min(threads, cores)
+    return "busy" if busy > cores - idle_needed + ENVIRONMENT["cpu_load_rule"]["busy_allowance_cores"] else None
+
+
+def check_cpu_load(ctx: Audit, plan: dict, environment) -> None:
+    """From format 15, environment.json's ``cpu_load`` is there exactly when a session of the plan runs on a CPU (a
+    GPU session's timings are the GPU's), counts the threads of every CPU session of the plan, and is a sample the
+    machine could give: at least one usable core, busy cores between 0 and the usable ones (a small rounding
+    allowance), a window over 0 and the contract's moment. The figures themselves are the machine's (nothing
+    else in the bundle re-derives them); the warning report.md shows is re-derived from them (render)."""
+    if ctx.version < CPU_LOAD_SINCE or not isinstance(environment, dict) or "cpu_load" not in environment:
+        return   # named by the environment's field check
+    load, cpus = environment["cpu_load"], [d for d in plan["devices"] if d["kind"] == "cpu"]
+    if not cpus:
+        if load is not None:
+            ctx.fail("environment.json", f"cpu_load is {load!r}, where no session of the plan runs on a CPU (null)")
+        return
+    if not isinstance(load, dict):
+        ctx.fail("environment.json", f"cpu_load is null, where the plan's sessions {[d['name'] for d in cpus]} run "
+                                     "on a CPU")
+        return
+    if contract.fields_problem(load, ENVIRONMENT["cpu_load_fields"], "cpu_load.") is not None:
+        return   # named by the environment's field check
+    threads = sum(d.get("cpu_threads", 1) for d in cpus)
+    problems = []
+    if load["threads"] != threads:
+        problems.append(f"threads {load['threads']!r}, where the plan's CPU sessions run {threads}")
+    if load["usable_cores"] < 1:
+        problems.append(f"usable_cores {load['usable_cores']!r} below 1")
+    if load["busy_cores"] is not None and not -0.01 <= load["busy_cores"] <= load["usable_cores"] + 0.01:
+        problems.append(f"busy_cores {load['busy_cores']!r} outside 0 .. usable_cores {load['usable_cores']}")
+    if load["load_average_1m"] is not None and load["load_average_1m"] < 0:
+        problems.append(f"load_average_1m {load['load_average_1m']!r} below 0")
+    if load["window_s"] <= 0:
+        problems.append(f"window_s {load['window_s']!r} not above 0")
+    if load["sampled"] not in ENVIRONMENT["cpu_load_sampled"]:
+        problems.append(f"sampled {load['sampled']!r}, not one of {ENVIRONMENT['cpu_load_sampled']}")
+    for problem in problems:
+        ctx.fail("environment.json", f"cpu_load has {problem}")
+    ctx.count("cpu_load")

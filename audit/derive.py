@@ -361,7 +361,23 @@ def summary(plan: dict, plan_sha256: str, records: list[dict], children: list[di
            if version >= contract.DOCS["plan"]["sessions_since"] else {}),
         # format 5: the natural track, as audit/check_natural.py re-derives it
         **({"natural": natural} if version >= contract.DOCS["summary"]["fields_since"]["natural"] else {}),
+        # format 15: an A/A control whose rule outcome reads a change flags its point's other comparisons
+        **({"noise_floor": noise_floor(derived)} if version >= contract.DOCS["summary"]["fields_since"]["noise_floor"]
+           else {}),
     }
+
+
+def noise_floor(results: list[dict]) -> list[dict]:
+    """summary.json ``noise_floor`` as documents.summary.noise_floor_what states it: for each result whose baseline
+    arm is its candidate arm and whose ``stats.verdict`` is one of ``noise_floor_verdicts``, its job, device, point,
+    comparison, that outcome, speedup and CI, and the comparisons of its job and point whose arms differ."""
+    flagged = [r for r in results if r["baseline"] == r["candidate"]
+               and r["stats"]["verdict"] in contract.DOCS["summary"]["noise_floor_verdicts"]]
+    return [{"job": aa["job"], "device": aa["device"], "point": aa["point"], "comparison": aa["comparison"],
+             "verdict": aa["stats"]["verdict"], "speedup": aa["stats"]["speedup"], "ci": aa["stats"]["ci"],
+             "affected": [r["comparison"] for r in results if (r["job"], r["point"]) == (aa["job"], aa["point"])
+                          and r["baseline"] != r["candidate"]]}
+            for aa in flagged]
 
 
 def coverage_warnings(records: list[dict]) -> dict:

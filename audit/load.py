@@ -137,11 +137,16 @@ def _reference_problem(schedule: dict, meta: dict, closed: bool) -> str | None:
     return problem
 
 
-def environment_problem(env: Any, closed: bool = False) -> str | None:
-    """Why ``environment.json`` is not the contract's document (a field missing or of another JSON type)."""
+def environment_problem(env: Any, closed: bool = False, version: int = contract.VERSION) -> str | None:
+    """Why ``environment.json`` of format ``version`` is not the contract's document (a field missing or of another
+    JSON type; from format 15 its ``cpu_load`` record, when not null, with the record's fields)."""
     if not isinstance(env, dict):
         return f"a JSON {type(env).__name__}, not an object"
-    problem = contract.fields_problem(env, ENVIRONMENT["fields"], "", closed=closed)
+    problem = contract.fields_problem(env, contract.fields_at(ENVIRONMENT["fields"], ENVIRONMENT["fields_since"], version),
+                                      "", closed=closed)
+    if problem is None and isinstance(env.get("cpu_load"), dict) and "cpu_load" in contract.fields_at(
+            ENVIRONMENT["fields"], ENVIRONMENT["fields_since"], version):
+        problem = contract.fields_problem(env["cpu_load"], ENVIRONMENT["cpu_load_fields"], "cpu_load.", closed=closed)
     for part in ("python", "cpu", "torch"):
         problem = problem or contract.fields_problem(env[part], ENVIRONMENT[f"{part}_fields"], f"{part}.",
                                                      closed=closed)
@@ -153,7 +158,7 @@ def environment_problem(env: Any, closed: bool = False) -> str | None:
 
 
 def check_environment(ctx: Audit, env: Any) -> None:
-    problem = environment_problem(env, ctx.version >= contract.CLOSED_SINCE)
+    problem = environment_problem(env, ctx.version >= contract.CLOSED_SINCE, ctx.version)
     if problem is not None:
         ctx.fail("environment.json", f"is not the environment document of {contract.WHERE}: {problem}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import string
 
-from . import check_natural, contract, render_sections
+from . import check_natural, check_sessions, contract, render_sections
 
 WORDS = contract.FORMAT["report"]["words"]
 FREE_TEXT = "loopbench/bundle_format.json report.free_text"
@@ -165,7 +165,28 @@ def _header(w: dict, version: int, plan: dict, plan_sha256: str, prompts_sha256:
              "torch": environment.get("torch", {}).get("version"),
              "triton": environment.get("packages", {}).get("triton"),
              "python": environment.get("python", {}).get("version")}
-    return lines + [fill(line, **facts) for line in w["header"]]
+    lines += [fill(line, **facts) for line in w["header"]]
+    load = environment.get("cpu_load") if version >= check_sessions.CPU_LOAD_SINCE else None
+    kind = check_sessions.cpu_load_kind(load) if isinstance(load, dict) else None
+    return lines + (["", fill(w["cpu_load"][kind], **load)] if kind else [])
+
+
+def _noise_floor(w: dict, summary: dict, plan: dict) -> list[str]:
+    """Format 15: one warning per re-derived ``noise_floor`` entry above the result tables, then a blank line."""
+    spec, lines = w["noise_floor"], []
+    for entry in summary.get("noise_floor", []):
+        at = {r["comparison"]: r for r in summary["results"] if (r["job"], r["point"]) == (entry["job"], entry["point"])}
+        aa = at[entry["comparison"]]
+        named = [spec["affected"].format(comparison=c, verdict=WORDS["no_verdict"] if at[c]["verdict"] is None
+                                         else at[c]["verdict"]) for c in entry["affected"]]
+        lines.append(spec["line"].format(
+            comparison=entry["comparison"], verdict=entry["verdict"], device=aa["device"],
+            max_num_seqs=aa["max_num_seqs"], num_requests=aa["num_requests"],
+            workload=render_sections.workload(plan, entry["point"]), speedup=entry["speedup"],
+            ci=_ci(w, entry["ci"], f"[{WORDS['na']}]"), change_pct=100 * (entry["speedup"] - 1),
+            level=w["level"].format(100 * aa["stats"]["confidence"]),
+            affected=spec["affected_separator"].join(named) or spec["no_affected"]))
+    return lines + [""] if lines else []
 
 
 def _statistics(w: dict, results: list[dict]) -> list[str]:
@@ -335,7 +356,7 @@ def report(plan: dict, plan_sha256: str, prompts_sha256: str, summary: dict, arm
     arm_rows = _devices_shown(w, arm_rows)
     sections = {
         "header": lambda: _header(w, version, plan, plan_sha256, prompts_sha256, summary, environment),
-        "result": lambda: ["", w["headings"]["result"], "",
+        "result": lambda: ["", w["headings"]["result"], "", *_noise_floor(w, summary, plan),
                            *_result_tables(w, summary["results"], plan if version >= 5 else None),
                            _rule(w, plan, summary), ""],
         "statistics": lambda: _statistics(w, summary["results"]),

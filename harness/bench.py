@@ -141,11 +141,15 @@ def show(result) -> int:
     print()
     plan_file = result.bundle / "plan.json"
     plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+    for line in report.noise_floor_lines(summary, plan) if plan is not None else []:
+        print(line)   # an A/A control that reads a change, above the tables it undermines (format 15)
     print(report.result_tables(summary, plan))   # with each point's P / D
     print(f"status: {summary['status']}"
           + (f" ({report.reasons_text(summary)})" if summary["incomplete_reasons"] else "")
           + f"; checks {'FAILED' if not summary['checks']['ok'] else 'passed' if summary['status'] == 'complete' else 'passed on what was recorded'}"
           + f"; verdicts {'published' if summary['verdicts_published'] else 'barred: ' + str(summary['verdicts_barred_by'])}"
+          + (f" (flagged: an A/A control reads a change at {len(summary['noise_floor'])} point"
+             f"{'' if len(summary['noise_floor']) == 1 else 's'})" if summary.get("noise_floor") else "")
           + f"; audit {'passed' if code == 0 else 'exit ' + str(code)}")
     from .online.report import status_line   # the online track's one line, when the run has one
 

@@ -426,10 +426,11 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
                 raise
             lock = try_lock(bundle)  # held while this controller lives: finish and resume keep off
             print(f"loopbench: bundle {bundle}", flush=True)
-            busy = machine.busy_warning(got.devices)
+            prepared = prepare_model(spec, got, bundle)
+            load = prepared.environment["cpu_load"]   # sampled once, kept in environment.json (format 15)
+            busy = None if load is None else machine.cpu_load_text(load)
             if busy:
                 print(f"loopbench: {busy}", file=sys.stderr, flush=True)
-            prepared = prepare_model(spec, got, bundle)
             executor = make_executor(spec, bundle, got.cache, got.devices)
         stop.before_children = False
         points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)

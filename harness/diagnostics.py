@@ -49,3 +49,26 @@ def evidence_rule(cfg: dict) -> dict:
     """The summary's ``evidence_rule``: sessions per device and the declared level of the drift tests."""
     return {"sessions": cfg["sessions"], "pairs_per_session": cfg["pairs"], "alpha": cfg["evidence"]["alpha"],
             "ci_method": stats.CI_PERCENTILE if cfg["sessions"] == 1 else stats.CI_HIERARCHICAL}
+
+
+NOISE_FLOOR_VERDICTS = ("faster", "slower")   # bundle_format.json documents.summary.noise_floor_verdicts
+
+
+def noise_floor(results: list[dict]) -> list[dict]:
+    """The summary's ``noise_floor`` (format 15): per (job, point) whose A/A comparison (baseline arm = candidate
+    arm) has a rule outcome of faster or slower, that result's figures and the other comparisons of the same job
+    and point (``affected``). Both arms of an A/A run one configuration, so such an outcome says the point's
+    between-arm noise (order, drift, machine load) is larger than its interval admits. It is a flag, never a
+    verdict (STYLE rule 7): the rule's verdicts stay, and the report warns next to them; the rule runs at level
+    ``1 - confidence``, so one A/A in twenty reads a change on a sound set-up, and withdrawing verdicts on it would
+    make a statistic into a gate and hide what was measured."""
+    out = []
+    for aa in results:
+        if aa["baseline"] != aa["candidate"] or aa["stats"]["verdict"] not in NOISE_FLOOR_VERDICTS:
+            continue
+        affected = [r["comparison"] for r in results if r["job"] == aa["job"] and r["point"] == aa["point"]
+                    and r["comparison"] != aa["comparison"] and r["baseline"] != r["candidate"]]
+        out.append({"job": aa["job"], "device": aa["device"], "point": aa["point"], "comparison": aa["comparison"],
+                    "verdict": aa["stats"]["verdict"], "speedup": aa["stats"]["speedup"], "ci": aa["stats"]["ci"],
+                    "affected": affected})
+    return out

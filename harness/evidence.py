@@ -329,6 +329,7 @@ def summarize(plan: dict, plan_sha256: str, tables: dict[str, pd.DataFrame], che
                    "requests": int(len(tables["requests"])), "tokens": int(len(tables["tokens"]))},
         "checks": checks, "children": children, "results": results,
         "evidence_rule": diagnostics.evidence_rule(plan["config"]), "memory_creep": diagnostics.memory_creep(plan, arms),
+        "noise_floor": diagnostics.noise_floor(results),   # format 15: an A/A control that reads a change
     }
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from . import telemetry
+from .fileio import bundle_format
 
 PACKAGES = ("torch", "triton", "numpy", "scipy", "pandas", "pyarrow", "hydra-core", "omegaconf", "submitit",
             "safetensors", "matplotlib", "nvidia-ml-py", "tqdm")
@@ -127,40 +128,67 @@ def busy_cores_now(window_s: float = 0.2, stat: Path = Path("/proc/stat")) -> fl
     return len(cores) * (after[0] - before[0]) / (after[1] - before[1])
 
 
-def busy_cpu_warning(threads: int) -> str | None:
-    """The one-line warning of a CPU run of ``threads`` threads (the throughput probe, a bench on CPU devices) on a
-    machine whose other work leaves it fewer idle usable cores than that (by more than half a core), or of more
-    threads than the machine has usable cores, where its timings say more about the
-    other processes than about the runtime, and two arms' pair ratios can read a change that is not there; else
-    None. Measured now (:func:`busy_cores_now`); where the OS has no per-core ticks, the 1-minute load average
-    against the usable cores instead."""
-    cores = usable_cores()
+BUSY_WINDOW_S = 0.2     # busy_cores_now's default window, as environment.json cpu_load records it
+
+
+def cpu_load(threads: int) -> dict:
+    """environment.json's ``cpu_load`` (bundle format 15) of a CPU run of ``threads`` threads, sampled now: the usable
+    cores, how many of them other work keeps busy (:func:`busy_cores_now`) and the 1-minute load average."""
+    return {"sampled": "run start", "usable_cores": usable_cores(), "threads": threads, "busy_cores": busy_cores_now(),
+            "window_s": BUSY_WINDOW_S, "load_average_1m": load_average_1m()}
+
+
+def cpu_load_kind(load: dict) -> str | None:
+    """The warning a :func:`cpu_load` record calls for by the contract's ``documents.environment.cpu_load_rule``:
+    ``oversubscribed`` (more threads than usable cores: the run's own sessions time each other), ``busy`` (other
+    work leaves fewer idle cores than the threads, beyond the rule's allowance for the odd daemon), ``loaded`` (no
+    per-core ticks, and a load average above the usable cores) or None. Any of them means the run's timings say
+    more about the other processes than about the runtime, and two arms' pair ratios can read a change that is
+    not there."""
+    rule = bundle_format()["documents"]["environment"]["cpu_load_rule"]   # the thresholds the auditor applies too
+    cores, threads, busy, load_1m = load["usable_cores"], load["threads"], load["busy_cores"], load["load_average_1m"]
+    if threads > cores:     # executor.cpu_devices=100 on 2 cores
+        return "oversubscribed"
+    if busy is not None:
+        return "busy" if busy > cores - min(threads, cores) + rule["busy_allowance_cores"] else None
+    return "loaded" if load_1m is not None and load_1m > cores else None
+
+
+def cpu_load_text(load: dict) -> str | None:
+    """The one-line stderr warning of a :func:`cpu_load` record (:func:`cpu_load_kind`), or None."""
+    kind, cores, threads = cpu_load_kind(load), load["usable_cores"], load["threads"]
     plural = "" if cores == 1 else "s"
-    if threads > cores:     # executor.cpu_devices=100 on 2 cores: the run's own sessions time each other
+    if kind == "oversubscribed":
         return (f"warning: the run's {threads} threads exceed the {cores} usable core{plural}, so they take turns on "
                 "them and time each other: CPU timings are for smoke checks, not performance evidence")
-    busy = busy_cores_now()
-    if busy is None:
-        load_1m = load_average_1m()
-        if load_1m is None or load_1m <= cores:
-            return None
-        return (f"warning: the 1-minute load average {load_1m:.2f} exceeds the {cores} usable "
+    if kind == "loaded":
+        return (f"warning: the 1-minute load average {load['load_average_1m']:.2f} exceeds the {cores} usable "
                 f"core{plural}: CPU timings are for smoke checks, not performance evidence")
-    if busy <= cores - min(threads, cores) + 0.5:     # half a core's allowance for the odd daemon
-        return None
-    return (f"warning: other work keeps {busy:.1f} of the {cores} usable core{plural} busy, leaving fewer idle than "
-            f"the run's {threads} thread{'' if threads == 1 else 's'}: CPU timings are for smoke checks, not "
-            "performance evidence")
+    if kind == "busy":
+        return (f"warning: other work keeps {load['busy_cores']:.1f} of the {cores} usable core{plural} busy, leaving "
+                f"fewer idle than the run's {threads} thread{'' if threads == 1 else 's'}: CPU timings are for smoke "
+                "checks, not performance evidence")
+    return None
+
+
+def busy_cpu_warning(threads: int) -> str | None:
+    """The one-line warning of a CPU run of ``threads`` threads (the throughput probe, a bench on CPU devices) on a
+    busy machine, measured now (:func:`cpu_load`, :func:`cpu_load_kind`); else None."""
+    return cpu_load_text(cpu_load(threads))
+
+
+def run_cpu_load(devices: list[dict]) -> dict | None:
+    """:func:`cpu_load` of a run on ``devices`` (:func:`planned_devices`' dicts), for environment.json: only where one
+    is a CPU, since a GPU session's timings are the GPU's (None otherwise); the threads are every CPU session's (a
+    round's sessions run at once, harness/executors.py)."""
+    cpus = [d for d in devices if d["kind"] == "cpu"]
+    return cpu_load(sum(d.get("cpu_threads", 1) for d in cpus)) if cpus else None
 
 
 def busy_warning(devices: list[dict]) -> str | None:
-    """:func:`busy_cpu_warning` for a run on ``devices`` (:func:`planned_devices`' dicts): only where one is a CPU,
-    since a GPU session's timings are the GPU's; the threads are every CPU session's (a round's sessions run at once,
-    harness/executors.py)."""
-    cpus = [d for d in devices if d["kind"] == "cpu"]
-    if not cpus:
-        return None
-    return busy_cpu_warning(sum(d.get("cpu_threads", 1) for d in cpus))
+    """:func:`busy_cpu_warning` for a run on ``devices`` (:func:`run_cpu_load`); None without a CPU session."""
+    load = run_cpu_load(devices)
+    return None if load is None else cpu_load_text(load)
 
 
 def planned_devices(executor) -> list[dict]:
@@ -280,4 +308,5 @@ def environment(devices: list[dict]) -> dict:
         "packages": pkgs, "gpus": [telemetry.device_info(g) for g in gpus],
         "gpu_telemetry_at_start": [telemetry.sample(g) for g in gpus],
         "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "OMP_NUM_THREADS")},
+        "cpu_load": run_cpu_load(devices),   # format 15: a CPU run measured on a busy machine says so in its bundle
     }

@@ -117,6 +117,33 @@ def result_tables(summary: dict, plan: dict) -> str:
     return "\n".join(out)
 
 
+def noise_floor_lines(summary: dict, plan: dict) -> list[str]:
+    """The result section's warnings (format 15): one per ``noise_floor`` entry (diagnostics.noise_floor), naming
+    the A/A row, its ratio and CI and the verdicts of its point that its noise undermines, then a blank line."""
+    spec, lines = R["noise_floor"], []
+    for entry in summary.get("noise_floor", []):
+        at = [r for r in summary["results"] if r["job"] == entry["job"] and r["point"] == entry["point"]]
+        aa = next(r for r in at if r["comparison"] == entry["comparison"])
+        verdicts = {r["comparison"]: r["verdict"] if r["verdict"] is not None else WORDS["no_verdict"] for r in at}
+        affected = spec["affected_separator"].join(spec["affected"].format(comparison=c, verdict=verdicts[c])
+                                                   for c in entry["affected"]) or spec["no_affected"]
+        lines.append(spec["line"].format(**{
+            **aa, **entry, "device": shown_device(entry["device"]), "ci": ci_text(entry["ci"]),
+            "workload": report_sections.workload_label(plan, entry["point"]), "change_pct": 100 * (entry["speedup"] - 1),
+            "level": level_text(aa["stats"]["confidence"]), "affected": affected}))
+    return lines + [""] if lines else []
+
+
+def cpu_load_lines(environment: dict) -> list[str]:
+    """The header's warning of a CPU run measured on a busy machine (format 15): environment.json ``cpu_load``
+    judged by the contract's ``cpu_load_rule`` (machine.cpu_load_kind), after a blank line; none without."""
+    from .machine import cpu_load_kind
+
+    load = environment.get("cpu_load")
+    kind = cpu_load_kind(load) if load else None
+    return ["", fill(R["cpu_load"][kind], **load)] if kind else []
+
+
 def prompt_label(wl: dict) -> str:
     """The header's prompt lengths: one P, a cycled mix ("31,32,63,33 cycled") or "file"."""
     if wl["prompts_file"]:
@@ -143,7 +170,7 @@ def _header(plan: dict, summary: dict, environment: dict) -> list[str]:
               "torch": environment.get("torch", {}).get("version"),
               "triton": environment.get("packages", {}).get("triton"),
               "python": environment.get("python", {}).get("version")}
-    return lines + [fill(line, **fields) for line in R["header"]]
+    return lines + [fill(line, **fields) for line in R["header"]] + cpu_load_lines(environment)
 
 
 def _statistics(results: list[dict]) -> list[str]:
@@ -291,7 +318,7 @@ def render_report(plan: dict, summary: dict, arms: pd.DataFrame, environment: di
     summary, arms = _as_shown(summary, arms)
     sections = {
         "header": lambda: _header(plan, summary, environment),
-        "result": lambda: ["", R["headings"]["result"], "", result_tables(summary, plan),
+        "result": lambda: ["", R["headings"]["result"], "", *noise_floor_lines(summary, plan), result_tables(summary, plan),
                            rule_text(plan, summary), ""],
         "statistics": lambda: _statistics(summary["results"]),
         "sessions": lambda: _sessions(plan, summary),

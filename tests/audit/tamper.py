@@ -58,8 +58,32 @@ def rewrite_manifest(bundle: Path) -> None:
     evidence.atomic_write_json(bundle / "manifest.json", {"schema_version": 1, **version, "files": files})
 
 
+def strip_version_15_flags(bundle: Path) -> None:
+    """What format 15 added to summary.json, environment.json and report.md taken out: ``noise_floor`` and its
+    warnings above the result tables, ``cpu_load`` and its warning under the header (a blank line before it)."""
+    edit_json(bundle / "summary.json", lambda s: s.pop("noise_floor", None))
+    edit_json(bundle / "environment.json", lambda e: e.pop("cpu_load", None))
+
+    def drop(lines):
+        out, after_warning = [], False
+        for line in lines:
+            if line.endswith("(environment.json cpu_load)."):
+                out.pop()    # the blank line before it
+            elif line.endswith("(summary.json noise_floor)."):
+                after_warning = True
+            elif not (after_warning and line == ""):    # the blank line after the last warning
+                out.append(line)
+            if not line.endswith("(summary.json noise_floor)."):
+                after_warning = False
+        return out
+    edit_report(bundle, drop)
+
+
 def passes_as_version(bundle: Path, version: int) -> None:
-    """Claim format ``version`` in the manifest (rewritten to match the files) and require the audit to pass."""
+    """Claim format ``version`` in the manifest (rewritten to match the files, what format 15 added to the documents
+    taken out below it: ``strip_version_15_flags``) and require the audit to pass."""
+    if version < 15:
+        strip_version_15_flags(bundle)
     edit_json(bundle / "manifest.json", lambda m: m.update(format_version=version))
     rewrite_manifest(bundle)
     verdict = audit(bundle)

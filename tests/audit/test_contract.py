@@ -13,7 +13,7 @@ from loopbench.audit import contract, render
 from loopbench.audit.auditor import audit
 from loopbench.harness import controller, evidence, report
 from tests.audit.tamper import (REPO, edit_json, edit_table, failed, passes_as_version, raw, rewrite_manifest,
-                                strip_version_3, strip_version_5)
+                                strip_version_15_flags, strip_version_3, strip_version_5)
 
 GPU_BUNDLE = REPO / "results" / "2026-12-01-ouro-1.4b-e4b8faf"   # a bundle whose tables have every column
 
@@ -164,6 +164,7 @@ def _as_version_1(bundle):
     evidence.unpublish(bundle)
     controller.publish(bundle, plan, children, env)
     old_sha = evidence.sha256_file(bundle / "plan.json")
+    strip_version_15_flags(bundle)
     strip_version_3(bundle)
     strip_version_5(bundle)
     edit_json(bundle / "plan.json", lambda p: ([(pt.pop("requests"), pt.pop("prompt_len"), pt.pop("output_len"))
