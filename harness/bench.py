@@ -92,7 +92,8 @@ def task(cfg) -> int:
         print(f"loopbench: {exc}", file=sys.stderr)
         _EXIT_CODES.append(1)
         return 1
-    except controller.BundleFolderError as exc:   # results_dir cannot take a bundle folder: bad usage, nothing written
+    except (controller.BundleFolderError, controller.NotSubmitted) as exc:
+        # results_dir cannot take a bundle folder, or SLURM took no job: bad usage or environment, nothing measured
         print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2

@@ -46,8 +46,8 @@ from typing import Callable, Iterator
 from omegaconf import DictConfig
 
 from . import cards, checker, conf, evidence, inputs, machine, natural, progress
-from .executors import (ChildSpec, LocalExecutor, StopSignals, SubmititExecutor, child_env, running_result,
-                        stops_at_once)
+from .executors import (ChildSpec, LocalExecutor, StopSignals, SubmissionFailed, SubmititExecutor, child_env,
+                        running_result, stops_at_once)
 from .fileio import atomic_write_json, atomic_write_text, sha256_file, try_lock
 from .inputs import Inputs, prepare_checkpoint
 from .plan import make_plan, point_entries, restart_seqs
@@ -292,8 +292,14 @@ def run_restarts(ex: ExecutorSpec, executor, bundle: Path, plan: dict, devices: 
         if (stop() and out) or any(c["state"] != "completed" for c in out):
             break
         whole = todo is None and k == 1   # a job without ``seqs`` measures its whole order (as before restarts)
-        out += run_sessions(ex, executor, bundle, active, children + out, stop, attempt,
-                            None if whole else {d["name"]: seqs[d["name"]] for d in active}, r)
+        try:
+            out += run_sessions(ex, executor, bundle, active, children + out, stop, attempt,
+                                None if whole else {d["name"]: seqs[d["name"]] for d in active}, r)
+        except SubmissionFailed as exc:
+            # the bundle holds a frozen reference (and maybe arms): published incomplete, its arms missing, resumable
+            print(f"loopbench: {exc}; publishing the bundle of what was measured, incomplete; once SLURM takes jobs, "
+                  f"resume it: resume={bundle}", file=sys.stderr, flush=True)
+            break
     return out
 
 
@@ -357,6 +363,11 @@ def audit(bundle: Path) -> int:
     with stops_at_once():
         return subprocess.run([sys.executable, "-m", "loopbench.audit", str(bundle)], env=child_env(None),
                               start_new_session=True).returncode
+
+
+class NotSubmitted(ValueError):
+    """The reference child's SLURM job could not be submitted (harness/executors.py :class:`SubmissionFailed`): no
+    child ran and nothing was measured, so the new bundle folder is removed; the message says so."""
 
 
 class BundleFolderError(ValueError):
@@ -433,7 +444,11 @@ def _run_new(spec: BenchSpec, got: Inputs, stop: StopSignals) -> RunResult:
                 print(f"loopbench: {busy}", file=sys.stderr, flush=True)
             executor = make_executor(spec, bundle, got.cache, got.devices)
         stop.before_children = False
-        points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
+        try:
+            points, children = capture_references(spec, got, prepared.checkpoint, bundle, executor, stop)
+        except SubmissionFailed as exc:   # the first child: nothing ran, so no folder is left that no resume could use
+            shutil.rmtree(bundle, ignore_errors=True)
+            raise NotSubmitted(f"{exc}; nothing was measured (removed the new bundle folder {bundle})") from None
         frozen = all("reference" in pt for pt in points)
         if stop() is not None and not frozen:
             # A resume refuses a bundle without every point's frozen reference and no arm has run, so the folder

@@ -27,6 +27,7 @@ those children, and any not started yet, are results of state ``interrupted`` wi
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import shutil
@@ -150,6 +151,13 @@ def _state(code: int | None) -> str:
     return "killed" if code is not None and code < 0 else "failed"
 
 
+class SubmissionFailed(RuntimeError):
+    """A child's job could not be submitted (``sbatch`` failed: no controller to contact, a bad partition or account;
+    or no SLURM here at all): the child never started. The message names ``executor.kind=slurm``, the child and
+    sbatch's own error, on one line. Raised, not recorded as a result: a child without a job has no state the bundle
+    format gives a SLURM child (the auditor requires its job), so the controller decides (harness/controller.py)."""
+
+
 class LocalExecutor:
     """One subprocess per job on this host, each the leader of its own process group."""
 
@@ -255,12 +263,21 @@ class SubmititExecutor:
         return ex
 
     def _submit(self, spec: ChildSpec):
-        if self.cluster != "slurm":
-            from .session import run_job
+        """The submitted job; :class:`SubmissionFailed` naming sbatch's error (submitit's FailedJobError, which it also
+        prints to stderr: kept out, as the message carries it) or submitit's own (no ``srun``: no SLURM here)."""
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                if self.cluster != "slurm":
+                    from .session import run_job
 
-            return self._executor(spec.timeout_s).submit(run_job, str(spec.job_file))
-        return self._executor(spec.timeout_s).submit(slurm.run_in_job, str(spec.job_file),
-                                                     str(self._environment_file(spec)))
+                    return self._executor(spec.timeout_s).submit(run_job, str(spec.job_file))
+                return self._executor(spec.timeout_s).submit(slurm.run_in_job, str(spec.job_file),
+                                                             str(self._environment_file(spec)))
+        except (RuntimeError, OSError) as exc:   # submitit's FailedJobError is a RuntimeError
+            why = " ".join((str(exc) or said.getvalue() or type(exc).__name__).split())
+            kind = "executor.kind=slurm" + (f" (executor.slurm.cluster={self.cluster})" if self.cluster != "slurm" else "")
+            raise SubmissionFailed(f"{kind}: the {spec.session_id} job could not be submitted: {why}") from None
 
     def _environment_file(self, spec: ChildSpec) -> Path:
         return self.folder / f"{spec.session_id}.slurm-environment.json"
@@ -270,12 +287,12 @@ class SubmititExecutor:
         stop = stop or (lambda: None)
         os.environ["PYTHONPATH"] = child_env(None)["PYTHONPATH"]   # submitit's local children inherit it
         jobs, results = [], {}
-        for spec in specs:
-            if stop():
-                results[spec.session_id] = _not_started(spec, stop())
-                continue
-            jobs.append(_Job(spec, self._submit(spec), time.monotonic()))
-        try:
+        try:   # a submission that fails cancels the jobs of this round submitted before it (SubmissionFailed)
+            for spec in specs:
+                if stop():
+                    results[spec.session_id] = _not_started(spec, stop())
+                    continue
+                jobs.append(_Job(spec, self._submit(spec), time.monotonic()))
             while len(results) < len(specs):
                 reason = stop()
                 for job in jobs:

@@ -386,6 +386,7 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
              f"{ex['threshold']}/min{ex['min_loops']}/max{ex['max_loops']}",
              f"  devices: {', '.join(d['label'] for d in got.devices)} ({_n(spec.sessions, 'session')} each, "
              f"the same order)",
+             *_executor_lines(plain["executor"]),
              f"  points: {', '.join(_point_text(p) for p in spec.points)}",
              f"  comparisons: {', '.join(c.name + (' (A/A)' if c.baseline == c.candidate else '') for c in spec.comparisons)}",
              f"  arms: {len(order)} measured runs per device = {_n(len(spec.points), 'point')} x "
@@ -404,6 +405,22 @@ def plan_text(config_name: str, overrides: list[str]) -> str:
     return "\n".join(lines + [_estimate_line(spec, order, earlier, resuming is not None), timing.line(),
                               _effect_line(spec)]
                      + _verdict_line(spec) + natural_lines(plain, spec) + describe_online(spec))
+
+
+def _executor_lines(ex: dict) -> list[str]:
+    """Where the children run, when not as local processes: SLURM jobs through sbatch (README, "On a SLURM
+    cluster"), or submitit's local / debug executor."""
+    if ex["kind"] != "slurm":
+        return []
+    sl = ex["slurm"]
+    if sl["cluster"] not in (None, "slurm"):
+        return [f"  executor: submitit's {sl['cluster']} executor (executor.kind=slurm, executor.slurm.cluster="
+                f"{sl['cluster']}): the reference capture and each session as a job on this host, no SLURM"]
+    asks = [f"{key} {sl[key]}" for key in ("partition", "account") if sl[key]] or ["the cluster's default partition"]
+    asks += [_n(sl["cpus_per_task"], "CPU") + " per task"] + ([f"{sl['mem_gb']} GB"] if sl["mem_gb"] is not None else [])
+    limit = f"{sl['time_limit_min']} min" if sl["time_limit_min"] else "each child's timeout"
+    return [f"  executor: SLURM (executor.kind=slurm): bench submits the reference capture and each session as a job "
+            f"with sbatch ({', '.join(asks)}, time limit {limit}); plan submits nothing"]
 
 
 def _point_text(pt) -> str:

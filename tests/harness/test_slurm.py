@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loopbench.audit.auditor import audit
-from loopbench.harness import conf, controller, slurm
+from loopbench.harness import conf, controller, executors, slurm
 from tests.audit.tamper import edit_json, failed, rewrite_manifest
 
 pytestmark = pytest.mark.slow      # a SLURM job each, 3-4 min together on 2 cores
@@ -104,6 +104,73 @@ def test_a_slurm_job_loads_no_dataframe_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+def _refusing_sbatch(tmp_path: Path, refuse_after: int = 0) -> dict:
+    """An environment whose ``sbatch`` (first on PATH, with an ``srun`` beside it, which submitit looks for) fails as
+    one with no controller up does, after ``refuse_after`` submissions that reach the real sbatch on PATH."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    count = tmp_path / "fake-sbatch-count"
+    real = shutil.which("sbatch") or "false"
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/sh\n"
+        f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}\n"
+        f"if [ \"$n\" -lt {refuse_after} ]; then exec {real} \"$@\"; fi\n"
+        "echo 'sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)' >&2\n"
+        "exit 1\n")
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    env.pop("LOOPBENCH_QUIET", None)
+    return env
+
+
+def test_a_refused_submission_is_one_line_and_leaves_no_folder(tmp_path):
+    """sbatch failing for the first child (no controller up, a bad partition): one line naming executor.kind=slurm
+    and sbatch's own error, exit 2 (nothing was measured), no traceback and no bundle folder left behind."""
+    out = subprocess.run([sys.executable, "-m", "loopbench", "bench", "--config-name", "cpu-smoke",
+                          *_overrides(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=600,
+                         env=_refusing_sbatch(tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and "FailedJobError" not in out.stderr
+    line = [x for x in out.stderr.splitlines() if "sbatch: error" in x]
+    assert len(line) == 1, out.stderr
+    assert line[0].startswith("loopbench: bad configuration: executor.kind=slurm: the reference job could not be "
+                              "submitted: sbatch: error: Batch job submission failed: Unable to contact slurm "
+                              "controller (connect failure); nothing was measured (removed the new bundle folder ")
+    assert not (tmp_path / "results").exists() or list((tmp_path / "results").iterdir()) == []
+
+
+def test_a_refused_session_job_publishes_an_incomplete_bundle(tmp_path, monkeypatch, capsys):
+    """Once the reference is frozen, a session whose job sbatch refuses leaves a published incomplete bundle (its arms
+    missing, the reason on stderr), which the audit reads as incomplete and a resume can measure."""
+    submit = executors.SubmititExecutor._submit
+
+    def refuse_sessions(self, spec):
+        if spec.name == "reference":
+            return submit(self, spec)
+        raise executors.SubmissionFailed(f"executor.kind=slurm: the {spec.session_id} job could not be submitted: "
+                                         "sbatch: error: invalid partition specified: gpu")
+    monkeypatch.setattr(executors.SubmititExecutor, "_submit", refuse_sessions)
+    result = controller.run(conf.compose("cpu-smoke", _overrides(tmp_path, "executor.slurm.cluster=local")))
+    assert [r["code"] for r in result.summary["incomplete_reasons"]] == ["arms_missing"]
+    assert [c["name"] for c in json.loads((result.bundle / "children.json").read_text())] == ["reference"]
+    assert audit(result.bundle)["status"] == "incomplete"
+    assert (f"loopbench: executor.kind=slurm: the slurm0 job could not be submitted: sbatch: error: invalid partition "
+            f"specified: gpu; publishing the bundle of what was measured, incomplete; once SLURM takes jobs, resume it: "
+            f"resume={result.bundle}") in capsys.readouterr().err
+
+
+def test_plan_says_that_bench_submits_to_slurm():
+    from loopbench.harness import planning
+
+    text = planning.plan_text("cpu-smoke", ["executor.kind=slurm", "executor.slurm.cpus_per_task=1",
+                                            "executor.slurm.mem_gb=null", "executor.slurm.partition=gpu"])
+    assert ("  executor: SLURM (executor.kind=slurm): bench submits the reference capture and each session as a job "
+            "with sbatch (partition gpu, 1 CPU per task, time limit each child's timeout); plan submits nothing") in text
+    assert "executor:" not in planning.plan_text("cpu-smoke", [])
 
 
 # ---------------------------------------------------------------------- on a real SLURM cluster
