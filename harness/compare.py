@@ -321,20 +321,38 @@ def show_text(bundle: Bundle) -> str:
     from .online.report import status_line
 
     s = bundle.summary
-    audit_file = bundle.path / "audit.json"
-    try:
-        audit = f"audit {read_object(audit_file).get('status', '?')}" if audit_file.is_file() else "not audited"
-    except ValueError:
-        audit = "audit unreadable (audit.json is damaged; loopbench audit writes it again)"
-    if bundle.changed_since_published:   # audit.json is the verdict on the files as published, not as they are
-        audit += (f", but its files changed since ({bundle.changed_since_published}): `loopbench audit {bundle.path}`"
-                  " checks them again")
+    audit = _audit_words(bundle)
     status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
     verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
     online = status_line(bundle.path)      # the online track's line, as bench prints it (None without a track)
     return "\n".join([f"{_identity(bundle)}; {audit}", "", report.result_tables(s, bundle.plan),
                       f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts {verdicts}",
                       *([online] if online else []), f"report: {bundle.path / 'report.md'}"])
+
+
+def _audit_words(bundle: Bundle) -> str:
+    """What ``audit.json`` says of ``bundle`` (its status; a failed audit's count of discrepancies and its first) and
+    whether the files still match the manifest. An audit checks every file against the manifest, so one that passed
+    (or found the bundle incomplete, nothing else wrong) saw no change: a change is since that audit. A failed one may
+    have seen it (audit.json holds no file hashes to tell), so its words then claim no order."""
+    audit_file = bundle.path / "audit.json"
+    try:
+        doc = read_object(audit_file) if audit_file.is_file() else None
+    except ValueError:
+        return "audit unreadable (audit.json is damaged; loopbench audit writes it again)"
+    status = None if doc is None else doc.get("status", "?")
+    words = "not audited" if doc is None else f"audit {status}"
+    found = doc.get("discrepancies") if doc is not None and isinstance(doc.get("discrepancies"), list) else []
+    if status == "fail" and found:
+        first = str(found[0])
+        first = first if len(first) <= 160 else first[:157] + "..."
+        words += f" ({len(found)} discrepanc{'y' if len(found) == 1 else 'ies'}, the first: {first})"
+    changed = bundle.changed_since_published
+    if changed and status == "fail":
+        return words + f"; its files no longer match its manifest.json ({changed})"
+    if changed:   # a pass or incomplete audit.json is the verdict on the files as published, not as they are now
+        return words + f", but its files changed since ({changed}): `loopbench audit {bundle.path}` checks them again"
+    return words
 
 
 def headline(summary: dict) -> str:

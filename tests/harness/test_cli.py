@@ -558,6 +558,25 @@ def test_show_and_compare_name_a_bundle_whose_files_changed_since_it_was_publish
     assert "but its files changed since (manifest.json is damaged)" in capsys.readouterr().out
 
 
+def test_show_of_an_edited_bundle_whose_audit_failed_names_the_audit_not_a_later_change(tmp_path, capsys):
+    """An audit run on the edited files failed: show says so and where, not that the files changed since the audit."""
+    edited = tmp_path / "edited"
+    shutil.copytree(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c", edited)
+    record = sorted((edited / "raw").glob("*/00001-*.json"))[0]
+    rel = record.relative_to(edited).as_posix()
+    record.write_text(record.read_text().replace('"seq": 1', '"seq": 1 '))
+    assert cli.main(["audit", str(edited)]) == 1
+    capsys.readouterr()
+    found = json.loads((edited / "audit.json").read_text())["discrepancies"]
+    assert cli.main(["show", str(edited)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "changed since" not in first and "checks them again" not in first, first
+    assert found[0].startswith(f"manifest: {rel} changed: sha256 "), found
+    noun = "discrepancy" if len(found) == 1 else "discrepancies"
+    assert f"; audit fail ({len(found)} {noun}, the first: manifest: {rel} changed: sha256 " in first, first
+    assert first.endswith(f"; its files no longer match its manifest.json ({rel} changed)"), first
+
+
 def test_show_all_words_an_unpublished_unaudited_bundle_once(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "b" / "plan.json")
