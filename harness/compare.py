@@ -75,6 +75,17 @@ class Bundle:
                    pd.read_parquet(path / "tables" / "arms.parquet"))
 
     @functools.cached_property
+    def format_version(self) -> int | None:
+        """The bundle format its ``manifest.json`` records (``format_version``; version 1 wrote ``layout_version``,
+        audit/FORMAT.md), None where the manifest cannot be read."""
+        try:
+            manifest = read_object(self.path / "manifest.json")
+        except (OSError, ValueError):
+            return None
+        version = manifest.get("format_version", manifest.get("layout_version", 1))
+        return version if isinstance(version, int) else None
+
+    @functools.cached_property
     def changed_since_published(self) -> str | None:
         """:func:`evidence.unlike_manifest` of the bundle, hashed once (it costs a sha256 of every file)."""
         return evidence.unlike_manifest(self.path)
@@ -325,7 +336,7 @@ def show_text(bundle: Bundle) -> str:
     status = s["status"] + (f" ({_reasons_text(s)})" if s["incomplete_reasons"] else "")   # codes or sentences
     verdicts = {True: "published", False: "barred"}.get(s.get("verdicts_published"), "not recorded")   # see withheld
     online = status_line(bundle.path)      # the online track's line, as bench prints it (None without a track)
-    return "\n".join([f"{_identity(bundle)}; {audit}", "", report.result_tables(s, bundle.plan),
+    return "\n".join([f"{_identity(bundle)}; {audit}", "", report.result_tables(s, bundle.plan, bundle.format_version),
                       f"status: {status}; checks {'passed' if s['checks']['ok'] else 'FAILED'}; verdicts {verdicts}",
                       *([online] if online else []), f"report: {bundle.path / 'report.md'}"])
 

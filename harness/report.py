@@ -58,9 +58,10 @@ def level_text(confidence: float) -> str:
     return R["level"].format(100 * confidence)
 
 
-def shown_device(label: str) -> str:
-    """A device as the report names it: "CPU", or the GPU's label ("H200 #0")."""
-    return R["device_names"].get(label, label)
+def shown_device(label: str, r: dict = R) -> str:
+    """A device as the report (``r``: the wording of a format, default the current) names it: "CPU", or the GPU's
+    label ("H200 #0")."""
+    return r["device_names"].get(label, label)
 
 
 def reason_text(reason: dict, children: list[dict] = ()) -> str:
@@ -80,39 +81,43 @@ def reasons_text(summary: dict) -> str:
     return R["reason_separator"].join(reason_text(r, children) for r in summary["incomplete_reasons"])
 
 
-def table_lines(columns: list[str], rows: list[str]) -> list[str]:
-    """A markdown table: its heading row, the ``---`` row and the rendered rows."""
-    columns = [R["column_names"].get(c, c) for c in columns]
+def table_lines(columns: list[str], rows: list[str], r: dict = R) -> list[str]:
+    """A markdown table: its heading row (the column names of ``r``'s wording), the ``---`` row and the rendered
+    rows."""
+    columns = [r["column_names"].get(c, c) for c in columns]
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
 
 
-def ci_text(ci: list | None) -> str:
-    return R["ci"].format(*ci) if ci else f"[{WORDS['na']}]"
+def ci_text(ci: list | None, r: dict = R) -> str:
+    return r["ci"].format(*ci) if ci else f"[{r['words']['na']}]"
 
 
-def table_row(res: dict, workload: str) -> str:
+def table_row(res: dict, workload: str, r: dict = R) -> str:
     """One seed-style row (device, B / C, P / D ``workload``, tokens/s of each arm, speedup [CI], change,
-    verdict)."""
+    verdict), in ``r``'s wording."""
     st = res["stats"]
-    verdict = res["verdict"] if res["verdict"] is not None else WORDS["no_verdict"]
-    return R["result"]["row"].format(workload=workload, **{
-        **res, "device": shown_device(res["device"]), "speedup": st["speedup"], "ci": ci_text(st["ci"]),
+    verdict = res["verdict"] if res["verdict"] is not None else r["words"]["no_verdict"]
+    return r["result"]["row"].format(workload=workload, **{
+        **res, "device": shown_device(res["device"], r), "speedup": st["speedup"], "ci": ci_text(st["ci"], r),
         "change_pct": 100 * (st["speedup"] - 1), "verdict": verdict})
 
 
-def result_tables(summary: dict, plan: dict) -> str:
+def result_tables(summary: dict, plan: dict, version: int | None = None) -> str:
     """The seed's table, one per comparison (device, B / C, P / D of the ``plan``'s point, tokens/s of each
-    arm, speedup [CI], change), as the current format words it."""
-    spec, out = R["result"], []
+    arm, speedup [CI], change), as format ``version`` words it: by default the current format, which the harness
+    writes; ``loopbench show`` passes a bundle's own, whose report.md says it so."""
+    r = R if version is None else wording(FORMAT["report"], version)
+    spec, out = r["result"], []
     columns = spec["columns"]
     comps: dict[str, list[dict]] = {}
     for res in summary["results"]:
         comps.setdefault(res["comparison"], []).append(res)
     for comp, rows in comps.items():
-        b, c, level = rows[0]["baseline"], rows[0]["candidate"], level_text(rows[0]["stats"]["confidence"])
-        out += [spec["subheading"].format(comparison=comp, aa=WORDS["aa"] if b == c else ""), ""]
+        b, c = rows[0]["baseline"], rows[0]["candidate"]
+        level = r["level"].format(100 * rows[0]["stats"]["confidence"])
+        out += [spec["subheading"].format(comparison=comp, aa=r["words"]["aa"] if b == c else ""), ""]
         out += table_lines([h.format(baseline=b, candidate=c, level=level) for h in columns],
-                           [table_row(r, report_sections.workload_label(plan, r["point"])) for r in rows])
+                           [table_row(x, report_sections.workload_label(plan, x["point"]), r) for x in rows], r)
         out.append("")
     return "\n".join(out)
 

@@ -577,6 +577,23 @@ def test_show_of_an_edited_bundle_whose_audit_failed_names_the_audit_not_a_later
     assert first.endswith(f"; its files no longer match its manifest.json ({rel} changed)"), first
 
 
+def test_show_words_each_committed_bundle_as_its_own_report_does(capsys):
+    """An old bundle keeps its own wording (format 6: GPU, native tokens/s, Throughput change): show's result tables
+    are its report.md's, line for line, for every committed bundle."""
+    bundles = sorted(p for p in (REPO / "results").glob("2026-*") if (p / "manifest.json").is_file())
+    assert any(p.name == "2026-12-01-ouro-1.4b-natural-b0940b1" for p in bundles)
+    for bundle in bundles:
+        assert cli.main(["show", str(bundle)]) == 0, bundle
+        out = capsys.readouterr().out.splitlines()
+        tables = [line for line in out[out.index("") + 1:] if line.startswith(("### ", "|"))]
+        report = (bundle / "report.md").read_text().splitlines()
+        assert tables and all(line in report for line in tables), (bundle.name, [x for x in tables if x not in report])
+    natural = next(p for p in bundles if p.name == "2026-12-01-ouro-1.4b-natural-b0940b1")
+    cli.main(["show", str(natural)])
+    assert "| GPU | B / C | P / D | native tokens/s | alias_prefix tokens/s | Paired speedup [95% CI] | Throughput " \
+           "change | Verdict |" in capsys.readouterr().out
+
+
 def test_show_all_words_an_unpublished_unaudited_bundle_once(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     shutil.copy(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c" / "plan.json", tmp_path / "b" / "plan.json")
