@@ -32,7 +32,7 @@ import json
 import os
 from pathlib import Path
 
-from . import cards, evidence, identity, inputs, machine, superseded
+from . import cards, evidence, identity, inputs, machine, progress, superseded
 from .controller import (RunResult, make_cache, make_executor, prepare_checkpoint, publish, published, run_restarts,
                          unless_stopped, write_children)
 from .executors import StopSignals
@@ -434,19 +434,19 @@ def resume(spec: BenchSpec) -> RunResult:
             current = {c["name"]: c for c in children}
             devices = [d for d in plan["devices"] if todo[d["name"]] or current.get(d["name"], {}).get("state") != "completed"]
             evidence.unpublish(bundle)
+            # progress lines, on stderr like every other (README; --quiet silences them): stdout is the result's
             for src, dst in check.superseded:
-                print(f"loopbench: keeping {src.relative_to(bundle)} as {dst.relative_to(bundle)} (its pair's other "
-                      "arm was not recorded; the resume measures the pair again, and this run stays out of every "
-                      "figure)", flush=True)
+                progress.say("resume", f"keeping {src.relative_to(bundle)} as {dst.relative_to(bundle)} (its pair's "
+                             "other arm was not recorded; the resume measures the pair again, and this run stays out "
+                             "of every figure)")
             superseded.set_aside(list(check.superseded))
             attempt = 1 + max((c.get("attempt", 0) for c in children), default=0)
             online = (f"; {check.online_left} of the online track's {check.online_planned} runs to run"
                       if check.online_planned else "")
-            print(f"loopbench: resuming {bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, "
-                  f"{check.left} to measure{online}", flush=True)
+            progress.say("resume", f"{bundle} (run {attempt}): {check.kept} of {check.planned} arms kept, "
+                         f"{check.left} to measure{online}")
             for limit in check.limits:
-                print(f"loopbench: this resume's children run under {limit}; a limit changes no measurement",
-                      flush=True)
+                progress.say("resume", f"this resume's children run under {limit}; a limit changes no measurement")
             write_children(bundle, children)
             if devices:
                 executor = make_executor(ours, bundle, got.cache, devices)

@@ -774,11 +774,16 @@ def test_a_resume_runs_its_sessions_under_its_own_timeouts(stopped, dirs, tmp_pa
         return []
     monkeypatch.setattr(resume, "run_restarts", no_sessions)
     planned = (bundle / "plan.json").read_bytes()
+    monkeypatch.delenv("LOOPBENCH_QUIET", raising=False)
+    capsys.readouterr()
     _resume(dirs, bundle, *limits)
     assert seen == [(1234.0, 99.0, 7.0)]
     assert (bundle / "plan.json").read_bytes() == planned
-    assert "this resume's children run under executor.session_timeout_s = 1234.0 (the plan's 900.0); a limit " \
-           "changes no measurement" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # progress lines, on stderr as every other loopbench: progress line (they were on stdout)
+    assert "loopbench: resume: this resume's children run under executor.session_timeout_s = 1234.0 (the plan's " \
+           "900.0); a limit changes no measurement" in err, err
+    assert f"loopbench: resume: {bundle} (run 1): " in err and "loopbench: resum" not in out, out
 
 
 def test_resume_refuses_a_bundle_in_use_and_a_folder_without_plan(stopped, dirs, tmp_path, plan):
