@@ -259,8 +259,8 @@ def multiplicity_note(shown: int, level: float) -> str:
     if shown == 1:
         return f"1 interval shown, a {level_text(level)} interval"
     return (fill("{shown:interval|intervals} shown, each a {level} interval on its own with no multiplicity "
-                 "correction: with no real change anywhere, about {chance:.1f} of them would exclude no change (0%) by chance alone "
-                 "(--confidence {family} makes them a Bonferroni family at {level})",
+                 "correction: with no real change anywhere, the expected number of them that exclude no change (0%) by "
+                 "chance alone is {chance:.1f} (--confidence {family} makes them a Bonferroni family at {level})",
                  shown=shown, level=level_text(level), chance=shown * alpha, family=_at_least(1 - alpha / shown)))
 
 
@@ -298,6 +298,11 @@ def compare_text(a: Bundle, b: Bundle, confidence: float | None = None) -> tuple
 
     level = confidence if confidence is not None else a.plan["config"]["verdict"]["confidence"]
     rows = compare_rows(a, b, level)
+    if not rows:   # an empty table would read as a comparison; the command's status says none was made
+        counts = ", ".join(f"{who} {len(bundle.arms)} measured run{'s' * (len(bundle.arms) != 1)}"
+                           for who, bundle in (("A", a), ("B", b)))
+        return "\n".join(head + [f"nothing to compare: no point and arm has measured runs in both bundles ({counts})"]
+                          ), False
     head += [f"warning: {who} {why}; its rows read withheld, not faster or slower"
              for who, bundle in (("A", a), ("B", b)) for _, why in withheld(bundle)]
     lines = head + ["", f"tokens/s: median over each arm's measured runs; change = B / A - 1 with a {level_text(level)} "

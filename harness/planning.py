@@ -310,9 +310,7 @@ def session_timing(spec, earlier: compare.Bundle | None, order: list | None = No
                          spec.resume is not None)
 
 
-def _n(count: int, noun: str) -> str:
-    """"1 point", "2 points"."""
-    return f"{count} {noun}{'s' * (count != 1)}"
+_n = progress.counted   # "1 point", "2 points"
 
 
 def _order_lines(spec, order) -> list[str]:
@@ -485,6 +483,10 @@ def _estimate_line(spec, order, earlier: compare.Bundle | None, resuming: bool =
                 f"{results}; one run gives the figures)")
     restarts = len({restart_of(item.pair, spec.pairs) for item in order}) or 1   # each a fresh process
     ref_s, sessions_s = estimate_s(earlier, order, restarts)
+    if resuming and not order:   # only sessions that measure no arm (the online runs left, or children to complete)
+        return (f"  estimated duration: about {progress.duration(sessions_s)} for a session with no arms left to "
+                f"measure (one session's cost beyond its arms in {earlier.path.name}: model load, engine builds and "
+                "whatever it ran besides, such as the online track's runs), plus set-up and audit")
     if resuming:   # the bundle's references are frozen: no capture
         return (f"  estimated duration: about {progress.duration(sessions_s)} of measuring the arms left, plus "
                 f"set-up and audit; from {earlier.path.name}")

@@ -23,6 +23,11 @@ def say(phase: str, what: str) -> None:
         print(f"loopbench: {phase}: {what}", file=sys.stderr, flush=True)
 
 
+def counted(count: int, noun: str) -> str:
+    """"1 point", "2 points": a count with its noun in its number (a noun whose plural is not noun + s: write both)."""
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
 def mib(n_bytes: int) -> str:
     """``n_bytes`` as MiB with one decimal ("12.3 MiB")."""
     return f"{n_bytes / 2**20:,.1f} MiB"

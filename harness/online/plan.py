@@ -9,7 +9,7 @@ baseline arm (closed loop at concurrency B), then per rate, ``pairs`` pairs whos
 """
 from __future__ import annotations
 
-from .. import stats, workloads
+from .. import progress, stats, workloads
 from ..spec import BenchSpec
 from . import loadgen, metrics
 
@@ -68,6 +68,6 @@ def describe(spec: BenchSpec) -> list[str]:
            else f"{metrics.SLO_FACTOR} x the calibration run's p99 TTFT and TPOT")
     runs = 1 + 2 * on.pairs * len(on.rates)
     return [f"  online: {runs} server runs on the first device after its arms: a {on.baseline} calibration run "
-            f"(closed loop at B), then {on.baseline} vs {on.candidate}, {on.pairs} balanced pair(s) at each of "
+            f"(closed loop at B), then {on.baseline} vs {on.candidate}, {progress.counted(on.pairs, 'balanced pair')} at each of "
             f"{', '.join(f'{r:g}' for r in on.rates)} x capacity on a Poisson trace of {on.num_requests} requests "
             f"of point {on.point} (seed {on.trace_seed}); SLO {slo}"]

@@ -82,7 +82,7 @@ def status_line(bundle: Path) -> str | None:
     ch = s["checks"]
     first = ch["mismatches"][0] if ch["mismatches"] else None
     tokens = ("served tokens equal the frozen reference" if ch["ok"] else
-              f"served tokens DIFFER from the frozen reference in {len(ch['mismatches'])} run(s), first run "
+              f"served tokens DIFFER from the frozen reference in {len(ch['mismatches'])} run{'s' * (len(ch['mismatches']) != 1)}, first run "
               f"{first['seq']} request {first['request_index']} token {first['position']}")
     return (f"online: {s['status']}, {s['runs_recorded']} of {s['runs_planned']} runs, capacity "
             f"{_num(s['capacity_rps'])} requests/s; {tokens}; {ch['requests_failed']} failed requests")

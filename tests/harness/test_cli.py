@@ -855,3 +855,17 @@ def test_a_stop_while_finish_publishes_says_to_run_finish_again(tmp_path, monkey
     assert out == "" and err.strip().splitlines() == [
         f"loopbench finish: interrupted before {bundle} was published; nothing measured was lost: run "
         f"`loopbench finish {bundle}` again"], err
+
+
+def test_plan_words_counts_in_their_number_and_says_what_a_resume_estimate_is_for():
+    """'1 balanced pair(s)' in the online line; a resume with no arms left estimated 'measuring the arms left'."""
+    from loopbench.harness import compare, planning
+
+    assert ", 1 balanced pair at each of " in planning.plan_text("cpu-online", ["online.pairs=1"])
+    assert ", 2 balanced pairs at each of " in planning.plan_text("cpu-online", ["online.pairs=2"])
+    spec = conf.validate(conf.compose("cpu-smoke", []))
+    earlier = compare.Bundle.load(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c")
+    line = planning._estimate_line(spec, [], earlier, resuming=True)
+    assert "arms left, plus" not in line and " for a session with no arms left to measure (one session's cost beyond " \
+        "its arms in 2026-12-01-cpu-smoke-0b0b425c: model load, engine builds and whatever it ran besides, such as the " \
+        "online track's runs), plus set-up and audit" in line, line

@@ -1,5 +1,6 @@
 """harness/compare.py: the unpaired change between two bundles, its interval, and what makes them comparable."""
 import copy
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -130,12 +131,29 @@ def test_the_line_after_the_table_counts_the_intervals_and_says_they_are_uncorre
     last_row = max(i for i, line in enumerate(lines) if line.startswith("| ") and "---" not in line)
     assert lines[last_row + 1] == ""
     assert lines[last_row + 2] == ("6 intervals shown, each a 95% interval on its own with no multiplicity correction: "
-                                   "with no real change anywhere, about 0.3 of them would exclude no change (0%) by "
-                                   "chance alone "
+                                   "with no real change anywhere, the expected number of them that exclude no change "
+                                   "(0%) by chance alone is 0.3 "
                                    "(--confidence 0.9917 makes them a Bonferroni family at 95%)")
     assert compare.multiplicity_note(1, 0.9) == "1 interval shown, a 90% interval"
     assert "20 intervals shown, each a 90% interval" in compare.multiplicity_note(20, 0.9)
-    assert "about 2.0 of them" in compare.multiplicity_note(20, 0.9)
+    assert "the expected number of them that exclude no change (0%) by chance alone is 2.0 " in \
+        compare.multiplicity_note(20, 0.9)
+
+
+def test_a_bundle_with_no_measured_arm_leaves_nothing_to_compare(tmp_path, capsys):
+    """An empty table read as a comparison (exit 0): now one line says there is nothing to compare, exit 1."""
+    from loopbench.harness import cli
+
+    full = RESULTS / "2026-12-01-cpu-smoke-0b0b425c"
+    empty = tmp_path / "empty"
+    shutil.copytree(full, empty)
+    arms = pd.read_parquet(empty / "tables" / "arms.parquet")
+    arms.iloc[:0].to_parquet(empty / "tables" / "arms.parquet")
+    assert cli.main(["compare", str(full), str(empty)]) == 1
+    out = capsys.readouterr().out
+    assert f"nothing to compare: no point and arm has measured runs in both bundles (A {len(arms)} measured runs, B 0 " \
+           "measured runs)" in out, out
+    assert "| B / C |" not in out
 
 
 def test_the_interval_takes_a_seed_on_every_scipy_the_project_allows(monkeypatch):
