@@ -102,7 +102,8 @@ def task(cfg) -> int:
         _EXIT_CODES.append(1)
         return 1
     except ResumeRefused as exc:   # resume= names a bundle that cannot be resumed so: bad usage, bundle unchanged
-        print(f"loopbench: bad configuration: {exc}", file=sys.stderr)
+        where = f" in sweep job {job[0] + 1} of {job[1]}" if (job := _sweep_job()) is not None else ""
+        print(f"loopbench: bad configuration{where}: {exc}", file=sys.stderr)
         _EXIT_CODES.append(2)
         return 2
     except controller.Interrupted as exc:   # stopped before any arm was measured: one line, nothing left behind

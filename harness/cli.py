@@ -208,7 +208,14 @@ def _plan(args) -> int:
     name = _preset(args.config_name)
     try:
         jobs = planning.check_sweep(name, args.overrides) if args.multirun else [args.overrides]
-        texts = [planning.plan_text(name, job) for job in jobs]
+        texts = []
+        for i, job in enumerate(jobs):
+            try:
+                texts.append(planning.plan_text(name, job))
+            except planning.CONFIG_ERRORS as exc:   # a refused resume= names the job too, as check_sweep's refusals
+                if not args.multirun:
+                    raise
+                raise planning.SweepError(planning.job_name(i, jobs), exc) from exc
         if args.multirun:   # which job each plan is, as a refusal names it
             texts = [f"sweep job {job}:\n{text}" if (job := planning.job_name(i, jobs)) else text
                      for i, text in enumerate(texts)]

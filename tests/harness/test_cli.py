@@ -869,3 +869,14 @@ def test_plan_words_counts_in_their_number_and_says_what_a_resume_estimate_is_fo
     assert "arms left, plus" not in line and " for a session with no arms left to measure (one session's cost beyond " \
         "its arms in 2026-12-01-cpu-smoke-0b0b425c: model load, engine builds and whatever it ran besides, such as the " \
         "online track's runs), plus set-up and audit" in line, line
+
+
+def test_a_refused_resume_in_a_sweep_names_the_job(tmp_path, capsys):
+    """plan -m resume=...: the refusal said 'cannot resume ...' without the job, where the sweep's other refusals say
+    'in sweep job N of M (...)'."""
+    bundle = tmp_path / "b"
+    shutil.copytree(REPO / "results" / "2026-12-01-cpu-smoke-0b0b425c", bundle)
+    assert cli.main(["plan", "--config-name", "cpu-smoke", "-m", "order_seed=0,1", f"resume={bundle}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loopbench: bad configuration in sweep job 1 of 2 (order_seed=0): resume = "), err
+    assert "a complete bundle cannot be resumed" in err, err
