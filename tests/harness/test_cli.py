@@ -880,3 +880,14 @@ def test_a_refused_resume_in_a_sweep_names_the_job(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("loopbench: bad configuration in sweep job 1 of 2 (order_seed=0): resume = "), err
     assert "a complete bundle cannot be resumed" in err, err
+
+
+def test_a_sweep_prints_no_hydra_log_lines(tmp_path):
+    """'[...][HYDRA] Launching 2 jobs locally' and '#1 : pairs=4 ...' reached stdout: the presets set
+    hydra/hydra_logging to none, so only loopbench's own lines appear. Each job fails at once (/proc takes no folder),
+    after Hydra launched both."""
+    run = loopbench(tmp_path, "bench", "--config-name", "cpu-smoke", "-m", "pairs=3,4", "results_dir=/proc/lb",
+                    f"cache_dir={tmp_path / 'cache'}")
+    assert run.returncode == 2, run.stderr
+    assert "loopbench: sweep: job 2 of 2" in run.stderr, run.stderr    # Hydra ran both jobs
+    assert "HYDRA" not in run.stdout + run.stderr and "#1 : " not in run.stdout, run.stdout
